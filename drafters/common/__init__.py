@@ -1,0 +1,1 @@
+"""Neutral pieces shared by every drafter family (layers, masks, losses, vocab maps, metrics)."""

@@ -1,0 +1,58 @@
+"""Pad feature-store samples into a right-padded training batch.
+
+Input: a list of samples, each a dict from the feature store, e.g.
+    input_ids [T_i] int, loss_mask [T_i] uint8/bool, aux_hidden [T_i, k*H], last_hidden [T_i, H],
+    plus optional per-sample scalars (global_step, policy_version: 0-dim tensors).
+Output (B = number of samples, T = max T_i, rounded up to `pad_to_multiple_of`):
+    every per-token field [B, T, ...] (same dtype; padding = `PAD_VALUES[name]` or 0),
+    every scalar field [B], plus
+    attention_mask bool [B, T] (True on real tokens) and lengths int64 [B].
+
+Worked example: lengths 3 and 1 -> attention_mask [[1, 1, 1], [1, 0, 0]]; the loss mask of the
+padding is 0, so padded rows never carry loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+PAD_VALUES: dict[str, int] = {"input_ids": 0, "loss_mask": 0}
+RESERVED = ("attention_mask", "lengths")
+
+
+def collate(samples: Sequence[Mapping[str, Tensor]], pad_to_multiple_of: int = 1,
+            length_field: str = "input_ids") -> dict[str, Tensor]:
+    if not samples:
+        raise ValueError("collate: got an empty list of samples")
+    keys = list(samples[0])
+    if length_field not in keys:
+        raise ValueError(f"collate: samples have no {length_field!r} field (fields: {keys})")
+    for i, s in enumerate(samples):
+        if set(s) != set(keys):
+            raise ValueError(f"collate: sample {i} has fields {sorted(s)}, sample 0 has {sorted(keys)}")
+        for r in RESERVED:
+            if r in s:
+                raise ValueError(f"collate: sample {i} already has the reserved field {r!r}")
+    lengths = torch.tensor([int(s[length_field].shape[0]) for s in samples], dtype=torch.int64)
+    max_len = int(lengths.max())
+    max_len = -(-max_len // pad_to_multiple_of) * pad_to_multiple_of
+    batch: dict[str, Tensor] = {}
+    for key in keys:
+        first = samples[0][key]
+        if first.dim() == 0:
+            batch[key] = torch.stack([s[key] for s in samples])
+            continue
+        out = first.new_full((len(samples), max_len, *first.shape[1:]), PAD_VALUES.get(key, 0))
+        for i, s in enumerate(samples):
+            t = s[key]
+            if t.shape[0] != lengths[i] or t.shape[1:] != first.shape[1:] or t.dtype != first.dtype:
+                raise ValueError(f"collate: sample {i} field {key!r} is {tuple(t.shape)} {t.dtype}, expected "
+                                 f"({int(lengths[i])}, {', '.join(map(str, first.shape[1:]))}) {first.dtype}")
+            out[i, : t.shape[0]] = t
+        batch[key] = out
+    batch["attention_mask"] = torch.arange(max_len)[None, :] < lengths[:, None]
+    batch["lengths"] = lengths
+    return batch

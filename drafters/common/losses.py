@@ -1,0 +1,71 @@
+"""Masked loss pieces returned as (numerator, denominator) sums, and `ObjectiveOutput`.
+
+Why sums: the loss of a global batch is `sum_s w_s * sum(num_s) / sum(den_s)`, with the
+denominator sums taken over every micro-batch and rank. A family returns per-term sums; the
+trainer all-reduces the denominators, so 1 and N processes give the same loss for the same
+global batch (docs/internals.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class ObjectiveOutput:
+    """One micro-batch's loss terms; S = number of loss terms (EAGLE-3: one per TTT step).
+
+    numerators:   [S] float, differentiable: sum over masked rows of the per-row loss
+    denominators: [S] float, no grad: how many (or how much weight of) rows each numerator sums
+    weights:      [S] float, no grad: w_s in the total
+    metrics:      name -> (sum, count) scalar tensors, no grad; report sum / count after
+                  all-reducing both over micro-batches and ranks.
+    """
+
+    numerators: Tensor
+    denominators: Tensor
+    weights: Tensor
+    metrics: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)
+
+    def loss(self, denominators: Tensor | None = None) -> Tensor:
+        """sum_s w_s * num_s / den_s, with `denominators` the global ones when given (default: this
+        micro-batch's). A term whose denominator is 0 contributes 0."""
+        den = self.denominators if denominators is None else denominators
+        den = den.to(self.numerators)
+        safe = torch.where(den > 0, den, torch.ones_like(den))
+        per_term = torch.where(den > 0, self.numerators / safe, torch.zeros_like(self.numerators))
+        return (self.weights.to(per_term) * per_term).sum()
+
+    def metric_values(self) -> dict[str, float]:
+        """Local sum / count per metric (NaN when count is 0)."""
+        return {k: (float(s) / float(c)) if float(c) > 0 else float("nan") for k, (s, c) in self.metrics.items()}
+
+
+def geometric_weights(num_terms: int, decay: float) -> Tensor:
+    """[decay^0, decay^1, ..., decay^(S-1)], float32 [S] (EAGLE-3: decay 0.8)."""
+    if num_terms < 1:
+        raise ValueError(f"num_terms: got {num_terms}, expected >= 1")
+    return decay ** torch.arange(num_terms, dtype=torch.float32)
+
+
+def soft_cross_entropy(target_probs: Tensor, draft_logits: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """sum over rows of mask * (-sum_v p_v * log_softmax(draft_logits)_v), and sum(mask).
+
+    target_probs [..., V] (rows sum to 1, no grad), draft_logits [..., V], mask [...] (0/1 or
+    bool). Returns (numerator scalar, denominator scalar float).
+    """
+    if target_probs.shape != draft_logits.shape:
+        raise ValueError(f"target_probs {tuple(target_probs.shape)} vs draft_logits {tuple(draft_logits.shape)}")
+    logp = torch.log_softmax(draft_logits.float(), dim=-1)
+    per_row = -(target_probs.float() * logp).sum(-1)  # [...]
+    m = mask.to(per_row.dtype)
+    return (per_row * m).sum(), m.sum().detach()
+
+
+def masked_match_count(pred: Tensor, target: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(number of masked rows with pred == target, number of masked rows); pred/target/mask [...]."""
+    m = mask.to(torch.bool)
+    return ((pred == target) & m).sum().float(), m.sum().float()

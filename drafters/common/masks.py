@@ -1,0 +1,107 @@
+"""Attention masks as mask functions (one definition serves SDPA and flex attention) and the
+left shift used by every training-time alignment.
+
+A mask function `mask_mod(b, h, q_idx, kv_idx) -> bool` follows flex attention's `mask_mod`
+signature. `AttentionMask.dense()` evaluates it by broadcasting into a dense `[B, 1, Tq, Tk]`
+bool tensor for SDPA; `drafters.common.attention` builds a flex `BlockMask` from the same function.
+
+EAGLE-3 training-time test (TTT) mask
+-------------------------------------
+At TTT step j the keys are the concatenation of the keys computed at steps 0..j, each `T` long:
+key index `kv = i * T + s` is step i, sequence position s. Query row t (step j) may see
+
+- step-0 keys at positions s <= t (causal) whose position is real (not padding), and
+- the step-i keys (1 <= i <= j) at the same position s == t (a diagonal per step).
+
+Worked example, T = 4, step j = 2 (12 keys), every position real; 1 = may attend::
+
+            step-0 keys   step-1 keys   step-2 keys
+    row 0:   1 0 0 0       1 0 0 0       1 0 0 0
+    row 1:   1 1 0 0       0 1 0 0       0 1 0 0
+    row 2:   1 1 1 0       0 0 1 0       0 0 1 0
+    row 3:   1 1 1 1       0 0 0 1       0 0 0 1
+
+Padding: `key_valid [B, T]` marks real positions. A padded step-0 key is hidden from every
+other query; every query keeps its own position (the diagonal of each block), so a padded query
+row (it carries no loss) is never empty (no NaN). With key_valid = [1, 1, 0, 0] the step-0
+blocks of rows 2 and 3 above become `1 1 1 0` and `1 1 0 1`; real rows are unchanged under right
+padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass
+class AttentionMask:
+    """A mask function plus the sizes it is evaluated at: batch B, query length Tq, key length Tk."""
+
+    mask_mod: MaskMod
+    batch: int
+    q_len: int
+    kv_len: int
+
+    def dense(self, device: torch.device | str = "cpu") -> Tensor:
+        """Evaluate the mask function by broadcasting: bool [B, 1, Tq, Tk]."""
+        b = torch.arange(self.batch, device=device).view(-1, 1, 1, 1)
+        h = torch.zeros(1, device=device, dtype=torch.long).view(1, 1, 1, 1)
+        q = torch.arange(self.q_len, device=device).view(1, 1, -1, 1)
+        kv = torch.arange(self.kv_len, device=device).view(1, 1, 1, -1)
+        out = self.mask_mod(b, h, q, kv)
+        return out.expand(self.batch, 1, self.q_len, self.kv_len).to(torch.bool)
+
+
+def ttt_mask_mod(key_valid: Tensor) -> MaskMod:
+    """TTT mask function for keys laid out step-major (kv = step * T + s); key_valid: bool [B, T]."""
+    seq_len = key_valid.shape[1]
+    valid = key_valid.to(torch.bool)
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        step = kv_idx // seq_len
+        pos = kv_idx % seq_len
+        causal_step0 = (step == 0) & (pos <= q_idx) & valid[b, pos]
+        return causal_step0 | (pos == q_idx)
+
+    return mask_mod
+
+
+def ttt_attention_mask(key_valid: Tensor, step: int) -> AttentionMask:
+    """Mask for TTT step `step` (0-based): queries [B, T] against (step + 1) * T keys.
+
+    Step 0 is the ordinary causal mask with padded keys hidden.
+    """
+    if step < 0:
+        raise ValueError(f"step: got {step}, expected >= 0")
+    batch, seq_len = key_valid.shape
+    return AttentionMask(ttt_mask_mod(key_valid), batch, seq_len, (step + 1) * seq_len)
+
+
+def ttt_position_ids(position_ids: Tensor, step: int) -> Tensor:
+    """RoPE positions at TTT step j are the step-0 positions + j ([B, T] -> [B, T]).
+
+    Row t at step j stands for the token j places after the step-0 row t, as in inference where
+    draft step j sits at position n + j (SafeAILab `position_ids + lck`).
+    """
+    return position_ids + step
+
+
+def shift_left(x: Tensor, n: int, fill: float | int | bool = 0) -> Tensor:
+    """Shift along dim 1 (the sequence) by n places to the left, filling the last n with `fill`.
+
+    Worked example: shift_left([[a, b, c, d]], 1) = [[b, c, d, 0]]; n = 0 returns x unchanged.
+    """
+    if n < 0:
+        raise ValueError(f"n: got {n}, expected >= 0")
+    if n == 0:
+        return x
+    tail = torch.full_like(x[:, :n], fill) if n <= x.shape[1] else torch.full_like(x, fill)
+    if n >= x.shape[1]:
+        return tail
+    return torch.cat([x[:, n:], tail], dim=1)

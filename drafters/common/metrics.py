@@ -1,0 +1,82 @@
+"""Acceptance metrics in vLLM's convention (v1/spec_decode/metrics.py), and the training-time
+simulation of acceptance length from TTT step predictions.
+
+vLLM counters: num_drafts (verification rounds), num_draft_tokens (draft tokens proposed),
+num_accepted_tokens, num_accepted_tokens_per_pos[i] (rounds whose draft token i was accepted).
+
+- mean acceptance length = 1 + num_accepted / num_drafts (the bonus / recovered token counts)
+- per-position acceptance rate i = accepted_per_pos[i] / num_drafts
+- draft acceptance rate = num_accepted / num_draft_tokens
+
+Worked example: 2 rounds with k = 3; round 1 accepts 3 (all), round 2 accepts 1 ->
+accepted 4, per_pos [2, 1, 1], mean acceptance length 1 + 4/2 = 3.0, rate 4/6.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class AcceptanceStats:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        """One verification round: `num_proposed` draft tokens, the first `num_accepted` accepted."""
+        if not 0 <= num_accepted <= num_proposed:
+            raise ValueError(f"num_accepted: got {num_accepted}, expected 0..{num_proposed}")
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted += num_accepted
+        if len(self.accepted_per_pos) < num_proposed:
+            self.accepted_per_pos.extend([0] * (num_proposed - len(self.accepted_per_pos)))
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    def merge(self, other: AcceptanceStats) -> AcceptanceStats:
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        pad = [0] * n
+        per_pos = [a + b for a, b in zip((self.accepted_per_pos + pad)[:n], (other.accepted_per_pos + pad)[:n])]
+        return AcceptanceStats(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
+                               self.num_accepted + other.num_accepted, per_pos)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted / self.num_drafts if self.num_drafts else float("nan")
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / self.num_drafts for a in self.accepted_per_pos] if self.num_drafts else []
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_draft_tokens if self.num_draft_tokens else float("nan")
+
+
+def simulated_acceptance_length(step_correct: Tensor, step_valid: Tensor,
+                                num_speculative_tokens: int | None = None) -> tuple[Tensor, Tensor]:
+    """Training-time estimate of vLLM's mean acceptance length from TTT predictions.
+
+    step_correct, step_valid: bool [S, ...]: at TTT step j and row r, whether the draft argmax
+    equals the target argmax, and whether that (step, row) is a real, loss-bearing prediction.
+    A row counts if step 0 is valid; its length is 1 + the number of leading steps that are valid
+    and correct, with at most `num_speculative_tokens` (default S) steps.
+    Returns (sum of lengths, number of rows), float scalars, so ranks can all-reduce both.
+
+    Worked example, S = 3, 3 rows, all valid, step_correct = [[1,1,0],[1,0,1],[1,1,1]] (row r is
+    column r: r0 = (1,1,1), r1 = (1,0,1), r2 = (0,1,1)) -> leading runs 3, 1, 0 -> lengths 4, 2, 1
+    -> returns (7, 3).
+    """
+    if step_correct.shape != step_valid.shape:
+        raise ValueError(f"step_correct {tuple(step_correct.shape)} vs step_valid {tuple(step_valid.shape)}")
+    k = step_correct.shape[0] if num_speculative_tokens is None else min(num_speculative_tokens, step_correct.shape[0])
+    ok = (step_correct.to(torch.bool) & step_valid.to(torch.bool))[:k]
+    leading = torch.cumprod(ok.to(torch.int64), dim=0).sum(0)  # [...]
+    rows = step_valid[0].to(torch.bool)
+    return (1 + leading[rows]).sum().float(), rows.sum().float()

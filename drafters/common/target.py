@@ -1,0 +1,146 @@
+"""The frozen target pieces a drafter needs, read from an HF model directory without transformers.
+
+- `TargetSpec`: sizes from `config.json` (text decoders; a nested `text_config` is followed).
+- `TargetHead`: frozen `embed_tokens [V, H]`, `lm_head [V, H]`, `final_norm [H]`, loaded from
+  `model.safetensors` or a sharded `model.safetensors.index.json`. A checkpoint without
+  `lm_head.weight` is accepted only when the config ties the embeddings (or says nothing).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import Tensor
+
+EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
+               "language_model.model.embed_tokens.weight", "transformer.wte.weight")
+LM_HEAD_NAMES = ("lm_head.weight", "language_model.lm_head.weight")
+NORM_NAMES = ("model.norm.weight", "model.language_model.norm.weight",
+              "language_model.model.norm.weight", "transformer.ln_f.weight")
+
+
+class TargetLoadError(ValueError):
+    """An HF target directory is missing something a drafter needs."""
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    model_type: str
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, config: dict[str, Any]) -> TargetSpec:
+        """Sizes from a parsed HF `config.json` dict (its `text_config` when nested)."""
+        cfg = config.get("text_config") or config
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+            if key not in cfg:
+                raise TargetLoadError(f"config.json: missing {key!r} (found keys {sorted(cfg)})")
+        heads = int(cfg["num_attention_heads"])
+        rope_params = cfg.get("rope_parameters") or {}
+        theta = cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        tie = cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+        return cls(
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+            intermediate_size=int(cfg.get("intermediate_size", 4 * int(cfg["hidden_size"]))),
+            rope_theta=float(theta),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            model_type=str(cfg.get("model_type", config.get("model_type", "unknown"))),
+            tie_word_embeddings=bool(tie),
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> TargetSpec:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise TargetLoadError(f"{path}: no config.json in the target directory")
+        return cls.from_hf_config(json.loads(path.read_text()))
+
+
+def _tensor_files(model_dir: Path) -> dict[str, Path]:
+    """Map tensor name -> safetensors file holding it (single file or sharded index)."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / fname for name, fname in weight_map.items()}
+    single = model_dir / "model.safetensors"
+    if not single.is_file():
+        raise TargetLoadError(f"{model_dir}: neither model.safetensors nor model.safetensors.index.json")
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+
+
+def _load_one(files: dict[str, Path], candidates: tuple[str, ...], dtype: torch.dtype) -> Tensor | None:
+    for name in candidates:
+        if name in files:
+            with safe_open(str(files[name]), framework="pt") as f:
+                return f.get_tensor(name).to(dtype)
+    return None
+
+
+class TargetHead:
+    """Frozen target embedding, final norm and LM head (no gradients, plain tensors).
+
+    embed_tokens: [V, H]; lm_head: [V, H]; final_norm: [H]. `logits(last_hidden)` applies the head
+    to post-final-norm hidden states: [..., H] -> [..., V].
+    """
+
+    def __init__(self, spec: TargetSpec, embed_tokens: Tensor, lm_head: Tensor, final_norm: Tensor):
+        v, h = spec.vocab_size, spec.hidden_size
+        for name, t, shape in (("embed_tokens", embed_tokens, (v, h)), ("lm_head", lm_head, (v, h)),
+                               ("final_norm", final_norm, (h,))):
+            if tuple(t.shape) != shape:
+                raise TargetLoadError(f"{name}: shape {tuple(t.shape)}, expected {shape} from the config")
+        self.spec = spec
+        self.embed_tokens = embed_tokens.detach().requires_grad_(False)
+        self.lm_head = lm_head.detach().requires_grad_(False)
+        self.final_norm = final_norm.detach().requires_grad_(False)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype = torch.float32) -> TargetHead:
+        model_dir = Path(model_dir)
+        spec = TargetSpec.from_pretrained(model_dir)
+        files = _tensor_files(model_dir)
+        embed = _load_one(files, EMBED_NAMES, dtype)
+        norm = _load_one(files, NORM_NAMES, dtype)
+        if embed is None or norm is None:
+            missing = [n for n, t in (("embedding", embed), ("final norm", norm)) if t is None]
+            raise TargetLoadError(f"{model_dir}: no {' / '.join(missing)} tensor; looked for "
+                                  f"{EMBED_NAMES + NORM_NAMES}, checkpoint has e.g. {sorted(files)[:8]}")
+        head = _load_one(files, LM_HEAD_NAMES, dtype)
+        if head is None:
+            raw = json.loads((model_dir / "config.json").read_text())
+            tie_declared = "tie_word_embeddings" in (raw.get("text_config") or raw) or "tie_word_embeddings" in raw
+            if tie_declared and not spec.tie_word_embeddings:
+                raise TargetLoadError(f"{model_dir}: tie_word_embeddings=false but no lm_head.weight "
+                                      f"in the checkpoint (looked for {LM_HEAD_NAMES})")
+            head = embed
+        return cls(spec, embed, head, norm)
+
+    def logits(self, last_hidden: Tensor) -> Tensor:
+        """[..., H] post-final-norm hidden -> [..., V] target logits in the head dtype."""
+        return last_hidden.to(self.lm_head.dtype) @ self.lm_head.T
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> TargetHead:
+        return TargetHead(self.spec, self.embed_tokens.to(device, dtype), self.lm_head.to(device, dtype),
+                          self.final_norm.to(device, dtype))

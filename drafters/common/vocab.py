@@ -1,0 +1,123 @@
+"""Reduced draft vocabulary (EAGLE-3 / P-EAGLE): selection by frequency and the d2t / t2d maps.
+
+- The draft vocab is the `Vd` most frequent target tokens over loss-masked positions, sorted by
+  target id (SafeAILab `scandata`). Ties and unseen tokens are broken by the lower id.
+- `d2t [Vd]` int64 holds OFFSETS: target_id = draft_id + d2t[draft_id] (vLLM and SGLang both
+  compute it this way). `t2d [V]` bool marks target ids that are in the draft vocab.
+- Because the draft ids follow ascending target ids, `target_logits[..., t2d]` lists target
+  logits in draft-id order.
+
+Worked example (V = 6, Vd = 3): counts [0, 5, 0, 9, 9, 1] -> draft vocab = target ids [1, 3, 4],
+d2t = [1-0, 3-1, 4-2] = [1, 2, 2], t2d = [F, T, F, T, T, F]; draft id 2 -> target 2 + 2 = 4.
+
+Export rule: when Vd == V the maps are the identity (d2t all zeros, t2d all true) and are
+omitted from exports (`export_tensors()` returns {}); an `arange` d2t must never be exported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def token_counts(input_ids: Tensor, loss_mask: Tensor, vocab_size: int) -> Tensor:
+    """Counts of each target id over positions with loss_mask == 1: any shape -> int64 [V]."""
+    ids = input_ids.reshape(-1).long()[loss_mask.reshape(-1).to(torch.bool)]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"input_ids: values in [{int(ids.min())}, {int(ids.max())}], expected [0, {vocab_size})")
+    return torch.bincount(ids, minlength=vocab_size)
+
+
+def token_counts_from_samples(samples: Iterable[Mapping[str, Tensor]], vocab_size: int) -> Tensor:
+    """Sum of `token_counts` over feature-store samples (`input_ids`, `loss_mask`); must be finite."""
+    total = torch.zeros(vocab_size, dtype=torch.int64)
+    for sample in samples:
+        total += token_counts(sample["input_ids"], sample["loss_mask"], vocab_size)
+    return total
+
+
+@dataclass
+class DraftVocab:
+    """d2t: int64 [Vd] offsets (target = draft + d2t[draft]); t2d: bool [V]."""
+
+    d2t: Tensor
+    t2d: Tensor
+
+    def __post_init__(self) -> None:
+        ids = self.target_ids
+        if self.d2t.dtype != torch.int64 or self.t2d.dtype != torch.bool:
+            raise ValueError(f"d2t/t2d dtypes: got {self.d2t.dtype}/{self.t2d.dtype}, expected int64/bool")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.t2d.numel()):
+            raise ValueError(f"d2t: maps to target ids outside [0, {self.t2d.numel()})")
+        if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
+            raise ValueError("d2t: draft ids must map to strictly increasing target ids")
+        expected = torch.zeros_like(self.t2d)
+        expected[ids] = True
+        if not torch.equal(expected, self.t2d):
+            raise ValueError("t2d: disagrees with d2t (t2d must be true exactly at draft + d2t[draft])")
+
+    @classmethod
+    def identity(cls, vocab_size: int) -> DraftVocab:
+        return cls(torch.zeros(vocab_size, dtype=torch.int64), torch.ones(vocab_size, dtype=torch.bool))
+
+    @classmethod
+    def from_target_ids(cls, target_ids: Tensor, vocab_size: int) -> DraftVocab:
+        used = torch.sort(target_ids.long()).values
+        t2d = torch.zeros(vocab_size, dtype=torch.bool)
+        t2d[used] = True
+        return cls(used - torch.arange(used.numel()), t2d)
+
+    @classmethod
+    def select(cls, counts: Tensor, draft_vocab_size: int) -> DraftVocab:
+        """The `draft_vocab_size` most frequent ids of `counts [V]` (ties -> lower id)."""
+        vocab_size = counts.numel()
+        if not 0 < draft_vocab_size <= vocab_size:
+            raise ValueError(f"draft_vocab_size: got {draft_vocab_size}, expected 1..{vocab_size}")
+        order = torch.sort(-counts.long(), stable=True).indices  # most frequent first, lower id on ties
+        return cls.from_target_ids(order[:draft_vocab_size], vocab_size)
+
+    @property
+    def draft_size(self) -> int:
+        return self.d2t.numel()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.t2d.numel()
+
+    @property
+    def is_full(self) -> bool:
+        return self.draft_size == self.vocab_size
+
+    @property
+    def target_ids(self) -> Tensor:
+        """int64 [Vd]: the target id of each draft id."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
+    def draft_to_target(self, draft_ids: Tensor) -> Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def target_to_draft(self, target_ids: Tensor) -> Tensor:
+        """Draft id of each target id, -1 where the target id is not in the draft vocab."""
+        lookup = torch.full((self.vocab_size,), -1, dtype=torch.int64, device=self.d2t.device)
+        lookup[self.target_ids] = torch.arange(self.draft_size, device=self.d2t.device)
+        return lookup[target_ids]
+
+    def export_tensors(self) -> dict[str, Tensor]:
+        """{'d2t', 't2d'} for a reduced vocab; {} when Vd == V (engines then use identity)."""
+        return {} if self.is_full else {"d2t": self.d2t.clone(), "t2d": self.t2d.clone()}
+
+
+def target_logits_to_draft(target_logits: Tensor, t2d: Tensor) -> Tensor:
+    """[..., V] -> [..., Vd]: the target logits of the draft-vocab tokens, in draft-id order."""
+    return target_logits[..., t2d]
+
+
+def draft_logits_to_target(draft_logits: Tensor, d2t: Tensor, vocab_size: int) -> Tensor:
+    """[..., Vd] -> [..., V]: scatter to target ids, -inf elsewhere (vLLM `compute_logits`)."""
+    target_ids = torch.arange(d2t.numel(), device=d2t.device) + d2t
+    out = draft_logits.new_full((*draft_logits.shape[:-1], vocab_size), float("-inf"))
+    out[..., target_ids] = draft_logits
+    return out

@@ -1,0 +1,86 @@
+"""The EAGLE-3 family object registered in the catalog (docs/internals.md contract)."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from drafters.common.collate import collate
+from drafters.common.contract import DrafterFamily, StoreStats
+from drafters.common.losses import ObjectiveOutput
+from drafters.common.target import TargetHead, TargetSpec
+from drafters.common.vocab import DraftVocab
+from drafters.eagle3.config import Eagle3Config
+from drafters.eagle3.model import Eagle3Model
+from drafters.eagle3.objective import REQUIRED_FIELDS, eagle3_objective
+from drafters.eagle3.proposer import Eagle3Proposer
+from feature_store import Layout
+
+EXPORT_MODULE = "drafters.eagle3.export"
+
+
+def _as_model(model: nn.Module) -> Eagle3Model:
+    if not isinstance(model, Eagle3Model):
+        raise TypeError(f"model: got {type(model).__name__}, expected Eagle3Model (unwrap DDP/compile first)")
+    return model
+
+
+class Eagle3Family:
+    name = "eagle3"
+    config_cls = Eagle3Config
+
+    def build(self, cfg: Eagle3Config, target: TargetHead, store_stats: StoreStats | None = None) -> Eagle3Model:
+        """A fresh draft model. A reduced draft vocab needs `store_stats.token_counts` [V]."""
+        cfg = cfg.resolve(target.spec)
+        assert cfg.draft_vocab_size is not None
+        if cfg.draft_vocab_size == target.spec.vocab_size:
+            vocab = DraftVocab.identity(target.spec.vocab_size)
+        else:
+            counts = None if store_stats is None else store_stats.token_counts
+            if counts is None:
+                raise ValueError(f"draft_vocab_size={cfg.draft_vocab_size} < vocab_size={target.spec.vocab_size} "
+                                 "needs store_stats.token_counts (drafters.common.vocab.token_counts_from_samples)")
+            if counts.numel() != target.spec.vocab_size:
+                raise ValueError(f"store_stats.token_counts: {counts.numel()} entries, expected {target.spec.vocab_size}")
+            vocab = DraftVocab.select(counts, cfg.draft_vocab_size)
+        return Eagle3Model(cfg, target, vocab)
+
+    def required_fields(self, cfg: Eagle3Config) -> tuple[str, ...]:
+        return REQUIRED_FIELDS
+
+    def required_layout(self, cfg: Eagle3Config, target_spec: TargetSpec) -> Layout:
+        """The resolved aux layer ids (internal convention) plus the post-final-norm last hidden."""
+        aux = cfg.resolve(target_spec).aux_layer_ids
+        assert aux is not None
+        return Layout(layer_ids=aux, last_hidden="post_norm")
+
+    def collate(self, samples: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+        missing = [f for f in REQUIRED_FIELDS if samples and f not in samples[0]]
+        if missing:
+            raise KeyError(f"EAGLE-3 samples: missing fields {missing} (have {sorted(samples[0])})")
+        return collate(samples)
+
+    def objective(self, model: nn.Module, batch: dict[str, Tensor]) -> ObjectiveOutput:
+        return eagle3_objective(_as_model(model), batch)
+
+    def export(self, model: nn.Module, cfg: Eagle3Config, target_spec: TargetSpec, out_dir: str | Path,
+               fmt: str = "native", **kwargs: Any) -> Path:
+        """Delegates to `drafters.eagle3.export.export(model, cfg, target_spec, out_dir, fmt, **kwargs)`
+        (formats "native" and "speculators"; kwargs such as verifier, dtype, meta)."""
+        module = importlib.import_module(EXPORT_MODULE)
+        out: Path = module.export(_as_model(model), cfg, target_spec, Path(out_dir), fmt, **kwargs)
+        return out
+
+    def proposer(self, model: nn.Module, target_spec: TargetSpec) -> Eagle3Proposer:
+        m = _as_model(model)
+        if m.spec.vocab_size != target_spec.vocab_size or m.spec.hidden_size != target_spec.hidden_size:
+            raise ValueError(f"proposer: model built for vocab/hidden {m.spec.vocab_size}/{m.spec.hidden_size}, "
+                             f"target has {target_spec.vocab_size}/{target_spec.hidden_size}")
+        return Eagle3Proposer(m)
+
+
+FAMILY = Eagle3Family()
+_CONFORMS: DrafterFamily = FAMILY  # mypy checks the family against the catalog protocol

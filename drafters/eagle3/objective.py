@@ -1,0 +1,106 @@
+"""EAGLE-3 batch preparation and training objective (algorithms.md section 3).
+
+Alignment. Every training target lives at a sequence position p of the batch (unshifted):
+    target distribution at p = softmax(target_lm_head(last_hidden[p])[t2d])   # predicts x_{p+1}
+    position_mask[p] = loss_mask[p] & attention_mask[p] & t2d[argmax target_logits[p]]
+TTT step j, row t reads position p = t + 1 + j: its input token is x_{t+1+j}, its feature chain
+starts from f_t, its target is the distribution at p, its mask is position_mask[p]. So inputs,
+targets and masks are the position-level tensors shifted left by 1 + j (zero-filled).
+
+Worked example, T = 4, tokens [x0, x1, x2, x3], loss_mask [0, 1, 1, 1]:
+    step 0: ids [x1, x2, x3, 0], targets [P1, P2, P3, -], mask [1, 1, 1, 0]
+    step 1: ids [x2, x3, 0, 0],  targets [P2, P3, -, -],  mask [1, 1, 0, 0]
+(row 0 at step 0: aux f0 + token x1 -> match the target's distribution after x1, P1).
+The mask uses loss_mask at p (the row's input token x_p is a response token: the situation the
+draft meets at inference, after the target emitted x_p). SafeAILab/SpecForge gate with
+loss_mask[t + j] instead (one position earlier).
+
+Loss: L_j = soft cross-entropy(target probs, draft logits) summed over masked rows; total =
+sum_j ttt_decay^j * L_j / (masked rows of step j), returned as ObjectiveOutput sums.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from drafters.common.losses import ObjectiveOutput, geometric_weights, masked_match_count, soft_cross_entropy
+from drafters.common.masks import shift_left
+from drafters.common.metrics import simulated_acceptance_length
+from drafters.common.vocab import target_logits_to_draft
+from drafters.eagle3.model import Eagle3Model
+
+REQUIRED_FIELDS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
+
+
+@dataclass
+class Eagle3Targets:
+    """Position-level (unshifted) targets. target_probs [B, T, Vd] float32 over the draft vocab;
+    target_argmax [B, T] int64 target ids; position_mask [B, T] bool."""
+
+    target_probs: Tensor
+    target_argmax: Tensor
+    position_mask: Tensor
+
+    def at_step(self, step: int) -> tuple[Tensor, Tensor, Tensor]:
+        """(target_probs, target_argmax, mask) for TTT step `step`: shifted left by step + 1."""
+        n = step + 1
+        return (shift_left(self.target_probs, n), shift_left(self.target_argmax, n),
+                shift_left(self.position_mask, n, fill=False))
+
+
+def step_input_ids(input_ids: Tensor, steps: int) -> Tensor:
+    """[B, T] -> [S, B, T]: step j row t holds x_{t+1+j} (0 past the end)."""
+    return torch.stack([shift_left(input_ids.long(), j + 1) for j in range(steps)])
+
+
+def prepare_targets(model: Eagle3Model, batch: dict[str, Tensor]) -> Eagle3Targets:
+    """Target distributions and masks from `last_hidden` [B, T, H] with the frozen target head."""
+    target_logits = model.target_logits(batch["last_hidden"])  # [B, T, V]
+    argmax = target_logits.argmax(-1)
+    probs = torch.softmax(target_logits_to_draft(target_logits, model.t2d).float(), dim=-1)
+    mask = batch["loss_mask"].to(torch.bool) & batch["attention_mask"].to(torch.bool) & model.t2d[argmax]
+    return Eagle3Targets(probs, argmax, mask)
+
+
+def check_batch(batch: dict[str, Tensor]) -> None:
+    missing = [k for k in (*REQUIRED_FIELDS, "attention_mask") if k not in batch]
+    if missing:
+        raise KeyError(f"EAGLE-3 batch: missing fields {missing} (has {sorted(batch)})")
+    b, t = batch["input_ids"].shape
+    for key in ("loss_mask", "attention_mask"):
+        if tuple(batch[key].shape) != (b, t):
+            raise ValueError(f"EAGLE-3 batch: {key} is {tuple(batch[key].shape)}, expected {(b, t)}")
+    for key in ("aux_hidden", "last_hidden"):
+        if tuple(batch[key].shape[:2]) != (b, t):
+            raise ValueError(f"EAGLE-3 batch: {key} is {tuple(batch[key].shape)}, expected ({b}, {t}, ...)")
+
+
+def eagle3_objective(model: Eagle3Model, batch: dict[str, Tensor]) -> ObjectiveOutput:
+    """One micro-batch: S = ttt_steps loss terms with weights ttt_decay^j.
+
+    Metrics (sum, count): acc_step{j} (draft argmax == target argmax on masked rows) and
+    sim_accept_len (simulated vLLM mean acceptance length with k = S, common/metrics.py).
+    """
+    check_batch(batch)
+    steps = model.cfg.ttt_steps
+    targets = prepare_targets(model, batch)
+    ids = step_input_ids(batch["input_ids"], steps).to(batch["aux_hidden"].device)
+    logits = model(ids, batch["aux_hidden"], batch["attention_mask"].to(torch.bool))
+    vocab = model.draft_vocab
+    nums, dens, correct, valid = [], [], [], []
+    metrics: dict[str, tuple[Tensor, Tensor]] = {}
+    for j, step_logits in enumerate(logits):
+        probs, argmax, mask = targets.at_step(j)
+        num, den = soft_cross_entropy(probs, step_logits, mask)
+        nums.append(num)
+        dens.append(den)
+        draft_pred = vocab.draft_to_target(step_logits.detach().argmax(-1))
+        metrics[f"acc_step{j}"] = masked_match_count(draft_pred, argmax, mask)
+        correct.append(draft_pred == argmax)
+        valid.append(mask)
+    metrics["sim_accept_len"] = simulated_acceptance_length(torch.stack(correct), torch.stack(valid))
+    return ObjectiveOutput(torch.stack(nums), torch.stack(dens).detach(),
+                           geometric_weights(steps, model.cfg.ttt_decay).to(nums[0].device), metrics)

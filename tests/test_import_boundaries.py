@@ -1,0 +1,80 @@
+"""Import boundaries between our packages (architecture.md "Packages and boundaries").
+
+Two probes: a static scan of every module's imports (who may import what), and a runtime probe
+in a fresh interpreter (importing `drafters`/`feature_store` loads no engine and no CUDA).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINES = {"verl", "ray", "vllm", "sglang", "torch_npu"}
+OURS = {"feature_store", "drafters", "verl_speco"}
+
+# Modules of verl_speco allowed to import each engine (one integration place per engine).
+ENGINE_HOMES = {
+    "vllm": ("verl_speco/engines/vllm_engine.py",),
+    "sglang": ("verl_speco/engines/sglang_engine.py",),
+    "verl": ("verl_speco/integration/",),
+    "ray": ("verl_speco/integration/",),
+    "torch_npu": ("verl_speco/device.py",),
+}
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def _py_files(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def test_feature_store_imports_nothing_of_ours() -> None:
+    for path in _py_files("feature_store"):
+        bad = _imports(path) & ((OURS - {"feature_store"}) | ENGINES)
+        assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+def test_drafters_import_at_most_feature_store() -> None:
+    for path in _py_files("drafters"):
+        bad = _imports(path) & ({"verl_speco", "transformers"} | ENGINES)
+        assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINE_HOMES))
+def test_engines_imported_only_in_their_integration_module(engine: str) -> None:
+    homes = ENGINE_HOMES[engine]
+    for path in _py_files("verl_speco"):
+        rel = path.relative_to(ROOT).as_posix()
+        if engine in _imports(path):
+            assert rel.startswith(homes), f"{rel} imports {engine}; allowed only in {homes}"
+
+
+def test_runtime_import_loads_no_engine_and_no_cuda() -> None:
+    probe = (
+        "import json, sys\n"
+        "import feature_store, drafters, drafters.registry\n"
+        "import torch\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in "
+        f"{sorted(ENGINES | {'transformers'})!r})\n"
+        "print(json.dumps({'heavy': heavy, 'cuda': torch.cuda.is_initialized()}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report == {"heavy": [], "cuda": False}

@@ -1,0 +1,94 @@
+"""Every YAML under configs/ composes against the typed schema; bad keys and values fail by name."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ValidationError
+
+from drafters import get_family
+from verl_speco.train.compose import compose_raw, default_config_dir, load_config, to_trainer_config
+from verl_speco.train.config import ConfigError, TrainerConfig, build_family_config
+
+CONFIG_DIR = default_config_dir()
+PATHS = ["target.path=/nonexistent/target", "data.store=/nonexistent/store"]
+
+
+def _all_yaml() -> list[str]:
+    return sorted(str(p.relative_to(CONFIG_DIR)) for p in CONFIG_DIR.rglob("*.yaml"))
+
+
+def _compose(rel: str) -> TrainerConfig:
+    """Top-level files compose by name; group files `g/name.yaml` as draft_trainer + `g=name`."""
+    parts = rel.removesuffix(".yaml").split("/")
+    if len(parts) == 1:
+        return load_config(PATHS, config_name=parts[0])
+    return load_config([*PATHS, f"{'/'.join(parts[:-1])}={parts[-1]}"])
+
+
+def test_configs_dir_has_the_expected_files() -> None:
+    found = _all_yaml()
+    for rel in ("draft_trainer.yaml", "drafter/eagle3.yaml", "preset/quickstart_eagle3.yaml",
+                "preset/qwen3_8b_eagle3.yaml"):
+        assert rel in found
+
+
+@pytest.mark.parametrize("rel", _all_yaml())
+def test_every_yaml_composes_and_validates(rel: str) -> None:
+    cfg = _compose(rel)
+    assert isinstance(cfg, TrainerConfig)
+    family = get_family(cfg.drafter.algorithm)
+    fam_cfg = build_family_config(family.config_cls, dict(cfg.drafter.settings), cfg.drafter.algorithm)
+    assert isinstance(fam_cfg, family.config_cls)
+
+
+def test_presets_set_their_recipes() -> None:
+    q = load_config([*PATHS, "preset=qwen3_8b_eagle3"])
+    # algorithms.md section 3, DeepSpec retrain: lr 6e-4, warmup 4 %, wd 0, ttt 7, decay 0.8, grad norm 1.0
+    assert (q.optim.lr, q.optim.warmup_ratio, q.optim.weight_decay, q.optim.grad_clip) == (6e-4, 0.04, 0.0, 1.0)
+    assert (q.drafter.settings["ttt_steps"], q.drafter.settings["ttt_decay"], q.data.max_seq_len) == (7, 0.8, 4096)
+    assert list(q.optim.betas) == [0.9, 0.95]
+    assert 8 * q.data.micro_batch_size * q.optim.grad_accum == 512  # global batch on 8 GPUs
+    quick = load_config([*PATHS, "preset=quickstart_eagle3", "run.total_steps=7"])
+    assert quick.run.device == "cpu" and quick.run.total_steps == 7  # command line wins over the preset
+
+
+def test_unknown_key_fails_loudly() -> None:
+    with pytest.raises(ConfigCompositionException, match="optim.lrr"):
+        load_config([*PATHS, "optim.lrr=1"])
+    with pytest.raises(ConfigError, match="lrr"):
+        load_config([*PATHS, "+optim.lrr=1"])
+
+
+def test_type_errors_fail_by_name() -> None:
+    with pytest.raises((ConfigCompositionException, ValidationError)) as err:
+        load_config([*PATHS, "run.total_steps=many"])
+    assert "total_steps" in str(err.value) or "total_steps" in str(err.value.__cause__)
+
+
+@pytest.mark.parametrize(("override", "key"), [
+    ("optim.schedule=exp", "optim.schedule"), ("run.device=tpu", "run.device"),
+    ("run.dtype=int8", "run.dtype"), ("optim.betas=[0.9]", "optim.betas"), ("optim.grad_accum=0", "optim.grad_accum"),
+    ("data.eval_fraction=1.0", "data.eval_fraction"), ("dist.backend=mpi", "dist.backend"),
+])
+def test_bad_values_name_the_field(override: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config([*PATHS, override])
+
+
+def test_missing_mandatory_paths_are_named() -> None:
+    with pytest.raises(ValueError, match=r"data\.store.*target\.path"):
+        to_trainer_config(compose_raw([]))
+
+
+def test_family_settings_are_validated_by_the_family() -> None:
+    family = get_family("eagle3")
+    with pytest.raises(ConfigError, match="ttt_stepz"):
+        build_family_config(family.config_cls, {"ttt_stepz": 3}, "eagle3")
+    with pytest.raises(ConfigError, match="ttt_steps"):
+        build_family_config(family.config_cls, {"ttt_steps": 0}, "eagle3")
+
+
+def test_schema_rejects_unknown_top_level_key() -> None:
+    with pytest.raises(ConfigError, match="trainer"):
+        load_config([*PATHS, "+trainer.foo=1"])

@@ -1,0 +1,230 @@
+"""``verl-speco-collect``: fill a Feature Store from a JSONL chat dataset with an HF target.
+
+    verl-speco-collect --target DIR --data chats.jsonl --store STORE --algorithm eagle3 --generate
+
+Steps per process (rank/world size from ``RANK``/``WORLD_SIZE``; rank r takes rows r, r+n, ...):
+load the target (float32) and its tokenizer, optionally generate the assistant responses with the
+target, tokenize with the chat template (loss mask on response tokens), run batched forwards
+(right padding + attention mask; length-sorted so batches pad little) with capture hooks, and
+write one record per sample through one ``StoreWriter``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from verl_speco.capture.chat import (
+    TokenizedChat,
+    encode_prompt,
+    join_generated,
+    load_chats,
+    prompt_messages,
+    tokenize_chat,
+)
+from verl_speco.capture.generate import generate_responses
+from verl_speco.capture.hooks import FeatureCapture
+from verl_speco.capture.records import LengthFilter, batch_records, build_schema, pad_batch, resolve_layout
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass
+class CollectSummary:
+    store: str
+    rank: int
+    world_size: int
+    rows: int                  # dataset rows this process handled
+    samples: int               # records written by this process
+    tokens: int
+    response_tokens: int
+    seconds: float
+    layer_ids: tuple[int, ...]
+    truncated: int             # cut to max_length
+    dropped_short: int         # fewer than min_response_tokens response tokens
+    unfinished: int            # generated responses that hit max_new_tokens
+
+
+def end_token_ids(model: nn.Module, tokenizer: Any) -> list[int]:
+    """End-of-turn ids: the union of the generation config's, the model config's and the tokenizer's eos."""
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        eos = getattr(source, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+    if not ids:
+        raise ValueError("end_token_ids: neither the target nor its tokenizer defines eos_token_id")
+    return sorted(ids)
+
+
+@torch.no_grad()
+def forward_records(model: nn.Module, chats: Sequence[TokenizedChat], layer_ids: Sequence[int], *,
+                    pad_id: int, dtype: torch.dtype = torch.bfloat16,
+                    last_hidden: bool = True) -> list[dict[str, torch.Tensor]]:
+    """One padded forward over ``chats`` with capture hooks -> per-sample records (see records.py).
+    Runs the decoder body only (``model.base_model``): no ``[B, T, V]`` logits are materialized."""
+    body = getattr(model, "base_model", model)
+    device = next(model.parameters()).device
+    ids, mask = pad_batch(chats, pad_id)                     # [B, T_pad] each
+    with FeatureCapture(body, layer_ids, last_hidden=last_hidden, dtype=dtype, device="cpu") as cap:
+        body(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+        feats = cap.pop()
+    return batch_records(chats, feats)
+
+
+def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank}, world_size={world_size}: expected 0 <= rank < world_size")
+    return rank, world_size
+
+
+def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
+                     layer_ids: Sequence[int] | None = None, algorithm: str | None = None,
+                     generate: bool = False, max_new_tokens: int = 256, temperature: float = 0.0,
+                     dtype: str = "bfloat16", batch_size: int = 8, max_samples: int | None = None,
+                     max_length: int | None = None, min_response_tokens: int = 1, seed: int = 0,
+                     last_hidden: bool | None = None, target_model_id: str | None = None,
+                     rank: int | None = None, world_size: int | None = None, device: str = "cpu",
+                     model: nn.Module | None = None, tokenizer: Any = None) -> CollectSummary:
+    """Fill ``store`` from the JSONL chats in ``data`` (see the module docstring).
+
+    ``last_hidden``: store it (default: yes, or as the algorithm's layout says).
+    ``model``/``tokenizer`` may be passed already loaded (used on their device); otherwise they come
+    from ``target`` (float32, moved to ``device``).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from feature_store import StoreWriter
+
+    t0 = time.perf_counter()
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}: expected >= 1")
+    rank, world_size = _rank_world(rank, world_size)
+    torch.manual_seed(seed)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(target)
+    if model is None:
+        loaded: Any = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+        model = loaded.to(device)
+    model.eval()
+    hf_config: Any = model.config
+    config: Any = getattr(hf_config, "text_config", None) or hf_config
+    layout, required = resolve_layout(layer_ids, algorithm, hf_config.to_dict(), last_hidden)
+    layers, want_last = layout.layer_ids, layout.last_hidden != "none"
+    end_ids = end_token_ids(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
+
+    chats = load_chats(data, max_samples)[rank::world_size]
+    unfinished = 0
+    if generate:
+        prompts = [encode_prompt(tokenizer, prompt_messages(c)) for c in chats]
+        outs = generate_responses(model, prompts, end_ids=end_ids, pad_id=pad_id, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, batch_size=batch_size, seed=seed + rank)
+        unfinished = sum(not o.finished for o in outs)
+        tokenized = [join_generated(p, o.response_ids) for p, o in zip(prompts, outs)]
+    else:
+        tokenized = [tokenize_chat(tokenizer, c, end_ids) for c in chats]
+    length_filter = LengthFilter(min_response_tokens=min_response_tokens, max_length=max_length)
+    filtered = [length_filter.apply(chat, i) for i, chat in enumerate(tokenized)]
+    kept = [chat for chat in filtered if chat is not None]
+    kept.sort(key=lambda c: -len(c.input_ids))               # length-sorted batches pad little
+
+    # a stable id whatever the working directory: the target directory's name (or the hub id)
+    local = Path(target).is_dir()
+    model_id = target_model_id or (Path(target).resolve().name if local else str(target))
+    schema = build_schema(layout, config.hidden_size, config.vocab_size, model_id, DTYPES[dtype])
+    missing = [f for f in required if f not in schema.names]
+    if missing:
+        raise ValueError(f"algorithm {algorithm!r} needs fields {missing} that capture does not produce "
+                         f"(it writes {list(schema.names)})")
+    producer = {"tool": "verl-speco-collect", "target_model_id": model_id, "layer_ids": list(layers),
+                "target": str(Path(target).resolve()) if local else str(target), "algorithm": algorithm,
+                "generated": generate, "max_new_tokens": max_new_tokens, "temperature": temperature,
+                "seed": seed, "data": str(data)}
+    tokens = response_tokens = 0
+    with StoreWriter(store, schema, rank=rank, producer=producer) as writer:
+        for start in range(0, len(kept), batch_size):
+            batch = kept[start: start + batch_size]
+            for record in forward_records(model, batch, layers, pad_id=pad_id, dtype=DTYPES[dtype],
+                                          last_hidden=want_last):
+                writer.add(record, step=0, policy_version=0)
+                tokens += len(record["input_ids"])
+                response_tokens += int(record["loss_mask"].sum())
+        writer.end_step(0)
+    return CollectSummary(str(store), rank, world_size, len(chats), len(kept), tokens, response_tokens,
+                          round(time.perf_counter() - t0, 3), layers, length_filter.truncated,
+                          length_filter.dropped_short, unfinished)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="verl-speco-collect", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, help="HF target directory (config, weights, tokenizer)")
+    p.add_argument("--data", required=True, help="JSONL chats: {'messages': [...]} (or ShareGPT/prompt rows)")
+    p.add_argument("--store", required=True, help="Feature Store directory (created if absent)")
+    p.add_argument("--generate", action="store_true", help="generate the assistant turn with the target first")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--layers", help="internal layer ids (HF hidden_states index), e.g. 2,4,5")
+    group.add_argument("--algorithm", help="drafter family whose default layout to capture (eagle3: 2, L//2, L-3)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="stored hidden-state dtype")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-samples", type=int, default=None, help="first N rows of the dataset (all ranks)")
+    p.add_argument("--max-length", type=int, default=None, help="cut longer sequences (counted)")
+    p.add_argument("--min-response-tokens", type=int, default=1, help="drop (and count) shorter samples")
+    p.add_argument("--no-last-hidden", action="store_true", help="do not store last_hidden")
+    p.add_argument("--target-model-id", default=None, help="id recorded in the store (default: --target)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="device for the target forward/generation (default cpu)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        layers = [int(x) for x in args.layers.split(",") if x.strip()] if args.layers else None
+    except ValueError:
+        print(f"verl-speco-collect: --layers {args.layers!r}: expected comma-separated integers", file=sys.stderr)
+        return 2
+    from feature_store import StoreError
+
+    try:
+        summary = collect_features(
+            args.target, args.data, args.store, layer_ids=layers, algorithm=args.algorithm,
+            generate=args.generate, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            dtype=args.dtype, batch_size=args.batch_size, max_samples=args.max_samples,
+            max_length=args.max_length, min_response_tokens=args.min_response_tokens, seed=args.seed,
+            last_hidden=False if args.no_last_hidden else None, target_model_id=args.target_model_id, device=args.device)
+    except (ValueError, OSError, StoreError) as e:
+        print(f"verl-speco-collect: error: {e}", file=sys.stderr)
+        return 2
+    if summary.rows and summary.dropped_short == summary.rows and not args.generate:
+        print("verl-speco-collect: warning: every row was dropped for a short response; prompt-only rows "
+              "need --generate", file=sys.stderr)
+    if args.json:
+        print(json.dumps(asdict(summary)))
+    else:
+        s = summary
+        print(f"verl-speco-collect: rank {s.rank}/{s.world_size}: {s.rows} rows -> {s.samples} samples, "
+              f"{s.tokens} tokens ({s.response_tokens} response) in {s.seconds:.2f} s -> {s.store} "
+              f"(layers {list(s.layer_ids)}); "
+              f"dropped {s.dropped_short} short, truncated {s.truncated}, unfinished generations {s.unfinished}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

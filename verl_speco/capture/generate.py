@@ -1,0 +1,69 @@
+"""Generate assistant responses with the target itself (drafters learn the target's own outputs).
+
+Batched ``model.generate`` over left-padded prompts. Greedy by default (deterministic); with
+``temperature > 0`` it samples from the plain softmax (no top-k/top-p), seeded per batch from
+``seed`` so a run is reproducible. A response keeps its end-of-turn token when it produced one;
+one that hit ``max_new_tokens`` is kept as is (and counted by the caller).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Generated:
+    response_ids: list[int]
+    finished: bool            # ended with an end-of-turn token (False: hit max_new_tokens)
+
+
+def _cut(row: list[int], end_ids: set[int]) -> Generated:
+    for k, tok in enumerate(row):
+        if tok in end_ids:
+            return Generated(row[: k + 1], True)
+    return Generated(row, False)
+
+
+@torch.no_grad()
+def generate_responses(model: nn.Module, prompts: Sequence[Sequence[int]], *, end_ids: Sequence[int],
+                       pad_id: int, max_new_tokens: int = 256, temperature: float = 0.0,
+                       batch_size: int = 8, seed: int = 0) -> list[Generated]:
+    """Responses for token-id prompts, in prompt order. ``end_ids`` stop generation (eos ids)."""
+    from transformers import GenerationConfig
+
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature}: expected >= 0 (0 = greedy)")
+    ends = sorted({int(i) for i in end_ids})
+    if not ends:
+        raise ValueError("generate_responses: end_ids is empty; the target needs an eos token id")
+    sample = temperature > 0
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=sample, temperature=temperature if sample else None,
+        top_k=0 if sample else None, top_p=1.0 if sample else None, num_beams=1,
+        eos_token_id=ends, pad_token_id=pad_id)
+    device = next(model.parameters()).device
+    hf_model: Any = model                    # an HF GenerationMixin model
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))   # batches pad little
+    out: list[Generated | None] = [None] * len(prompts)
+    for start in range(0, len(order), batch_size):
+        chunk = [list(prompts[i]) for i in order[start: start + batch_size]]
+        longest = max(len(p) for p in chunk)
+        ids = torch.full((len(chunk), longest), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), longest), dtype=torch.long)
+        for b, p in enumerate(chunk):              # left padding: the new tokens line up
+            ids[b, longest - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[b, longest - len(p):] = 1
+        if sample:
+            torch.manual_seed(seed * 1_000_003 + start)
+        seqs = hf_model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                              generation_config=config)
+        for i, row in zip(order[start: start + batch_size], seqs[:, longest:].tolist()):
+            out[i] = _cut(row, set(ends))
+    return [g for g in out if g is not None]

@@ -1,0 +1,181 @@
+"""What SGLang's `LlamaForCausalLMEagle3` (python/sglang/srt/models/llama_eagle3.py) loads, as a checker.
+
+SGLang cannot run here, so this module encodes its loader's contract and validates an export
+directory against it (no sglang import). Facts from SGLang's source:
+
+- Config: `architectures` names `LlamaForCausalLMEagle3`; a Llama config (`model_type: llama`)
+  supplying hidden_size, num_attention_heads, num_key_value_heads, head_dim (default
+  hidden/heads), intermediate_size, hidden_act (its LlamaMLP supports only silu), rms_norm_eps,
+  rope_theta, max_position_embeddings, vocab_size. `draft_vocab_size` (None -> lm_head taken
+  from the target), `target_hidden_size` (default hidden_size), `bias` (fc bias, default False).
+  `tie_word_embeddings: true` makes lm_head the embedding (our lm_head would be ignored).
+  Only `midlayer` exists unless num_hidden_layers > 1 (`additional_layers.*`), and the midlayer
+  always keeps the raw hidden as residual (no `norm_before_residual`).
+- `fc` is `Linear(3 * target_hidden_size, hidden_size)`: exactly 3 aux layers, and it is applied
+  only when the incoming width differs from the embedding width (3 * H_t == H would skip it).
+- Aux layers: `eagle_config.eagle_aux_hidden_state_layer_ids` ("output of layer i"), captured
+  before decoder layer i + 1, i.e. capture index in [0, L - 1] (the output of the last layer is
+  never captured). Absent -> defaults (2, L//2, L-3) as capture indices.
+- Weights: a name is used as-is if it is a parameter name, else with `model.` prefixed; q/k/v and
+  gate/up are fused on load. Names that match nothing are dropped SILENTLY (so speculators-style
+  `layers.0.*` would load nothing). `d2t` -> `hot_token_id = d2t + arange(Vd)` (draft -> target
+  ids; required when Vd < V), `t2d` is skipped, `embed_tokens.weight` is optional (otherwise the
+  target's embedding is shared).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from drafters.common.layer_ids import to_engine_layer_ids
+
+SGLANG_IDS = "sglang.eagle_config.eagle_aux_hidden_state_layer_ids"
+
+ARCH = "LlamaForCausalLMEagle3"
+NUM_AUX = 3  # SGLang's fc is hard-wired to 3 * target_hidden_size inputs
+
+
+class SGLangContractError(ValueError):
+    """An export SGLang's LlamaForCausalLMEagle3 would reject or load wrongly; lists every problem."""
+
+
+def sglang_expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Checkpoint name -> shape SGLang's parameters take for this config (optional ones excluded)."""
+    h = int(config["hidden_size"])
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    hd = int(config.get("head_dim") or h // heads)
+    inter = int(config["intermediate_size"])
+    h_t = int(config.get("target_hidden_size") or h)
+    vd = int(config.get("draft_vocab_size") or config["vocab_size"])
+    return {
+        "fc.weight": (h, NUM_AUX * h_t),
+        "midlayer.input_layernorm.weight": (h,), "midlayer.hidden_norm.weight": (h,),
+        "midlayer.post_attention_layernorm.weight": (h,),
+        "midlayer.self_attn.q_proj.weight": (heads * hd, 2 * h),
+        "midlayer.self_attn.k_proj.weight": (kv_heads * hd, 2 * h),
+        "midlayer.self_attn.v_proj.weight": (kv_heads * hd, 2 * h),
+        "midlayer.self_attn.o_proj.weight": (h, heads * hd),
+        "midlayer.mlp.gate_proj.weight": (inter, h), "midlayer.mlp.up_proj.weight": (inter, h),
+        "midlayer.mlp.down_proj.weight": (h, inter),
+        "norm.weight": (h,), "lm_head.weight": (vd, h),
+    }
+
+
+def _config_problems(cfg: dict[str, Any], expected_aux_layer_ids: Sequence[int] | None,
+                     target_num_hidden_layers: int | None) -> list[str]:
+    problems = []
+    if ARCH not in (cfg.get("architectures") or []):
+        problems.append(f"config.architectures: got {cfg.get('architectures')}, expected to contain {ARCH!r}")
+    if cfg.get("model_type") != "llama":
+        problems.append(f"config.model_type: got {cfg.get('model_type')!r}, expected 'llama' (LlamaConfig)")
+    for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size", "rms_norm_eps"):
+        if key not in cfg:
+            problems.append(f"config.{key}: missing")
+    if problems:
+        return problems
+    checks = [
+        ("num_hidden_layers", cfg.get("num_hidden_layers", 1), 1, "only the midlayer is exported"),
+        ("tie_word_embeddings", bool(cfg.get("tie_word_embeddings", False)), False,
+         "true makes SGLang use the embedding as lm_head"),
+        ("bias", bool(cfg.get("bias", False)), False, "true adds an fc bias the export does not have"),
+        ("norm_before_residual", bool(cfg.get("norm_before_residual", False)), False,
+         "SGLang's midlayer always uses the raw hidden as residual"),
+        ("hidden_act", cfg.get("hidden_act", "silu"), "silu", "SGLang's LlamaMLP supports only silu"),
+    ]
+    problems += [f"config.{k}: got {got!r}, expected {want!r} ({why})" for k, got, want, why in checks if got != want]
+    if cfg.get("draft_vocab_size") is None:
+        problems.append("config.draft_vocab_size: missing (SGLang would then take lm_head from the target)")
+    elif not 0 < int(cfg["draft_vocab_size"]) <= int(cfg["vocab_size"]):
+        problems.append(f"config.draft_vocab_size: got {cfg['draft_vocab_size']}, expected 1..{cfg['vocab_size']}")
+    h_t = int(cfg.get("target_hidden_size") or cfg["hidden_size"])
+    if NUM_AUX * h_t == int(cfg["hidden_size"]):
+        problems.append(f"config: 3 * target_hidden_size == hidden_size == {cfg['hidden_size']}; SGLang skips fc "
+                        "when the aux width equals the embedding width")
+    eagle = cfg.get("eagle_config") or {}
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    if not eagle.get("use_aux_hidden_state", True):
+        problems.append("config.eagle_config.use_aux_hidden_state: false, expected true for EAGLE-3")
+    if not isinstance(ids, list) or len(ids) != NUM_AUX:
+        problems.append(f"config.eagle_config.eagle_aux_hidden_state_layer_ids: got {ids!r}, expected a list of "
+                        f"{NUM_AUX} ids (SGLang's fc takes exactly {NUM_AUX} aux layers)")
+        return problems
+    if expected_aux_layer_ids is not None:
+        if target_num_hidden_layers is None:
+            raise ValueError("expected_aux_layer_ids needs target_num_hidden_layers (range of the layer ids)")
+        want = list(to_engine_layer_ids(expected_aux_layer_ids, SGLANG_IDS, target_num_hidden_layers))
+        if ids != want:
+            problems.append(f"config.eagle_config.eagle_aux_hidden_state_layer_ids: got {ids}, expected {want} "
+                            f"(internal {list(expected_aux_layer_ids)} - 1)")
+    if target_num_hidden_layers is not None:
+        bad = [i for i in ids if not 0 <= i + 1 <= target_num_hidden_layers - 1]
+        if bad:
+            problems.append(f"config.eagle_config.eagle_aux_hidden_state_layer_ids: {bad} capture at index id+1 "
+                            f"outside [0, {target_num_hidden_layers - 1}] for a {target_num_hidden_layers}-layer "
+                            "target (SGLang never captures after the last layer)")
+    return problems
+
+
+def _tensor_problems(root: Path, cfg: dict[str, Any]) -> list[str]:
+    path = root / "model.safetensors"
+    if not path.is_file():
+        return [f"{path}: missing (SGLang loads model.safetensors)"]
+    want = sglang_expected_tensors(cfg)
+    v, vd, h = int(cfg["vocab_size"]), int(cfg.get("draft_vocab_size") or cfg["vocab_size"]), int(cfg["hidden_size"])
+    optional = {"embed_tokens.weight": (v, h), "t2d": (v,), "d2t": (vd,)}
+    known = {**want, **optional}
+    problems, seen = [], set()
+    with safe_open(str(path), framework="pt") as f:
+        for raw in f.keys():
+            name = raw  # SGLang tries the name, then "model." + name: a "model." prefix is fine except on lm_head
+            if raw not in known and raw.startswith("model.") and raw[6:] in known and raw[6:] != "lm_head.weight":
+                name = raw[6:]
+            shape = tuple(f.get_slice(raw).get_shape())
+            expected = known.get(name)
+            if expected is None:
+                problems.append(f"{raw}: not a parameter of SGLang's {ARCH}; SGLang would silently ignore it")
+            elif shape != expected:
+                problems.append(f"{raw}: shape {shape}, expected {expected}")
+            seen.add(name)
+            if name == "d2t" and shape == expected:
+                problems += _d2t_problems(f.get_tensor(raw), v)
+    problems += [f"{name}: missing (expected shape {shape})" for name, shape in want.items() if name not in seen]
+    if vd < v and "d2t" not in seen:
+        problems.append(f"d2t: missing; draft_vocab_size {vd} < vocab_size {v} needs it for hot_token_id")
+    return problems
+
+
+def _d2t_problems(d2t: torch.Tensor, vocab_size: int) -> list[str]:
+    if d2t.dtype != torch.int64:
+        return [f"d2t: dtype {d2t.dtype}, expected torch.int64 offsets"]
+    hot = d2t + torch.arange(d2t.numel())
+    if int(hot.min()) < 0 or int(hot.max()) >= vocab_size or hot.unique().numel() != hot.numel():
+        return [f"d2t: hot_token_id = d2t + arange spans [{int(hot.min())}, {int(hot.max())}] with "
+                f"{hot.numel() - hot.unique().numel()} duplicates; expected distinct ids in [0, {vocab_size})"]
+    return []
+
+
+def check_sglang_eagle3_export(export_dir: str | Path, expected_aux_layer_ids: Sequence[int] | None = None,
+                               target_num_hidden_layers: int | None = None) -> dict[str, Any]:
+    """Validate `export_dir` against SGLang's loader; returns its config, raises SGLangContractError.
+
+    `expected_aux_layer_ids` are internal ids (HF hidden_states indices) the draft was trained on.
+    """
+    root = Path(export_dir)
+    cfg_path = root / "config.json"
+    if not cfg_path.is_file():
+        raise SGLangContractError(f"{cfg_path}: missing")
+    cfg = json.loads(cfg_path.read_text())
+    problems = _config_problems(cfg, expected_aux_layer_ids, target_num_hidden_layers)
+    if not any(p.startswith(("config.architectures", "config.model_type")) or p.endswith(": missing")
+               for p in problems):
+        problems += _tensor_problems(root, cfg)
+    if problems:
+        raise SGLangContractError(f"{root}: not loadable as SGLang {ARCH}:\n  - " + "\n  - ".join(problems))
+    return cfg

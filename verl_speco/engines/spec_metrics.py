@@ -1,0 +1,65 @@
+"""Engine acceptance counters: snapshots, per-run deltas, and the derived figures (no engine import).
+
+The formulas live in `drafters.common.metrics.AcceptanceStats` (vLLM's convention,
+v1/spec_decode/metrics.py); this module only turns cumulative engine counters into them:
+
+- mean acceptance length = 1 + num_accepted_tokens / num_drafts (the bonus or recovered token
+  counts as 1, so a draft that is never right scores 1.0 and a perfect k-token draft scores 1 + k);
+- per-position acceptance rate i = accepted_per_pos[i] / num_drafts (non-increasing in i);
+- draft acceptance rate = num_accepted_tokens / num_draft_tokens.
+
+Worked example: 4 drafts of k = 3 tokens accepting 3, 1, 0, 2 tokens -> num_accepted_tokens = 6,
+accepted_per_pos = [3, 2, 1], mean acceptance length = 1 + 6/4 = 2.5, per-position rates
+[0.75, 0.5, 0.25], draft acceptance rate 6/12 = 0.5.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from drafters.common.metrics import AcceptanceStats
+
+
+@dataclass(frozen=True)
+class SpecCounters:
+    """Cumulative engine counters at one instant; subtract two snapshots for one run's figures."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: tuple[int, ...] = ()
+
+    def __sub__(self, earlier: SpecCounters) -> SpecCounters:
+        pairs = itertools.zip_longest(self.accepted_per_pos, earlier.accepted_per_pos, fillvalue=0)
+        delta = SpecCounters(
+            num_drafts=self.num_drafts - earlier.num_drafts,
+            num_draft_tokens=self.num_draft_tokens - earlier.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens - earlier.num_accepted_tokens,
+            accepted_per_pos=tuple(a - b for a, b in pairs),
+        )
+        if min(delta.num_drafts, delta.num_draft_tokens, delta.num_accepted_tokens,
+               *delta.accepted_per_pos, 0) < 0:
+            raise ValueError(f"counters went backwards ({earlier} -> {self}): the snapshots come from "
+                             "different engines (vLLM keeps one metrics registry per process)")
+        return delta
+
+
+    def to_stats(self) -> AcceptanceStats:
+        return AcceptanceStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
+                               list(self.accepted_per_pos))
+
+
+def acceptance_summary(counters: SpecCounters) -> dict[str, Any]:
+    """Raw counters plus the derived figures above (NaN / [] where there was no draft)."""
+    stats = counters.to_stats()
+    return {
+        "num_drafts": stats.num_drafts,
+        "num_draft_tokens": stats.num_draft_tokens,
+        "num_accepted_tokens": stats.num_accepted,
+        "accepted_per_pos": list(stats.accepted_per_pos),
+        "mean_acceptance_length": stats.mean_acceptance_length,
+        "draft_acceptance_rate": stats.draft_acceptance_rate,
+        "per_position_acceptance_rate": stats.per_position_acceptance,
+    }

@@ -1,0 +1,124 @@
+"""vLLM serving for targets and drafters: the only module importing vllm (lazily, inside functions).
+
+On CPU, tests set `VLLM_ENABLE_V1_MULTIPROCESSING=0` (engine in-process, ~3 s start),
+`HF_HUB_OFFLINE=1` and `VLLM_CPU_KVCACHE_SPACE=1` (GiB) before building an engine.
+
+Acceptance counters come from vLLM's Prometheus registry (`llm.get_metrics()`), which is global
+to the process: building a second `LLM` unregisters the first one's counters. Read an engine's
+metrics while it is the newest one, and take per-run figures as the difference of two
+snapshots (`snapshot_spec_counters` before, `read_spec_metrics(llm, since=...)` after).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from verl_speco.engines.spec_metrics import SpecCounters, acceptance_summary
+
+if TYPE_CHECKING:
+    from vllm import LLM
+
+DRAFT_METHODS = ("eagle3", "eagle", "draft_model", "ngram", "dflash")
+_COUNTER_KEYS = {
+    "vllm:spec_decode_num_drafts": "num_drafts",
+    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+}
+_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
+
+def speculative_config(draft_dir: str | Path | None, method: str, num_speculative_tokens: int,
+                       **extra: Any) -> dict[str, Any] | None:
+    """The `speculative_config` dict for `LLM(...)`; None without a draft (plain decoding).
+
+    `draft_dir` may be a native or a speculators-format export: vLLM reads either config.
+    """
+    if draft_dir is None and method != "ngram":
+        return None
+    if method not in DRAFT_METHODS:
+        raise ValueError(f"method: got {method!r}, expected one of {DRAFT_METHODS}")
+    if num_speculative_tokens < 1:
+        raise ValueError(f"num_speculative_tokens: got {num_speculative_tokens}, expected >= 1")
+    spec: dict[str, Any] = {"method": method, "num_speculative_tokens": int(num_speculative_tokens), **extra}
+    if draft_dir is not None:
+        spec["model"] = str(draft_dir)
+    return spec
+
+
+def build_llm(target_dir: str | Path, draft_dir: str | Path | None = None, method: str = "eagle3",
+              num_speculative_tokens: int = 3, *, dtype: str = "float32", max_model_len: int = 512,
+              max_num_seqs: int = 8, seed: int = 0, speculative_extra: dict[str, Any] | None = None,
+              **llm_kwargs: Any) -> LLM:
+    """A CPU-friendly `vllm.LLM` for `target_dir`, speculating with `draft_dir` when given.
+
+    Eager mode (no compile/graphs), stats logging on (the acceptance counters need it), small
+    batch and context. `llm_kwargs` override any of these. A speculators-format export passed as
+    `target_dir` (no `draft_dir`) is served like `vllm serve <dir>`: vLLM loads its recorded
+    verifier as the target and takes method and token count from its `speculators_config`.
+    CPU attention supports head_dim in {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}.
+    """
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = {
+        "model": str(target_dir), "tokenizer": str(target_dir), "dtype": dtype,
+        "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "seed": seed,
+        "enforce_eager": True, "disable_log_stats": False,
+        "speculative_config": speculative_config(draft_dir, method, num_speculative_tokens,
+                                                 **(speculative_extra or {})),
+    }
+    kwargs.update(llm_kwargs)
+    return LLM(**kwargs)
+
+
+def generate(llm: LLM, prompts_token_ids: Sequence[Sequence[int]], max_tokens: int,
+             temperature: float = 0.0, *, ignore_eos: bool = True, seed: int | None = None) -> list[list[int]]:
+    """Generated token ids (prompt excluded) for each prompt, in order."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if not prompts_token_ids or any(len(p) == 0 for p in prompts_token_ids):
+        raise ValueError("prompts_token_ids: expected a non-empty list of non-empty token id lists")
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos, seed=seed)
+    prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts_token_ids]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [list(out.outputs[0].token_ids) for out in outputs]
+
+
+def snapshot_spec_counters(llm: LLM) -> SpecCounters:
+    """Cumulative acceptance counters now (summed over engine labels; zeros without speculation)."""
+    from vllm.v1.metrics.reader import Counter, Vector
+
+    totals = dict.fromkeys(_COUNTER_KEYS.values(), 0)
+    per_pos: list[int] = []
+    for metric in llm.get_metrics():
+        if isinstance(metric, Counter) and metric.name in _COUNTER_KEYS:
+            totals[_COUNTER_KEYS[metric.name]] += int(metric.value)
+        elif isinstance(metric, Vector) and metric.name == _PER_POS:
+            per_pos += [0] * (len(metric.values) - len(per_pos))
+            for i, v in enumerate(metric.values):
+                per_pos[i] += int(v)
+    return SpecCounters(accepted_per_pos=tuple(per_pos), **totals)
+
+
+def read_spec_metrics(llm: LLM, since: SpecCounters | None = None) -> dict[str, Any]:
+    """Acceptance figures (see `spec_metrics.acceptance_summary`) accumulated after `since`.
+
+    Without `since`, everything this engine counted so far.
+    """
+    now = snapshot_spec_counters(llm)
+    return acceptance_summary(now - since if since is not None else now)
+
+
+def generate_with_metrics(llm: LLM, prompts_token_ids: Sequence[Sequence[int]], max_tokens: int,
+                          temperature: float = 0.0, **kw: Any) -> tuple[list[list[int]], dict[str, Any]]:
+    """`generate` plus the acceptance figures of exactly this call."""
+    before = snapshot_spec_counters(llm)
+    outputs = generate(llm, prompts_token_ids, max_tokens, temperature, **kw)
+    return outputs, read_spec_metrics(llm, since=before)
+
+
+def shutdown(llm: LLM) -> None:
+    """Stop the engine core now (frees its KV cache) instead of waiting for garbage collection."""
+    llm.llm_engine.engine_core.shutdown()

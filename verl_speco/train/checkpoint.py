@@ -1,0 +1,179 @@
+"""Checkpoints: engine-ready export + exact trainer state, written atomically, no pickle.
+
+Layout of `<out_dir>/ckpt/step_<N>/` (written as `step_<N>.tmp`, then renamed):
+  export/                      engine-ready drafter export(s) (family.export; one sub-dir per format
+                               when several are asked for)
+  trainer/model.safetensors    full (unsharded) trainable weights + buffers, master dtype
+  trainer/optimizer.safetensors + optimizer.json   full AdamW state: tensors under "<fqn>/<key>",
+                               JSON holds param_groups (params as fqns) and non-tensor entries
+  trainer/rng_rank<r>.safetensors + rng_rank<r>.json   per-rank torch / python / numpy RNG
+  trainer/reader_rank<r>.json  per-rank StoreReader.state_dict() (the data cursor)
+  trainer/state.json           step, counters, world size, schedule, resolved config
+All ranks must see the same filesystem (multi-node: a shared `run.out_dir`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from verl_speco.train.rng import capture_rng, restore_rng
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+ExportFn = Callable[[dict[str, Tensor], Path], None]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used to resume this run."""
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    for d in [root, *[p for p in root.rglob("*") if p.is_dir()], root.parent]:
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=1, sort_keys=True))
+
+
+def _trainable_names(model: nn.Module) -> set[str]:
+    """State-dict keys of the trainer state: trainable parameters + persistent buffers."""
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    return set(model.state_dict()) - frozen
+
+
+def flatten_optimizer_state(osd: dict[str, Any]) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """{"state": {fqn: {k: v}}, "param_groups": [...]} -> (tensors "<fqn>/<k>", json rest)."""
+    tensors: dict[str, Tensor] = {}
+    scalars: dict[str, dict[str, Any]] = {}
+    for fqn, entry in osd["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, Tensor):
+                tensors[f"{fqn}/{key}"] = value.detach().cpu().contiguous()
+            else:
+                scalars.setdefault(fqn, {})[key] = value
+    groups = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()} for g in osd["param_groups"]]
+    return tensors, {"param_groups": groups, "scalars": scalars}
+
+
+def unflatten_optimizer_state(tensors: dict[str, Tensor], meta: dict[str, Any]) -> dict[str, Any]:
+    state: dict[str, dict[str, Any]] = {fqn: dict(v) for fqn, v in meta["scalars"].items()}
+    for name, value in tensors.items():
+        fqn, key = name.rsplit("/", 1)
+        state.setdefault(fqn, {})[key] = value
+    groups = [{k: (tuple(v) if k == "betas" else v) for k, v in g.items()} for g in meta["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    reader_state: dict[str, Any], trainer_state: dict[str, Any],
+                    export_fn: ExportFn, keep_last: int = 0) -> Path:
+    """Collective: every rank calls it. Returns the final `step_<N>` directory."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    final, tmp = ckpt_root / f"step_{step}", ckpt_root / f"step_{step}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp / "trainer").mkdir(parents=True)
+    dist.barrier()
+    full = cast(dict[str, Tensor],
+                get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)))
+    osd = get_optimizer_state_dict(model, optimizer,
+                                   options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    rng_tensors, rng_meta = capture_rng()
+    save_file(rng_tensors, str(tmp / "trainer" / f"rng_rank{rank}.safetensors"))
+    _write_json(tmp / "trainer" / f"rng_rank{rank}.json", rng_meta)
+    _write_json(tmp / "trainer" / f"reader_rank{rank}.json", reader_state)
+    if rank == 0:
+        keep = _trainable_names(model)
+        save_file({k: v.contiguous() for k, v in full.items() if k in keep},
+                  str(tmp / "trainer" / "model.safetensors"))
+        opt_tensors, opt_meta = flatten_optimizer_state(osd)
+        save_file(opt_tensors, str(tmp / "trainer" / "optimizer.safetensors"))
+        _write_json(tmp / "trainer" / "optimizer.json", opt_meta)
+        _write_json(tmp / "trainer" / "state.json", {**trainer_state, "step": step, "world_size": world})
+        export_fn(full, tmp / "export")
+    del full, osd
+    dist.barrier()
+    if rank == 0:
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_tree(final)
+        if keep_last > 0:
+            for old in list_checkpoints(ckpt_root)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def list_checkpoints(ckpt_root: Path) -> list[Path]:
+    """Complete checkpoints (renamed `step_<N>` dirs), oldest first; `.tmp` dirs are ignored."""
+    if not ckpt_root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in ckpt_root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def resolve_resume(resume: bool | str, ckpt_root: Path) -> Path | None:
+    """`run.resume`: false -> None; true -> latest complete checkpoint (None if none); path -> it."""
+    if resume is False:
+        return None
+    if resume is True:
+        found = list_checkpoints(ckpt_root)
+        return found[-1] if found else None
+    path = Path(resume)
+    if not (path / "trainer" / "state.json").is_file():
+        raise CheckpointError(f"run.resume={resume!r}: not a complete checkpoint directory "
+                              "(expected trainer/state.json inside)")
+    return path
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Collective. Restores weights, optimizer and this rank's RNG; returns state.json plus the
+    rank's reader state under "reader"."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    trainer = path / "trainer"
+    state: dict[str, Any] = json.loads((trainer / "state.json").read_text())
+    if state["world_size"] != world:
+        raise CheckpointError(f"{path}: saved with world_size={state['world_size']}, this run has "
+                              f"world_size={world}; exact resume needs the same number of processes")
+    weights = load_file(str(trainer / "model.safetensors"))
+    expected = _trainable_names(model)
+    if set(weights) != expected:
+        raise CheckpointError(f"{path}: weights {sorted(set(weights) ^ expected)[:8]} differ between "
+                              "the checkpoint and the model built from this config")
+    set_model_state_dict(model, cast(dict[str, Any], weights),
+                         options=StateDictOptions(full_state_dict=True, strict=False))
+    osd = unflatten_optimizer_state(load_file(str(trainer / "optimizer.safetensors")),
+                                    json.loads((trainer / "optimizer.json").read_text()))
+    set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=True))
+    restore_rng(load_file(str(trainer / f"rng_rank{rank}.safetensors")),
+                json.loads((trainer / f"rng_rank{rank}.json").read_text()))
+    state["reader"] = json.loads((trainer / f"reader_rank{rank}.json").read_text())
+    return state

@@ -1,0 +1,114 @@
+"""Training and held-out data from the Feature Store, as collated micro-batches on the device.
+
+- Training: one `StoreReader` per rank (partitioned by rank, deterministic shuffle, resumable);
+  a micro-batch is `data.micro_batch_size` consecutive samples of the rank's stream, or, with
+  `data.token_budget`, the reader's token-budget packing. Samples longer than `max_seq_len` are
+  cut to their first `max_seq_len` tokens (every per-token field alike).
+- Held-out: `data.eval_store`, or with `data.eval_fraction` > 0 the last shards of every writer
+  of `data.store` (whole shards, so the training reader can exclude them by pinning the prefix
+  `shard_set`; a writer keeps at least one shard for training). Eval reads the first
+  `eval_samples` held-out samples (rounded down to a multiple of the world size) in store order,
+  rank r taking every world_size-th one, so every rank runs the same number of forwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from feature_store import StoreIndex, StoreReader
+from feature_store.store import list_commits, load_store
+from verl_speco.train.config import DataSection
+
+Sample = dict[str, Tensor]
+
+
+def truncate(sample: Sample, max_len: int) -> Sample:
+    """Cut every per-token field ([T, ...], T = len(input_ids)) to its first `max_len` rows."""
+    t = int(sample["input_ids"].shape[0])
+    if t <= max_len:
+        return sample
+    return {k: (v[:max_len] if v.dim() >= 1 and v.shape[0] == t else v) for k, v in sample.items()}
+
+
+def train_shard_set(cfg: DataSection) -> tuple[dict[str, int] | None, list[Any]]:
+    """(shard_set pinned for training or None, held-out commit records) for `eval_fraction`.
+
+    Whole shards are held out from the tail of each writer, writers taken round-robin (sorted by
+    id), until the held-out samples reach `eval_fraction` of the store; every writer keeps its
+    first shard. Example: 4 shards of 8 samples from one writer, eval_fraction 0.25 -> train on
+    seq 0-2 (shard_set {writer: 3}), evaluate on seq 3."""
+    if cfg.eval_store is not None or cfg.eval_fraction <= 0:
+        return None, []
+    by_writer: dict[str, list[Any]] = {}
+    for c in sorted(list_commits(cfg.store), key=lambda c: (c.writer_id, c.seq)):
+        by_writer.setdefault(c.writer_id, []).append(c)
+    target = cfg.eval_fraction * sum(c.num_samples for cs in by_writer.values() for c in cs)
+    kept = {w: len(cs) for w, cs in by_writer.items()}
+    held_samples, progress = 0, True
+    while held_samples < target and progress:
+        progress = False
+        for w in sorted(by_writer):
+            if held_samples < target and kept[w] > 1:
+                kept[w] -= 1
+                held_samples += by_writer[w][kept[w]].num_samples
+                progress = True
+    held = [c for w, cs in by_writer.items() for c in cs[kept[w]:]]
+    if not held:
+        raise ValueError(f"data.eval_fraction={cfg.eval_fraction}: {cfg.store} has one shard per writer "
+                         f"({len(by_writer)} writer(s)); whole shards are held out and every writer keeps "
+                         "its first one, so nothing is left for evaluation: pass data.eval_store or write "
+                         "the store in more shards")
+    return {w: cs[kept[w] - 1].seq + 1 for w, cs in by_writer.items()}, held
+
+
+def open_train_reader(cfg: DataSection, rank: int, world_size: int, layout: Any,
+                      fields: tuple[str, ...], shard_set: dict[str, int] | None) -> StoreReader:
+    return StoreReader(cfg.store, seed=cfg.seed, rank=rank, world_size=world_size, shuffle=cfg.shuffle,
+                       expect_layout=layout, expect_fields=fields, prefetch=cfg.prefetch,
+                       verify_checksums=cfg.verify_checksums, shard_set=shard_set)
+
+
+def open_eval_index(cfg: DataSection, held: list[Any], layout: Any, fields: tuple[str, ...]) -> StoreIndex | None:
+    if cfg.eval_store is not None:
+        index = StoreIndex.open(cfg.eval_store, verify_checksums=cfg.verify_checksums)
+    elif held:
+        index = StoreIndex(cfg.store, load_store(cfg.store), held, verify_checksums=cfg.verify_checksums)
+    else:
+        return None
+    index.schema.layout.check_matches(layout)
+    index.schema.check_fields(fields)
+    return index
+
+
+def micro_batches(reader: StoreReader, cfg: DataSection) -> Iterator[list[Sample]]:
+    """Endless stream of this rank's micro-batches (lists of truncated samples)."""
+    if cfg.token_budget is not None:
+        for group in reader.iter_batches(cfg.token_budget):
+            yield [truncate(s, cfg.max_seq_len) for s in group]
+        return
+    stream = reader.iter_samples()
+    while True:
+        yield [truncate(next(stream), cfg.max_seq_len) for _ in range(cfg.micro_batch_size)]
+
+
+def eval_batches(index: StoreIndex, cfg: DataSection, rank: int, world_size: int) -> Iterator[list[Sample]]:
+    """This rank's held-out micro-batches; every rank yields the same number of batches."""
+    n = (min(cfg.eval_samples, index.num_samples) // world_size) * world_size
+    mine = list(range(rank, n, world_size))
+    for i in range(0, len(mine), cfg.micro_batch_size):
+        yield [truncate(index.sample(g, copy=True), cfg.max_seq_len) for g in mine[i:i + cfg.micro_batch_size]]
+
+
+def to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def count_tokens(batch: dict[str, Tensor]) -> Tensor:
+    """Real (unpadded) tokens of a collated batch, a 0-d tensor on the batch's device."""
+    if "attention_mask" in batch:
+        return batch["attention_mask"].sum()
+    return torch.tensor(batch["input_ids"].numel(), device=batch["input_ids"].device)

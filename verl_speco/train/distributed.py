@@ -1,0 +1,118 @@
+"""Process group, device and FSDP2 setup for the trainer (applied from outside the model code).
+
+- device: auto -> cuda if available, else npu (torch_npu, probed in a guarded import), else cpu.
+- backend: auto -> nccl (cuda) | hccl (npu) | gloo (cpu).
+- Under torchrun (RANK/WORLD_SIZE set) the env:// rendezvous is used; a plain single process
+  gets a private in-memory store, so the same FSDP2 code path runs with world size 1.
+- FSDP2: each maximal submodule whose parameters are all trainable becomes one `fully_shard`
+  unit, then the root is sharded with every frozen parameter outside those units ignored
+  (`ignored_params`): frozen target pieces (embedding, target head) stay replicated, plain
+  tensors, and the root owns any trainable parameter held directly by a mixed module.
+  Gradients are SUM-reduced (divide factor 1): the objective is already normalised by the
+  global denominators, so summing over ranks gives the global-batch gradient.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from verl_speco.device import npu_device_count
+from verl_speco.train.config import TrainerConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _npu_available() -> bool:
+    return npu_device_count() > 0
+
+
+def resolve_device(name: str) -> torch.device:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else ("npu" if _npu_available() else "cpu")
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("run.device=cuda but torch.cuda.is_available() is False")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    if name == "npu":
+        if not _npu_available():
+            raise RuntimeError("run.device=npu but torch_npu is not importable or no NPU is visible")
+        torch.npu.set_device(local_rank)  # type: ignore[attr-defined]
+        return torch.device("npu", local_rank)
+    if name != "cpu":
+        raise ValueError(f"run.device={name!r}: expected auto, cpu, cuda or npu")
+    return torch.device("cpu")
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    if name != "auto":
+        return name
+    return {"cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")
+
+
+def init_distributed(cfg: TrainerConfig) -> tuple[torch.device, bool]:
+    """Initialise the default process group; returns (device, whether this call created it)."""
+    device = resolve_device(cfg.run.device)
+    if dist.is_initialized():
+        return device, False
+    backend = resolve_backend(cfg.dist.backend, device)
+    timeout = datetime.timedelta(seconds=cfg.dist.timeout_s)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return device, True
+
+
+def _all_trainable(module: nn.Module) -> bool:
+    params = list(module.parameters())
+    return bool(params) and all(p.requires_grad for p in params)
+
+
+def _shard_units(module: nn.Module) -> list[nn.Module]:
+    """Maximal submodules whose parameters are all trainable (pre-order)."""
+    units: list[nn.Module] = []
+    for child in module.children():
+        if _all_trainable(child):
+            units.append(child)
+        elif any(p.requires_grad for p in child.parameters()):
+            units.extend(_shard_units(child))
+    return units
+
+
+def apply_fsdp(model: nn.Module, device: torch.device, cfg: TrainerConfig) -> list[nn.Module]:
+    """Shard `model` in place with FSDP2; returns the FSDP units (the root last)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy()
+    if cfg.run.mixed_precision is not None:
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.run.mixed_precision], reduce_dtype=torch.float32)
+    reshard = cfg.dist.reshard_after_forward
+    units = [] if _all_trainable(model) else _shard_units(model)
+    covered = {id(p) for u in units for p in u.parameters()}
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    frozen = {p for p in model.parameters() if not p.requires_grad and id(p) not in covered}
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=frozen or None)
+    units.append(model)
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+        unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+    return units
+
+
+def all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Sum over ranks (on `device`: NCCL/HCCL need device tensors, gloo CPU ones)."""
+    wide = torch.float32 if device.type == "npu" else torch.float64  # HCCL: no float64
+    out = t.detach().to(device=device, dtype=wide if t.is_floating_point() else t.dtype).clone()
+    if dist.get_world_size() > 1:
+        dist.all_reduce(out)
+    return out

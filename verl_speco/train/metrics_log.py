@@ -1,0 +1,88 @@
+"""Rank-0 metric sinks: JSONL (one record per logged step), TensorBoard, a tqdm progress bar.
+
+JSONL records: {"step": N, "kind": "train"|"eval", <metric>: float, ...}. On resume from step K
+the file is rewritten to drop records with step > K, so it reads as one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def truncate_jsonl(path: Path, last_step: int) -> None:
+    """Keep only records with step <= last_step (a resumed run rewrites what follows)."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= last_step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
+
+
+def read_jsonl(path: str | Path, kind: str | None = "train") -> list[dict[str, Any]]:
+    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [r for r in records if kind is None or r.get("kind") == kind]
+
+
+class MetricsLogger:
+    """Every rank may construct it; only `enabled` (rank 0) writes anything."""
+
+    def __init__(self, out_dir: Path, enabled: bool, start_step: int, total_steps: int,
+                 tensorboard: bool = True, progress_bar: bool = True) -> None:
+        self.enabled = enabled
+        self.path = out_dir / "metrics.jsonl"
+        self._tb: Any = None
+        self._bar: Any = None
+        if not enabled:
+            return
+        out_dir.mkdir(parents=True, exist_ok=True)
+        truncate_jsonl(self.path, start_step)
+        self._file = self.path.open("a")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(out_dir / "tensorboard"), purge_step=start_step + 1)
+        if progress_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="draft-train", dynamic_ncols=True)
+
+    def log(self, step: int, kind: str, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, "kind": kind, **{k: _jsonable(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    self._tb.add_scalar(f"{kind}/{key}", value, step)
+        if self._bar is not None and kind == "train":
+            self._bar.set_postfix(loss=f"{metrics.get('loss', float('nan')):.4f}",
+                                  lr=f"{metrics.get('lr', 0.0):.2e}", refresh=False)
+        if self._bar is not None and kind == "eval":
+            self._bar.write(f"step {step} eval: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+
+    def advance(self, n: int = 1) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _jsonable(value: Any) -> Any:
+    """floats stay floats (NaN/inf written as strings JSON can hold); ints stay ints."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value

@@ -1,0 +1,142 @@
+"""One optimizer step over a rank's micro-batches, and held-out evaluation (global-batch normalised).
+
+Normalisation (docs/internals.md): a family returns per-term sums; the global-batch loss is
+    L = sum_s w_s * (sum over micro-batches m and ranks r of num_{m,r,s}) / D_s,
+    D_s = sum over m, r of den_{m,r,s}.
+Each rank forwards its micro-batches, all-reduces the summed denominators, and back-propagates
+sum_m sum_s w_s * num_{m,s} / D_s. FSDP2 SUM-reduces gradients (distributed.apply_fsdp), so the
+gradient is exactly dL/dθ whatever the split over ranks and micro-batches: with 2 terms, one rank
+holding num (3, 1) / den (2, 1) and another (1, 1) / (2, 1), D = (4, 2) and both the 1-process
+and 2-process runs optimise w_0 * 4/4 + w_1 * 2/2.
+A step whose global loss or gradient norm is not finite is skipped (no optimizer update, gradients
+zeroed); all ranks see the same reduced values, so they agree on skipping.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from verl_speco.train.data import count_tokens, to_device
+from verl_speco.train.distributed import all_reduce_sum
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    skipped: bool
+    tokens: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _metric_pack(outs: Sequence[Any]) -> tuple[list[str], Tensor]:
+    """Names and [2, M] (sums; counts) of the objective metrics summed over micro-batches (on the
+    metrics' device: no host sync here)."""
+    names = sorted(outs[0].metrics)
+    if not names:
+        return names, outs[0].numerators.new_zeros(2, 0).detach().float()
+    per_micro = [torch.stack([torch.stack([o.metrics[n][i].detach().float() for n in names]) for i in (0, 1)])
+                 for o in outs]
+    return names, torch.stack(per_micro).sum(0)
+
+
+def _ratios(names: list[str], sums: Tensor) -> dict[str, float]:
+    return {n: (float(sums[0, i] / sums[1, i]) if float(sums[1, i]) > 0 else float("nan"))
+            for i, n in enumerate(names)}
+
+
+def _grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
+    """Global grad norm (DTensor-aware); clips in place when `max_norm` > 0."""
+    with_grad = [p for p in params if p.grad is not None]
+    if not with_grad:
+        return 0.0
+    norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm if max_norm > 0 else float("inf"))
+    full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    return float(full)
+
+
+def _fork_rng(device: torch.device) -> Any:
+    """Run a pass without moving the RNG streams the real pass will use."""
+    if device.type == "cpu":
+        return torch.random.fork_rng(devices=[])
+    return torch.random.fork_rng(devices=[device.index or 0], device_type=device.type)
+
+
+def _backward(model: nn.Module, family: Any, batches: list[dict[str, Tensor]], mode: str,
+              device: torch.device) -> tuple[Tensor, list[Any]]:
+    """Back-propagate the globally normalised loss; returns (this rank's loss part, outputs)."""
+    if mode == "retain":  # keep every micro-batch's graph until the denominators are known
+        outs = [family.objective(model, b) for b in batches]
+        global_den = all_reduce_sum(torch.stack([o.denominators.detach() for o in outs]).sum(0), device)
+        local_loss = torch.stack([o.loss(global_den) for o in outs]).sum()
+        local_loss.backward()
+        return local_loss.detach(), outs
+    with torch.no_grad(), _fork_rng(device):  # "prepass": denominators first, one extra forward
+        dens = torch.stack([family.objective(model, b).denominators for b in batches]).sum(0)
+    global_den = all_reduce_sum(dens, device)
+    parts, outs = [], []
+    for b in batches:  # then forward + backward one micro-batch at a time (constant memory)
+        out = family.objective(model, b)
+        part = out.loss(global_den)
+        part.backward()
+        out.numerators = out.numerators.detach()
+        parts.append(part.detach())
+        outs.append(out)
+    return torch.stack(parts).sum(), outs
+
+
+def train_step(model: nn.Module, family: Any, micro: Sequence[list[dict[str, Tensor]]],
+               optimizer: torch.optim.Optimizer, grad_clip: float, device: torch.device,
+               mode: str = "retain") -> StepResult:
+    """Forward every micro-batch, normalise by the global denominators, backward, clip, step.
+
+    mode "retain": one backward over all micro-batches (memory grows with grad_accum);
+    mode "prepass": a no-grad pass for the denominators, then one backward per micro-batch."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    batches = [to_device(family.collate(samples), device) for samples in micro]
+    local_loss, outs = _backward(model, family, batches, mode, device)
+    names, msums = _metric_pack(outs)
+    tokens = torch.stack([count_tokens(b) for b in batches]).sum()
+    packed = torch.cat([torch.stack([local_loss.float(), tokens.float()]), msums.reshape(-1)])
+    packed = all_reduce_sum(packed, device).cpu()
+    loss = float(packed[0])
+    grad_norm = _grad_norm(params, grad_clip)
+    skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+    if not skipped:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    metrics = _ratios(names, packed[2:].reshape(2, -1))
+    return StepResult(loss, grad_norm, skipped, int(packed[1]), metrics)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, family: Any, micro: Iterable[list[dict[str, Tensor]]],
+             device: torch.device) -> dict[str, float]:
+    """Held-out loss (global normalisation) and the objective metrics, incl. `sim_accept_len`.
+
+    Every rank must pass the same number of micro-batches; returns {} when there are none."""
+    was_training = model.training
+    model.eval()
+    outs = []
+    for samples in micro:
+        out = family.objective(model, to_device(family.collate(samples), device))
+        out.numerators = out.numerators.detach()
+        outs.append(out)
+    model.train(was_training)
+    if not outs:
+        return {}
+    nums = torch.stack([o.numerators for o in outs]).sum(0).float()
+    dens = torch.stack([o.denominators for o in outs]).sum(0).float()
+    names, msums = _metric_pack(outs)
+    s = nums.numel()
+    packed = all_reduce_sum(torch.cat([nums, dens, msums.reshape(-1)]), device).cpu().double()
+    nums, dens = packed[:s], packed[s:2 * s]
+    weights = outs[0].weights.double().cpu()
+    terms = torch.where(dens > 0, nums / dens.clamp_min(1e-30), torch.zeros_like(nums))
+    return {"loss": float((weights * terms).sum()), **_ratios(names, packed[2 * s:].reshape(2, -1))}
