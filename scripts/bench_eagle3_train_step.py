@@ -31,8 +31,14 @@ resident set trimmed (malloc_trim) and the kernel's peak RSS (VmHWM) reset throu
 /proc/self/clear_refs; reported as peak - resident before the step (n/a where the kernel
 refuses). With --warmup 1 that step also allocates the AdamW state (same size on both sides).
 
+Timing: warmup steps, then `--steps` timed steps per side, interleaved (ours, speculators, then
+speculators, ours, ...); the ratio is of the median wall-clock step times. "step CPU time" is the
+process CPU time of a step: a load-robust cross-check on a shared machine with `--threads 1`
+(with more threads it also counts OpenMP spin-waiting).
+
 Usage:
-    .venv/bin/python scripts/bench_eagle3_train_step.py            # ~1-2 min on 2 cores
+    .venv/bin/python scripts/bench_eagle3_train_step.py            # ~10 s CPU per step and side: ~1.5-2 min
+                                                                   # on 2 idle cores, longer on a loaded box
     .venv/bin/python scripts/bench_eagle3_train_step.py --quick    # smoke run (tiny shapes)
 """
 
@@ -298,7 +304,6 @@ def peak_rss_delta_mb(fn: Callable[[], None]) -> float | None:
 # ----------------------------------------------------------------------------- loss check
 
 def check_losses(args: argparse.Namespace, ours: Eagle3Model, batch: dict[str, torch.Tensor],
-                 spec_model: torch.nn.Module, spec_batch: dict[str, torch.Tensor],
                  spec_forward: Callable[[], tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> bool:
     """Same weights, same rows: ours_j (soft CE) - H_j (masked mean target entropy) == speculators_j (KL)."""
     with torch.no_grad(), autocast(args.dtype):
@@ -362,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
           f"threads={torch.get_num_threads()} steps={args.steps} warmup={args.warmup} "
           f"prompt_frac={args.prompt_frac} "
           f"lm_head={'frozen' if args.frozen_lm_head else 'trained'}")
-    losses_ok = check_losses(args, ours, batch, spec_model, spec_batch, spec_forward)
+    losses_ok = check_losses(args, ours, batch, spec_forward)
 
     sides = [Side("ours", ours, ours_loss), Side("speculators", spec_model, spec_loss)]
     for i in range(max(args.warmup, 0 if args.no_memory else 1)):
@@ -395,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'loss last timed step':<28}{ours_side.losses[-1]:>14.4f}{spec_side.losses[-1]:>14.4f}")
     ratio = med["ours"]["step"] / med["speculators"]["step"]
     verdict = "goal met" if ratio <= GOAL else ("within limit, above goal" if ratio <= LIMIT else "OVER LIMIT")
-    print(f"\nratio ours/speculators = {ratio:.2f} (goal <= {GOAL}, must be <= {LIMIT})  [{verdict}]")
+    print(f"\nratio ours/speculators = {ratio:.2f} (goal <= {GOAL}, must be <= {LIMIT})")
+    print(f"verdict: {verdict}")
     if not losses_ok:
         print("loss check: MISMATCH (see table above)")
     return 0 if losses_ok and all(math.isfinite(x) for s in sides for x in s.losses) else 1

@@ -84,9 +84,26 @@ def reference_acceptance(target_dir: str | Path, export_dir: str | Path, prompts
     return {**_summary(total), "outputs": outputs}
 
 
-def vllm_acceptance(target_dir: str | Path, export_dir: str | Path, prompts: EvalPrompts, k: int,
+def export_untrained_like(export_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
+                          seed: int = 0) -> Path:
+    """A freshly initialised drafter with the same shapes and vocab map as `export_dir`, exported
+    the same way: the baseline a trained drafter must beat."""
+    head = TargetHead.from_pretrained(target_dir)
+    trained = load_eagle3_drafter(export_dir, head)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        fresh = FAMILY.build(trained.cfg, head, StoreStats(token_counts=trained.t2d.to(torch.float32)))
+    fresh.load_state_dict({"d2t": trained.d2t, "t2d": trained.t2d}, strict=False)
+    return FAMILY.export(fresh, trained.cfg, head.spec, out_dir)
+
+
+def vllm_acceptance(target_dir: str | Path, drafts: dict[str, Path], prompts: EvalPrompts, k: int,
                     max_new_tokens: int, reference_outputs: list[list[int]] | None = None) -> dict[str, Any]:
-    """Serve the target in vLLM without, then with, the drafter; greedy; vLLM's own counters."""
+    """Serve the target in vLLM without, then with, each drafter; greedy; vLLM's own counters.
+
+    Returns {draft name: acceptance summary + `lossless` (outputs identical to plain decoding)
+    + `matches_reference_outputs`}. One engine at a time: vLLM keeps one metrics registry per process.
+    """
     from verl_speco.engines import vllm_engine
 
     def _cut(seqs: list[list[int]]) -> list[list[int]]:
@@ -98,14 +115,15 @@ def vllm_acceptance(target_dir: str | Path, export_dir: str | Path, prompts: Eva
         plain = _cut(vllm_engine.generate(llm, prompts.token_ids, max_new_tokens, ignore_eos=False))
     finally:
         vllm_engine.shutdown(llm)
-    llm = vllm_engine.build_llm(target_dir, export_dir, method="eagle3", num_speculative_tokens=k)
-    try:
-        spec_out, metrics = vllm_engine.generate_with_metrics(llm, prompts.token_ids, max_new_tokens,
+    report: dict[str, Any] = {}
+    for name, draft_dir in drafts.items():
+        llm = vllm_engine.build_llm(target_dir, draft_dir, method="eagle3", num_speculative_tokens=k)
+        try:
+            out, metrics = vllm_engine.generate_with_metrics(llm, prompts.token_ids, max_new_tokens,
                                                              ignore_eos=False)
-    finally:
-        vllm_engine.shutdown(llm)
-    spec = _cut(spec_out)
-    report = dict(metrics)
-    report["lossless"] = plain == spec
-    report["matches_reference_outputs"] = None if reference_outputs is None else reference_outputs == spec
+        finally:
+            vllm_engine.shutdown(llm)
+        spec = _cut(out)
+        report[name] = {**metrics, "lossless": plain == spec,
+                        "matches_reference_outputs": None if reference_outputs is None else reference_outputs == spec}
     return report

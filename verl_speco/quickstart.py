@@ -15,15 +15,17 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from verl_speco.evaluation import EvalPrompts, reference_acceptance, vllm_acceptance
+from verl_speco.evaluation import EvalPrompts, export_untrained_like, reference_acceptance, vllm_acceptance
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,12 +68,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     eval_jsonl = write_prompt_dataset(out / "data" / "eval.jsonl", args.eval_prompts, split="test", seed=args.seed)
     stores = {}
     for name, data in (("train", train_jsonl), ("eval", eval_jsonl)):
-        store = out / "stores" / name
-        if not (store / "store.json").exists():
+        store = out / "stores" / target.name / name  # features belong to one target build
+        done = store.parent / f"{name}.collected.json"  # written once the whole store is collected
+        if not done.exists():
+            shutil.rmtree(store, ignore_errors=True)
             summary = collect_features(target, data, store, algorithm="eagle3", generate=True,
                                        max_new_tokens=args.max_new_tokens, seed=args.seed,
                                        batch_size=args.collect_batch_size)
             print(f"[quickstart] collected {name}: {summary}", flush=True)
+            done.write_text(json.dumps(dataclasses.asdict(summary)))
         stores[name] = store
     t = _stage("features collected", t)
 
@@ -93,8 +98,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     reference_outputs = report["reference"].pop("outputs")
     t = _stage("reference decoder evaluated", t)
     if not args.skip_vllm:
-        report["vllm"] = vllm_acceptance(target, export_dir, prompts, args.num_speculative_tokens,
-                                         args.max_new_tokens, reference_outputs)
+        untrained = export_untrained_like(export_dir, target, out / "untrained_export", seed=args.seed)
+        report["vllm"] = vllm_acceptance(target, {"trained": export_dir, "untrained": untrained}, prompts,
+                                         args.num_speculative_tokens, args.max_new_tokens, reference_outputs)
         t = _stage("vLLM evaluated", t)
     report["total_seconds"] = round(time.perf_counter() - t_start, 1)
     return report
@@ -105,23 +111,25 @@ def _at(values: list[float], i: int) -> float:
 
 
 def _print_report(report: dict[str, Any]) -> None:
-    ref, vl = report["reference"], report.get("vllm")
+    ref, vl = report["reference"], report.get("vllm", {})
     k = report["num_speculative_tokens"]
+    cols = [("vLLM trained", vl.get("trained")), ("reference", ref), ("vLLM untrained", vl.get("untrained"))]
     print(f"\nEAGLE-3 drafter on the embedded target, k={k}, temperature 0")
-    print(f"{'':28s}{'vLLM (CPU)':>14s}{'reference':>14s}")
-    rows = [("mean acceptance length", "mean_acceptance_length"), ("draft acceptance rate", "draft_acceptance_rate"),
-            ("drafts", "num_drafts"), ("accepted tokens", "num_accepted_tokens")]
-    pos = "per_position_acceptance_rate"
-    for label, key in rows:
-        v = "-" if vl is None else f"{vl[key]:.3f}" if isinstance(vl[key], float) else str(vl[key])
-        r = f"{ref[key]:.3f}" if isinstance(ref[key], float) else str(ref[key])
-        print(f"{label:28s}{v:>14s}{r:>14s}")
+    print(f"{'':28s}" + "".join(f"{name:>16s}" for name, _ in cols))
+
+    def row(label: str, get: Any) -> None:
+        cells = ["-" if c is None else get(c) for _, c in cols]
+        print(f"{label:28s}" + "".join(f"{c:>16s}" for c in cells))
+
+    row("mean acceptance length", lambda c: f"{c['mean_acceptance_length']:.3f}")
+    row("draft acceptance rate", lambda c: f"{c['draft_acceptance_rate']:.3f}")
+    row("drafts", lambda c: str(c["num_drafts"]))
+    row("accepted tokens", lambda c: str(c["num_accepted_tokens"]))
     for i in range(k):
-        v = "-" if vl is None else f"{_at(vl[pos], i):.3f}"
-        print(f"{f'acceptance at position {i + 1}':28s}{v:>14s}{_at(ref[pos], i):>14.3f}")
-    if vl is not None:
-        print(f"greedy outputs identical with/without speculative decoding: {vl['lossless']}")
-        print(f"outputs identical to the reference decoder: {vl['matches_reference_outputs']}")
+        row(f"acceptance at position {i + 1}", lambda c, i=i: f"{_at(c['per_position_acceptance_rate'], i):.3f}")
+    for name, c in vl.items():
+        print(f"vLLM {name}: greedy outputs identical with/without speculative decoding: {c['lossless']}; "
+              f"identical to the reference decoder: {c['matches_reference_outputs']}")
     print(f"total: {report['total_seconds']}s")
 
 
@@ -137,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _print_report(report)
     out = Path(args.out) / "report.json"
     out.write_text(json.dumps(report, indent=2))
-    ok = report.get("vllm", {}).get("lossless", True)
+    ok = all(c["lossless"] for c in report.get("vllm", {}).values())
     return 0 if ok else 1
 
 

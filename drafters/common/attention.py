@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from drafters.common.masks import AttentionMask
+from drafters.common.masks import AttentionMask, TTTAttentionMask
 
 AttnBackend = Literal["auto", "sdpa", "flex"]
 BACKENDS: tuple[str, ...] = ("auto", "sdpa", "flex")
@@ -65,6 +65,106 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask | None, backend:
                          f"tensors have ({q.shape[2]}, {k.shape[2]})")
     if resolve_backend(backend, q.device) == "flex":
         return _flex(q, k, v, mask)
+    if isinstance(mask, TTTAttentionMask) and q.device.type == "cpu" and _CPU_FLASH is not None:
+        return ttt_sdpa(q, k, v, mask)
     dense = None if mask is None else mask.dense(q.device)
     gqa = q.shape[1] != k.shape[1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=gqa)
+
+
+# ----------------------------------------------------------------------------- TTT fast path (CPU)
+# At TTT step j the dense mask has (j + 1) * T keys per query but only t + 1 + j of them are
+# visible: the causal step-0 block and one diagonal key per later step. SDPA over the dense mask
+# costs (j + 1) * T^2 per step (sum over 7 steps: 28 T^2). Here: flash attention over the step-0
+# block only (is_causal when no key is padded: T^2 / 2) plus the j diagonal scores, merged with
+# the step-0 log-sum-exp: out = e^(lse0 - lse) * out0 + sum_i e^(d_i - lse) * v_i. The backward
+# reuses the flash backward with the MERGED (out, lse), which gives the gradients of the full
+# softmax restricted to the step-0 keys; the diagonal terms are added in closed form.
+
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_CPU_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+class _TTTAttention(torch.autograd.Function):
+    """Softmax attention of q [B, Hq, Tq, D] over the union of flash-attention key blocks and one
+    diagonal key per query per earlier step (kd/vd [B, Hkv, j, Tq, D]). A block is (k, v
+    [B, Hkv, Tk, D], additive mask [B, 1, Tq, Tk] or None, causal flag); `tensors` lists k, v,
+    mask per block, `causal` the flags. Returns [B, Hq, Tq, D]."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, kd: Tensor, vd: Tensor, scale: float, causal: tuple[bool, ...],
+                *tensors: Tensor | None) -> Tensor:
+        assert _CPU_FLASH is not None
+        outs, lses = [], []
+        for i, is_causal in enumerate(causal):
+            k, v, m = tensors[3 * i: 3 * i + 3]
+            o, lse_b = _CPU_FLASH(q, k, v, 0.0, is_causal, attn_mask=m, scale=scale)
+            outs.append(o)
+            lses.append(lse_b)
+        acc = lses[0].dtype  # float32 for bf16/fp16/fp32 inputs, float64 for float64
+        groups = q.shape[1] // kd.shape[1]
+        kr, vr = kd.repeat_interleave(groups, 1).to(acc), vd.repeat_interleave(groups, 1).to(acc)
+        d = torch.einsum("bhtd,bhjtd->bhjt", q.to(acc), kr) * scale  # [B, Hq, j, Tq]
+        lse = torch.logsumexp(torch.cat([torch.stack(lses, 2), d], 2), 2)  # [B, Hq, Tq]
+        out = torch.einsum("bhjt,bhjtd->bhtd", torch.exp(d - lse[:, :, None]), vr)
+        for o, lse_b in zip(outs, lses):
+            out = out + torch.exp(lse_b - lse)[..., None] * o.to(acc)
+        out = out.to(q.dtype)
+        ctx.scale, ctx.causal = scale, causal
+        ctx.save_for_backward(q, kd, vd, out, lse, *tensors)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        assert _CPU_FLASH_BWD is not None
+        q, kd, vd, out, lse, *tensors = ctx.saved_tensors
+        scale = ctx.scale
+        grad = grad.contiguous()
+        acc, hkv, groups = lse.dtype, kd.shape[1], q.shape[1] // kd.shape[1]
+        kr, vr = kd.repeat_interleave(groups, 1).to(acc), vd.repeat_interleave(groups, 1).to(acc)
+        q32, g32 = q.to(acc), grad.to(acc)
+        wd = torch.exp(torch.einsum("bhtd,bhjtd->bhjt", q32, kr) * scale - lse[:, :, None])  # [B, Hq, j, Tq]
+        delta = (g32 * out.to(acc)).sum(-1)  # [B, Hq, Tq]
+        dd = wd * (torch.einsum("bhtd,bhjtd->bhjt", g32, vr) - delta[:, :, None])
+        gq = scale * torch.einsum("bhjt,bhjtd->bhtd", dd, kr)
+        gkd = (scale * dd[..., None] * q32[:, :, None]).unflatten(1, (hkv, groups)).sum(2).to(kd.dtype)
+        gvd = (wd[..., None] * g32[:, :, None]).unflatten(1, (hkv, groups)).sum(2).to(vd.dtype)
+        block_grads: list[Tensor | None] = []
+        for i, is_causal in enumerate(ctx.causal):
+            k, v, m = tensors[3 * i: 3 * i + 3]
+            # flash backward with the MERGED (out, lse): gradients of the full softmax on this block
+            gq_b, gk, gv = _CPU_FLASH_BWD(grad, q, k, v, out, lse, 0.0, is_causal, attn_mask=m, scale=scale)
+            gq = gq + gq_b.to(acc)
+            block_grads += [gk, gv, None]
+        return (gq.to(q.dtype), gkd, gvd, None, None, *block_grads)
+
+
+def ttt_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: TTTAttentionMask) -> Tensor:
+    """Same result as SDPA over `mask.dense()` (forward and backward), without the dense keys.
+
+    Keys: step 0 as flash blocks (no padding: keys before q_offset unmasked + keys from q_offset
+    on with is_causal; padding: one block with the step-0 mask), steps 1..j as diagonals.
+    """
+    t, lo, steps = mask.key_valid.shape[1], mask.q_offset, mask.step
+    if k.shape[2] != (steps + 1) * t:
+        raise ValueError(f"keys: {k.shape[2]}, expected (step + 1) * T = {(steps + 1) * t}")
+    kd = k[:, :, t:].unflatten(2, (steps, t))[:, :, :, lo:]
+    vd = v[:, :, t:].unflatten(2, (steps, t))[:, :, :, lo:]
+    k0, v0 = k[:, :, :t], v[:, :, :t]
+    blocks: list[tuple[Tensor, Tensor, Tensor | None, bool]] = []
+    if bool(mask.key_valid.all()):
+        if lo:
+            blocks.append((k0[:, :, :lo], v0[:, :, :lo], None, False))
+        blocks.append((k0[:, :, lo:], v0[:, :, lo:], None, True))
+    else:
+        blocks.append((k0, v0, _additive(mask.step0_dense(q.device), q.dtype), False))
+    tensors: list[Tensor | None] = []
+    for bk, bv, bm, _ in blocks:
+        tensors += [bk.contiguous(), bv.contiguous(), bm]
+    out: Tensor = _TTTAttention.apply(q.contiguous(), kd, vd, q.shape[-1] ** -0.5,
+                                      tuple(b[3] for b in blocks), *tensors)
+    return out

@@ -87,10 +87,12 @@ class SelfAttention(nn.Module):
         self.rotary = RotaryEmbedding(head_dim, rope_theta)
 
     def forward(self, x: Tensor, position_ids: Tensor, mask: AttentionMask | None,
-                kv_before: KV | None = None, backend: str = "auto") -> tuple[Tensor, KV]:
+                kv_before: KV | None = None, backend: str = "auto", q_offset: int = 0) -> tuple[Tensor, KV]:
         """x [B, T, in], position_ids [B, T] -> (out [B, T, H], this call's (k, v) [B, Hkv, T, D]).
 
         Attention runs over keys cat(kv_before, this call's keys) along the key axis.
+        q_offset > 0: x holds sequence rows q_offset.. only; this call's keys/values are returned
+        (and attended) front-padded with q_offset zero rows, so every step keeps T keys.
         """
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
@@ -98,6 +100,8 @@ class SelfAttention(nn.Module):
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = self.rotary(position_ids)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if q_offset:
+            k, v = F.pad(k, (0, 0, q_offset, 0)), F.pad(v, (0, 0, q_offset, 0))
         k_all, v_all = (k, v) if kv_before is None else (
             torch.cat([kv_before[0], k], dim=2), torch.cat([kv_before[1], v], dim=2))
         out = attend(q, k_all, v_all, mask, backend)  # [B, Hq, T, D]
@@ -116,7 +120,7 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(hidden_size, intermediate_size)
 
     def forward(self, h: Tensor, position_ids: Tensor, mask: AttentionMask | None,
-                kv_before: KV | None = None, backend: str = "auto") -> tuple[Tensor, KV]:
-        attn, kv = self.self_attn(self.input_layernorm(h), position_ids, mask, kv_before, backend)
+                kv_before: KV | None = None, backend: str = "auto", q_offset: int = 0) -> tuple[Tensor, KV]:
+        attn, kv = self.self_attn(self.input_layernorm(h), position_ids, mask, kv_before, backend, q_offset)
         h = h + attn
         return h + self.mlp(self.post_attention_layernorm(h)), kv

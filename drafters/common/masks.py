@@ -58,29 +58,54 @@ class AttentionMask:
         return out.expand(self.batch, 1, self.q_len, self.kv_len).to(torch.bool)
 
 
-def ttt_mask_mod(key_valid: Tensor) -> MaskMod:
-    """TTT mask function for keys laid out step-major (kv = step * T + s); key_valid: bool [B, T]."""
+def ttt_mask_mod(key_valid: Tensor, q_offset: int = 0) -> MaskMod:
+    """TTT mask function for keys laid out step-major (kv = step * T + s); key_valid: bool [B, T].
+
+    q_offset: query row q_idx stands for sequence position q_idx + q_offset (TTT steps that only
+    compute the rows from q_offset on; the key layout is unchanged).
+    """
     seq_len = key_valid.shape[1]
     valid = key_valid.to(torch.bool)
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        q_pos = q_idx + q_offset
         step = kv_idx // seq_len
         pos = kv_idx % seq_len
-        causal_step0 = (step == 0) & (pos <= q_idx) & valid[b, pos]
-        return causal_step0 | (pos == q_idx)
+        causal_step0 = (step == 0) & (pos <= q_pos) & valid[b, pos]
+        return causal_step0 | (pos == q_pos)
 
     return mask_mod
 
 
-def ttt_attention_mask(key_valid: Tensor, step: int) -> AttentionMask:
-    """Mask for TTT step `step` (0-based): queries [B, T] against (step + 1) * T keys.
+@dataclass
+class TTTAttentionMask(AttentionMask):
+    """The TTT mask plus its structure, so SDPA can skip the (step * T) mostly-masked keys:
+    key_valid bool [B, T]; step j (keys = step-0 block + j diagonal blocks, T each); queries are
+    the rows q_offset..T-1 (q_len = T - q_offset)."""
+
+    key_valid: Tensor
+    step: int
+    q_offset: int
+
+    def step0_dense(self, device: torch.device | str = "cpu") -> Tensor:
+        """bool [B, 1, Tq, T]: the step-0 key block of `dense()` (causal over real keys, plus the diagonal)."""
+        return AttentionMask(self.mask_mod, self.batch, self.q_len, self.key_valid.shape[1]).dense(device)
+
+
+def ttt_attention_mask(key_valid: Tensor, step: int, q_offset: int = 0) -> TTTAttentionMask:
+    """Mask for TTT step `step` (0-based): queries (rows q_offset..T-1 of [B, T]) against
+    (step + 1) * T keys.
 
     Step 0 is the ordinary causal mask with padded keys hidden.
     """
     if step < 0:
         raise ValueError(f"step: got {step}, expected >= 0")
     batch, seq_len = key_valid.shape
-    return AttentionMask(ttt_mask_mod(key_valid), batch, seq_len, (step + 1) * seq_len)
+    if not 0 <= q_offset < seq_len:
+        raise ValueError(f"q_offset: got {q_offset}, expected 0..{seq_len - 1}")
+    valid = key_valid.to(torch.bool)
+    return TTTAttentionMask(ttt_mask_mod(valid, q_offset), batch, seq_len - q_offset, (step + 1) * seq_len,
+                            valid, step, q_offset)
 
 
 def ttt_position_ids(position_ids: Tensor, step: int) -> Tensor:

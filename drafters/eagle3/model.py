@@ -46,11 +46,11 @@ class Eagle3MidLayer(nn.Module):
         self.mlp = GatedMLP(h, spec.intermediate_size)
 
     def forward(self, embeds: Tensor, h: Tensor, position_ids: Tensor, mask: AttentionMask | None,
-                kv_before: KV | None, backend: str) -> tuple[Tensor, KV]:
+                kv_before: KV | None, backend: str, q_offset: int = 0) -> tuple[Tensor, KV]:
         normed = self.hidden_norm(h)
         residual = normed if self.norm_before_residual else h
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-        attn, kv = self.self_attn(x, position_ids, mask, kv_before, backend)
+        attn, kv = self.self_attn(x, position_ids, mask, kv_before, backend, q_offset)
         h = residual + attn
         return h + self.mlp(self.post_attention_layernorm(h)), kv
 
@@ -118,14 +118,44 @@ class Eagle3Model(nn.Module):
             return last_hidden.to(self.target_lm_head.dtype) @ self.target_lm_head.T
 
     def _layers(self, embeds: Tensor, h: Tensor, pos: Tensor, mask: AttentionMask | None,
-                kv_before: list[KV] | None) -> tuple[Tensor, list[KV]]:
+                kv_before: list[KV] | None, q_offset: int = 0) -> tuple[Tensor, list[KV]]:
         backend = self.cfg.attn_backend
-        h, kv0 = self.midlayer(embeds, h, pos, mask, None if kv_before is None else kv_before[0], backend)
+        h, kv0 = self.midlayer(embeds, h, pos, mask, None if kv_before is None else kv_before[0], backend, q_offset)
         new_kv = [kv0]
         for i, layer in enumerate(self.layers.values(), start=1):
-            h, kv = layer(h, pos, mask, None if kv_before is None else kv_before[i], backend)
+            h, kv = layer(h, pos, mask, None if kv_before is None else kv_before[i], backend, q_offset)
             new_kv.append(kv)
         return h, new_kv
+
+    def unroll(self, step_input_ids: Tensor, aux_hidden: Tensor, attention_mask: Tensor,
+               position_ids: Tensor | None = None, row_start: list[int] | None = None) -> list[Tensor]:
+        """Training-time test unroll over S steps; returns S post-norm hidden states; step j's is
+        [B, T - row_start[j], H] for rows row_start[j]..T-1 (the draft logits of those rows are
+        `lm_head` of it; see `forward`).
+
+        row_start: non-decreasing, row_start[0] == 0 (step 0 computes every row: later steps
+        attend to its keys); default all 0. Rows before row_start[j] are skipped from step j on:
+        the caller guarantees no loss needs them (a row's later steps read only its own chain,
+        the step-0 keys and its own diagonal keys), so the computed rows are unchanged.
+        """
+        steps, b, t = step_input_ids.shape
+        starts = [0] * steps if row_start is None else list(row_start)
+        if len(starts) != steps or starts[0] != 0 or any(not 0 <= s < t for s in starts) or \
+                any(x > y for x, y in zip(starts, starts[1:])):
+            raise ValueError(f"row_start: got {starts}, expected {steps} non-decreasing values in 0..{t - 1} "
+                             "starting with 0")
+        pos0 = position_ids if position_ids is not None else torch.arange(t, device=aux_hidden.device).expand(b, t)
+        h = self.fc(aux_hidden.to(self.fc.weight.dtype))
+        cache: list[KV] | None = None
+        normed: list[Tensor] = []
+        for j, lo in enumerate(starts):
+            h = h[:, lo - starts[j - 1]:] if j else h
+            embeds = self.embed_tokens(step_input_ids[j][:, lo:])
+            h, new_kv = self._layers(embeds, h, ttt_position_ids(pos0, j)[:, lo:],
+                                     ttt_attention_mask(attention_mask, j, lo), cache, lo)
+            cache = new_kv if cache is None else [_cat_kv(c, n) for c, n in zip(cache, new_kv)]
+            normed.append(self.norm(h))
+        return normed
 
     def forward(self, step_input_ids: Tensor, aux_hidden: Tensor, attention_mask: Tensor,
                 position_ids: Tensor | None = None) -> list[Tensor]:
@@ -135,19 +165,10 @@ class Eagle3Model(nn.Module):
             objective; step j row t holds x_{t+1+j}); aux_hidden: [B, T, k*H_t] target features
             (row t = f_t); attention_mask: bool [B, T] real positions; position_ids: [B, T]
             (default 0..T-1). Returns S draft logits [B, T, Vd]; step j uses RoPE positions + j and
-            the TTT mask (common/masks.py).
+            the TTT mask (common/masks.py). The objective calls `unroll` and applies `lm_head`
+            to the loss rows only.
         """
-        steps, b, t = step_input_ids.shape
-        pos0 = position_ids if position_ids is not None else torch.arange(t, device=aux_hidden.device).expand(b, t)
-        h = self.fc(aux_hidden.to(self.fc.weight.dtype))
-        cache: list[KV] | None = None
-        logits: list[Tensor] = []
-        for j in range(steps):
-            embeds = self.embed_tokens(step_input_ids[j])
-            h, new_kv = self._layers(embeds, h, ttt_position_ids(pos0, j), ttt_attention_mask(attention_mask, j), cache)
-            cache = new_kv if cache is None else [_cat_kv(c, n) for c, n in zip(cache, new_kv)]
-            logits.append(self.lm_head(self.norm(h)))
-        return logits
+        return [self.lm_head(x) for x in self.unroll(step_input_ids, aux_hidden, attention_mask, position_ids)]
 
     @torch.no_grad()
     def prefill(self, input_ids: Tensor, aux_hidden: Tensor) -> Eagle3DraftState:

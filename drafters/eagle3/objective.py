@@ -37,12 +37,20 @@ REQUIRED_FIELDS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
 
 @dataclass
 class Eagle3Targets:
-    """Position-level (unshifted) targets. target_probs [B, T, Vd] float32 over the draft vocab;
-    target_argmax [B, T] int64 target ids; position_mask [B, T] bool."""
+    """Position-level (unshifted) targets. target_probs [B, T, Vd] float32 over the draft vocab
+    (zero rows where position_mask is False); target_argmax [B, T] int64 target ids (0 where
+    loss_mask & attention_mask is False: those rows never carry loss); position_mask [B, T] bool."""
 
     target_probs: Tensor
     target_argmax: Tensor
     position_mask: Tensor
+
+    def rows_at_step(self, step: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """The loss rows of TTT step `step`: (batch index [N], row index t [N], target_probs
+        [N, Vd], target_argmax [N]) for the rows with at_step(step)'s mask set (position t+1+step)."""
+        n = step + 1
+        b, p = self.position_mask[:, n:].nonzero(as_tuple=True)
+        return b, p, self.target_probs[b, p + n], self.target_argmax[b, p + n]
 
     def at_step(self, step: int) -> tuple[Tensor, Tensor, Tensor]:
         """(target_probs, target_argmax, mask) for TTT step `step`: shifted left by step + 1."""
@@ -58,11 +66,39 @@ def step_input_ids(input_ids: Tensor, steps: int) -> Tensor:
 
 def prepare_targets(model: Eagle3Model, batch: dict[str, Tensor]) -> Eagle3Targets:
     """Target distributions and masks from `last_hidden` [B, T, H] with the frozen target head."""
-    target_logits = model.target_logits(batch["last_hidden"])  # [B, T, V]
-    argmax = target_logits.argmax(-1)
-    probs = torch.softmax(target_logits_to_draft(target_logits, model.t2d).float(), dim=-1)
-    mask = batch["loss_mask"].to(torch.bool) & batch["attention_mask"].to(torch.bool) & model.t2d[argmax]
+    last_hidden = batch["last_hidden"]
+    b, t = last_hidden.shape[:2]
+    candidate = batch["loss_mask"].to(torch.bool) & batch["attention_mask"].to(torch.bool)  # [B, T]
+    rows = candidate.nonzero(as_tuple=True)  # the target head runs on loss rows only
+    target_logits = model.target_logits(last_hidden[rows])  # [N, V]
+    argmax_rows = target_logits.argmax(-1)
+    keep = model.t2d[argmax_rows]
+    argmax = torch.zeros(b, t, dtype=torch.long, device=last_hidden.device)
+    argmax[rows] = argmax_rows
+    mask = torch.zeros(b, t, dtype=torch.bool, device=last_hidden.device)
+    mask[rows] = keep
+    probs = torch.zeros(b, t, model.draft_vocab.draft_size, dtype=torch.float32, device=last_hidden.device)
+    probs[rows[0][keep], rows[1][keep]] = torch.softmax(
+        target_logits_to_draft(target_logits[keep], model.t2d).float(), dim=-1)
     return Eagle3Targets(probs, argmax, mask)
+
+
+def needed_row_starts(position_mask: Tensor, steps: int) -> list[int]:
+    """First row each TTT step must compute: step j needs row t iff some position t+1+i
+    (j <= i < S) carries loss; rows before the first needed row (over the batch) are skipped.
+    Step 0 always starts at 0 (its keys serve every later query).
+
+    Worked example, S = 2, T = 6, position_mask [[0, 0, 0, 1, 1, 0]]: step 1 needs rows with
+    mask at t+2 -> rows 1, 2 -> starts [0, 1]. A batch without loss rows gives T - 1.
+    """
+    t = position_mask.shape[1]
+    needed = torch.zeros_like(position_mask, dtype=torch.bool)
+    starts = [0] * steps
+    for j in range(steps - 1, 0, -1):
+        needed |= shift_left(position_mask.to(torch.bool), j + 1, fill=False)
+        rows = needed.any(0).nonzero()
+        starts[j] = int(rows[0]) if rows.numel() else t - 1
+    return starts
 
 
 def check_batch(batch: dict[str, Tensor]) -> None:
@@ -88,18 +124,26 @@ def eagle3_objective(model: Eagle3Model, batch: dict[str, Tensor]) -> ObjectiveO
     steps = model.cfg.ttt_steps
     targets = prepare_targets(model, batch)
     ids = step_input_ids(batch["input_ids"], steps).to(batch["aux_hidden"].device)
-    logits = model(ids, batch["aux_hidden"], batch["attention_mask"].to(torch.bool))
+    starts = needed_row_starts(targets.position_mask, steps)
+    hidden = model.unroll(ids, batch["aux_hidden"], batch["attention_mask"].to(torch.bool),
+                          row_start=starts)  # S x [B, T - starts[j], H]
     vocab = model.draft_vocab
     nums, dens, correct, valid = [], [], [], []
     metrics: dict[str, tuple[Tensor, Tensor]] = {}
-    for j, step_logits in enumerate(logits):
-        probs, argmax, mask = targets.at_step(j)
-        num, den = soft_cross_entropy(probs, step_logits, mask)
+    for j, step_hidden in enumerate(hidden):
+        b, t, probs, argmax = targets.rows_at_step(j)  # lm_head + loss on the N loss rows only
+        step_logits = model.lm_head(step_hidden[b, t - starts[j]])  # [N, Vd]
+        rows = torch.ones(b.shape[0], dtype=torch.bool, device=step_logits.device)
+        num, den = soft_cross_entropy(probs, step_logits, rows)
         nums.append(num)
         dens.append(den)
         draft_pred = vocab.draft_to_target(step_logits.detach().argmax(-1))
-        metrics[f"acc_step{j}"] = masked_match_count(draft_pred, argmax, mask)
-        correct.append(draft_pred == argmax)
+        metrics[f"acc_step{j}"] = masked_match_count(draft_pred, argmax, rows)
+        hit = torch.zeros_like(targets.position_mask)
+        hit[b, t] = draft_pred == argmax
+        mask = torch.zeros_like(targets.position_mask)
+        mask[b, t] = True
+        correct.append(hit)
         valid.append(mask)
     metrics["sim_accept_len"] = simulated_acceptance_length(torch.stack(correct), torch.stack(valid))
     return ObjectiveOutput(torch.stack(nums), torch.stack(dens).detach(),
