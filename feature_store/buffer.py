@@ -19,7 +19,7 @@ from feature_store.schema import FieldSpec
 _MAX_HINT = 1 << 30        # reserved up front at most (virtual memory: untouched pages cost nothing)
 
 
-def _bytes_view(t: torch.Tensor) -> Any:
+def bytes_view(t: torch.Tensor) -> Any:
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
@@ -30,7 +30,7 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     (2 busy cores) its thread barrier made copies ~20x slower in the benchmark."""
     if (src.dtype == dst.dtype and src.device.type == "cpu" and src.is_contiguous() and dst.is_contiguous()
             and src.numel() == dst.numel()):
-        np.copyto(_bytes_view(dst), _bytes_view(src))
+        np.copyto(bytes_view(dst), bytes_view(src))
         return dst
     return dst.copy_(src)
 
@@ -96,7 +96,7 @@ class FieldBuffer:
         """The buffered bytes, in order, as byte buffers (views, no copy)."""
         if self.copy_inputs:
             return [self._arena[: self.nbytes].numpy()]
-        return [_bytes_view(t) for t in self._refs if t.numel()]
+        return [bytes_view(t) for t in self._refs if t.numel()]
 
     def reset(self) -> None:
         self.nbytes = 0

@@ -59,14 +59,35 @@ class SectorSumHasher:
         self._scratch_bytes[:rest] = src[pos:]
         self._fill = rest
 
-    def hexdigest(self) -> str:
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def copy(self) -> SectorSumHasher:
+        """An independent hasher in the same state (to extend tentatively)."""
+        other = SectorSumHasher()
+        other._scratch_bytes[: self._fill] = self._scratch_bytes[: self._fill]
+        other._fill, other._length, other._sums = self._fill, self._length, list(self._sums)
+        return other
+
+    def sector_sums(self) -> bytes:
+        """The little-endian uint64 sums of every sector so far (the last one zero-padded); ends the stream."""
         if self._fill:
             nsec = -(-self._fill // SECTOR)
             self._scratch_bytes[self._fill: nsec * SECTOR] = 0
             self._sum(self._scratch[: nsec * _WORDS], nsec)
             self._fill = 0
-        digest = hashlib.sha256(b"".join(self._sums) + self._length.to_bytes(8, "little")).hexdigest()
-        return PREFIX + digest[:32]
+        return b"".join(self._sums)
+
+    def hexdigest(self) -> str:
+        return combine([self.sector_sums()], self._length)
+
+
+def combine(sector_sums: list[bytes], length: int) -> str:
+    """``s64x4k`` from the sector sums of consecutive parts of a file, in file order (every part but the last
+    a whole number of sectors: e.g. a header region hashed apart from the data after it), and its length."""
+    digest = hashlib.sha256(b"".join(sector_sums) + length.to_bytes(8, "little")).hexdigest()
+    return PREFIX + digest[:32]
 
 
 def file_checksum(path: Path, chunk: int = 8 << 20) -> str:

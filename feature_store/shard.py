@@ -6,9 +6,13 @@ is rows ``offsets[i]:offsets[i+1]``), per per-sample field ``[n, *shape]``, and 
 ``global_step``/``policy_version`` int64 ``[n]``. Worked example: lengths (3, 1, 2) ->
 ``offsets = [0, 3, 4, 6]``, sample 1 = rows 3:4.
 
-Tensors are laid out by decreasing item size then name (like ``safetensors.torch.save``), with the
-header padded to 8 bytes, so every tensor is aligned and any safetensors reader opens the file.
-The checksum (checksum.py, over the whole file) is computed in a thread while the bytes are written.
+Layout written by ``StoreWriter`` (``ShardStream``): a header region padded with spaces to a multiple of
+4096 bytes, then the writer's *lead* field (its largest per-token field, rows a multiple of 8 bytes),
+streamed to the file at ``add()`` time, then the other tensors by decreasing item size then name.
+``write_shard`` (no lead field): header padded to 8 bytes, all tensors by decreasing item size then name
+(like ``safetensors.torch.save``). Either way every tensor is aligned and any safetensors reader opens
+the file; readers rely only on the header's offsets. The checksum (checksum.py, over the whole file) is
+computed as the bytes are written; ``sync_file_range`` starts writeback early so the final fsync is short.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import struct
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +34,7 @@ import numpy as np
 import torch
 
 from feature_store.buffer import clone
-from feature_store.checksum import SectorSumHasher
+from feature_store.checksum import SECTOR, SectorSumHasher, combine
 from feature_store.errors import CorruptShardError, SchemaDriftError
 from feature_store.schema import DTYPES, STORE_SCALARS, Schema, offsets_name
 
@@ -86,24 +91,38 @@ def _load_sync_file_range() -> Callable[[int, int, int], None] | None:
 start_writeback = _load_sync_file_range()
 
 
-def write_shard(path: Path, entries: Sequence[Entry], metadata: dict[str, str]) -> tuple[int, str]:
-    """Create ``path`` exclusively, write the shard, fsync. Returns (bytes written, checksum.py checksum)."""
-    ordered = sorted(entries, key=lambda e: (-ST_ITEMSIZE[e.st_dtype], e.name))
+def _header(ordered: Sequence[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str]) -> bytes:
+    """The JSON header for tensors ``(name, dtype code, shape, nbytes)`` laid out in this order."""
     header: dict[str, Any] = {"__metadata__": metadata}
-    payloads: list[memoryview] = []
     pos = 0
-    for e in ordered:
+    for name, st_dtype, shape, nbytes in ordered:
+        header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        pos += nbytes
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
+def _checked(entries: Sequence[Entry]) -> list[tuple[Entry, list[memoryview], int]]:
+    out = []
+    for e in entries:
         mvs = [memoryview(c).cast("B") for c in e.chunks]
         nbytes = sum(mv.nbytes for mv in mvs)
         expect = ST_ITEMSIZE[e.st_dtype] * int(np.prod(e.shape, dtype=np.int64))
         if nbytes != expect:
             raise ValueError(f"shard entry {e.name!r}: {nbytes} bytes, expected {expect} for shape {e.shape}")
-        header[e.name] = {"dtype": e.st_dtype, "shape": list(e.shape), "data_offsets": [pos, pos + nbytes]}
-        payloads += mvs
-        pos += nbytes
-    hjson = json.dumps(header, separators=(",", ":")).encode()
+        out.append((e, mvs, nbytes))
+    return out
+
+
+def _order(entries: Sequence[Entry]) -> list[Entry]:
+    return sorted(entries, key=lambda e: (-ST_ITEMSIZE[e.st_dtype], e.name))
+
+
+def write_shard(path: Path, entries: Sequence[Entry], metadata: dict[str, str]) -> tuple[int, str]:
+    """Create ``path`` exclusively, write the shard, fsync. Returns (bytes written, checksum.py checksum)."""
+    checked = _checked(_order(entries))
+    hjson = _header([(e.name, e.st_dtype, e.shape, n) for e, _, n in checked], metadata)
     hjson += b" " * (-len(hjson) % 8)
-    chunks = [memoryview(struct.pack("<Q", len(hjson)) + hjson), *payloads]
+    chunks = [memoryview(struct.pack("<Q", len(hjson)) + hjson), *(mv for _, mvs, _ in checked for mv in mvs)]
     digest: list[str] = []
     hasher = threading.Thread(target=_hash_all, args=(chunks, digest), daemon=True)
     hasher.start()
@@ -123,6 +142,125 @@ def write_shard(path: Path, entries: Sequence[Entry], metadata: dict[str, str]) 
     return total, digest[0]
 
 
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < data.nbytes:
+        done += os.pwrite(fd, data[done:], offset + done)
+
+
+def _discard(fd: list[int], path: Path) -> None:
+    if fd:
+        os.close(fd.pop())
+    path.unlink(missing_ok=True)
+
+
+class ShardStream:
+    """A shard file written while samples arrive, for the writer's largest per-token field (the *lead*).
+
+    Layout: a header region of ``reserve`` bytes (a multiple of the 4096-byte checksum sector, the JSON
+    padded with spaces, as safetensors allows), then the lead tensor's rows, appended by ``append`` at
+    ``add()`` time straight from the caller's tensor (the one copy: into the page cache, writeback started
+    at once), then at ``finish`` the other tensors (largest item size first, then name) and the header.
+    The lead's row size is a multiple of 8, so every tensor stays aligned. The checksum is computed as the
+    bytes go out: data sectors while appended, the header region apart (``checksum.combine``).
+    ``reserve`` must hold the final header: ``header_reserve`` bounds it from the tensor names and ranks.
+    """
+
+    def __init__(self, path: Path, reserve: int) -> None:
+        if reserve % SECTOR or reserve < SECTOR:
+            raise ValueError(f"header reserve {reserve}: expected a positive multiple of {SECTOR}")
+        self.path, self.reserve, self.end = path, reserve, reserve
+        self._fd = [os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)]
+        self._finalizer = weakref.finalize(self, _discard, self._fd, path)   # an abandoned writer leaves no file
+        self._hasher: SectorSumHasher | None = SectorSumHasher()
+        self.result: tuple[int, str] | None = None     # (bytes, checksum) once finished
+        self.published = False
+
+    @property
+    def fd(self) -> int:
+        return self._fd[0]
+
+    @property
+    def lead_nbytes(self) -> int:
+        return self.end - self.reserve
+
+    def append(self, data: Any) -> None:
+        """Append lead rows. On an error the file is cut back (the hash is then recomputed at ``finish``)."""
+        mv = memoryview(data).cast("B")
+        try:
+            for i in range(0, mv.nbytes, _SLICE):
+                part = mv[i: i + _SLICE]
+                _pwrite_all(self.fd, part, self.end + i)
+                if start_writeback is not None:
+                    start_writeback(self.fd, self.end + i, part.nbytes)
+        except BaseException:
+            self._hasher = None
+            os.ftruncate(self.fd, self.end)
+            raise
+        if self._hasher is not None:
+            self._hasher.update(mv)
+        self.end += mv.nbytes
+
+    def _rehash(self) -> SectorSumHasher:
+        h = SectorSumHasher()
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.reserve)
+            left = self.lead_nbytes
+            while left > 0:
+                chunk = f.read(min(left, _SLICE))
+                if not chunk:
+                    raise OSError(f"{self.path}: shorter than the {self.end} bytes written")
+                h.update(chunk)
+                left -= len(chunk)
+        self._hasher = h
+        return h
+
+    def finish(self, lead: Entry, rest: Sequence[Entry], metadata: dict[str, str]) -> tuple[int, str]:
+        """Write the other tensors and the header after the lead rows, fsync. Returns (bytes, checksum).
+        May be called again after a failure (it starts over from the lead rows)."""
+        checked = _checked(_order(rest))
+        if ST_ITEMSIZE[lead.st_dtype] * int(np.prod(lead.shape, dtype=np.int64)) != self.lead_nbytes:
+            raise ValueError(f"lead entry {lead.name!r}: shape {lead.shape} does not match the "
+                             f"{self.lead_nbytes} bytes streamed")
+        hjson = _header([(lead.name, lead.st_dtype, lead.shape, self.lead_nbytes)]
+                        + [(e.name, e.st_dtype, e.shape, n) for e, _, n in checked], metadata)
+        if 8 + len(hjson) > self.reserve:
+            raise ValueError(f"{self.path}: header of {len(hjson)} bytes exceeds the {self.reserve} reserved")
+        head = struct.pack("<Q", self.reserve - 8) + hjson + b" " * (self.reserve - 8 - len(hjson))
+        os.ftruncate(self.fd, self.end)                   # drop what a failed earlier finish appended
+        data_hash = (self._hasher or self._rehash()).copy()
+        pos = self.end
+        for c in _slices([mv for _, mvs, _ in checked for mv in mvs]):
+            _pwrite_all(self.fd, c, pos)
+            data_hash.update(c)
+            if start_writeback is not None:
+                start_writeback(self.fd, pos, c.nbytes)
+            pos += c.nbytes
+        _pwrite_all(self.fd, memoryview(head), 0)
+        head_hash = SectorSumHasher()
+        head_hash.update(head)
+        os.fsync(self.fd)
+        self.result = (pos, combine([head_hash.sector_sums(), data_hash.sector_sums()], pos))
+        return self.result
+
+    def close(self) -> None:
+        """Close the file descriptor (the file stays)."""
+        if self._fd:
+            os.close(self._fd.pop())
+
+    def discard(self) -> None:
+        """Close and remove the temp file."""
+        self._finalizer()
+
+
+def header_reserve(tensors: Sequence[tuple[str, str, int]], metadata: dict[str, str]) -> int:
+    """Bytes to reserve for a shard header over tensors ``(name, dtype code, rank)`` whatever their sizes:
+    the header with every number at its widest, rounded up to whole checksum sectors."""
+    wide = 10 ** 19
+    hjson = _header([(n, dt, (wide,) * rank, wide) for n, dt, rank in tensors], metadata)
+    return -(-(8 + len(hjson)) // SECTOR) * SECTOR
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     st_dtype: str
@@ -137,6 +275,8 @@ def read_header(path: Path, fd: int, size: int) -> tuple[dict[str, TensorInfo], 
         return CorruptShardError(f"{path}: not a valid shard ({why})")
     if size < 8:
         raise bad(f"{size} bytes, shorter than the 8-byte header size")
+    if hasattr(os, "posix_fadvise"):      # no read-around: the header is followed by sample data
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     (hlen,) = struct.unpack("<Q", os.pread(fd, 8, 0))
     if hlen > min(MAX_HEADER, size - 8):
         raise bad(f"header size {hlen} exceeds the file ({size} bytes): foreign or truncated file")

@@ -22,10 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from feature_store.buffer import FieldBuffer, convert_check
+from feature_store.buffer import FieldBuffer, bytes_view, convert_check
 from feature_store.errors import SampleError, StoreError
 from feature_store.schema import STORE_SCALARS, TOKENS, FieldSpec, Schema, offsets_name
-from feature_store.shard import Entry, write_shard
+from feature_store.shard import Entry, ShardStream, header_reserve, write_shard
 from feature_store.store import (
     COMMIT_SUFFIX,
     SHARD_SUFFIX,
@@ -34,11 +34,19 @@ from feature_store.store import (
     TMP_PREFIX,
     CommitRecord,
     create_or_open_store,
+    fsync_dir,
     list_commits,
     publish,
     write_durable,
 )
 from feature_store.validate import raise_problems, sample_problems
+
+
+def lead_field(schema: Schema) -> FieldSpec | None:
+    """The field streamed to the shard file at ``add`` time (``shard.ShardStream``): the per-token field with
+    the largest rows, if their size is a multiple of 8 (so the tensors after it stay aligned)."""
+    fields = [f for f in schema.fields if f.per_token and f.row_nbytes and f.row_nbytes % 8 == 0]
+    return max(fields, key=lambda f: f.row_nbytes) if fields else None
 
 
 class StoreWriter:
@@ -66,7 +74,10 @@ class StoreWriter:
         self.previous_commits: list[CommitRecord] = list_commits(self.root, prefix=f"r{rank:05d}-")
         self.commits: list[CommitRecord] = []
         self.copy_inputs = copy_inputs
-        self._buffers = {f.name: FieldBuffer(f, copy_inputs) for f in schema.fields}
+        self._lead = lead_field(schema)
+        self._buffers = {f.name: FieldBuffer(f, copy_inputs) for f in schema.fields if f is not self._lead}
+        self._stream: ShardStream | None = None
+        self._stream_seq = -1
         self._lengths: dict[str, list[int]] = {seg: [] for seg in schema.segments}
         self._steps: list[int] = []
         self._versions: list[int] = []
@@ -124,10 +135,17 @@ class StoreWriter:
         hints = {n: min(self.flush_samples * b * 2, int((self.flush_bytes + total) * min(1.0, 2 * b / total)))
                  for n, b in sizes.items()}
         try:
-            stored = {spec.name: self._buffers[spec.name].append(tensors[spec.name], hints[spec.name])
-                      for spec in self.schema.fields}
+            stored = {name: buf.append(tensors[name], hints[name]) for name, buf in self._buffers.items()}
+            lead_t: torch.Tensor | None = None
+            if self._lead is not None:
+                lead_t = tensors[self._lead.name].to(device="cpu", dtype=self._lead.torch_dtype).contiguous()
+                stored[self._lead.name] = lead_t
             if self.check_values:
                 raise_problems(sample_problems(self.schema, stored), f"sample {len(self._steps)} of {self.writer_id}")
+            if lead_t is not None:                   # last: a failure here cuts the file back (ShardStream.append)
+                stream = self._open_stream()
+                if lead_t.numel():
+                    stream.append(bytes_view(lead_t))
         except BaseException:
             for fname, buf in self._buffers.items():
                 buf.rollback(marks[fname])
@@ -155,7 +173,22 @@ class StoreWriter:
 
     @property
     def buffered_bytes(self) -> int:
-        return sum(b.nbytes for b in self._buffers.values())
+        return sum(b.nbytes for b in self._buffers.values()) + (self._stream.lead_nbytes if self._stream else 0)
+
+    def _open_stream(self) -> ShardStream:
+        if self._stream is None:
+            seq, self._seq = self._seq, self._seq + 1
+            name = f"{self.writer_id}-{seq:08d}"
+            reserve = header_reserve([(f.name, f.st_dtype, 1 + len(f.shape)) for f in self.schema.fields]
+                                     + [(offsets_name(seg), "I64", 1) for seg in self.schema.segments]
+                                     + [(s, "I64", 1) for s in STORE_SCALARS], self._shard_meta(seq))
+            self._stream = ShardStream(self._dir / f"{TMP_PREFIX}{name}{SHARD_SUFFIX}", reserve)
+            self._stream_seq = seq
+        return self._stream
+
+    def _shard_meta(self, seq: int) -> dict[str, str]:
+        return {"format": STORE_FORMAT, "schema_hash": self.schema.hash, "writer_id": self.writer_id,
+                "seq": str(seq)}
 
     @property
     def last_completed_step(self) -> int | None:
@@ -172,22 +205,43 @@ class StoreWriter:
         n = len(self._steps)
         if n == 0:
             return None
-        seq, self._seq = self._seq, self._seq + 1        # a failed flush never reuses its name
+        stream = self._stream
+        if stream is not None:            # the shard file exists since the first add: its name is taken
+            seq = self._stream_seq
+        else:
+            seq, self._seq = self._seq, self._seq + 1    # a failed flush never reuses its name
         name = f"{self.writer_id}-{seq:08d}"
         entries = [Entry(f.name, f.st_dtype, self._shape(f, n), self._buffers[f.name].chunks())
-                   for f in self.schema.fields]
+                   for f in self.schema.fields if f is not self._lead]
         for seg, lens in self._lengths.items():
             entries.append(Entry(offsets_name(seg), "I64", (n + 1,), [np.concatenate([[0], np.cumsum(lens)])
                                  .astype(np.int64)]))
         for sname, vals in zip(STORE_SCALARS, (self._steps, self._versions)):
             entries.append(Entry(sname, "I64", (n,), [np.asarray(vals, dtype=np.int64)]))
-        meta = {"format": STORE_FORMAT, "schema_hash": self.schema.hash, "writer_id": self.writer_id,
-                "seq": str(seq)}
+        meta = self._shard_meta(seq)
         tmp_shard = self._dir / f"{TMP_PREFIX}{name}{SHARD_SUFFIX}"
+        final_shard = self._dir / f"{name}{SHARD_SUFFIX}"
         tmp_commit = self._dir / f"{TMP_PREFIX}{name}{COMMIT_SUFFIX}"
         try:
-            nbytes, checksum = write_shard(tmp_shard, entries, meta)
-            publish(tmp_shard, self._dir / f"{name}{SHARD_SUFFIX}")
+            if stream is None:
+                nbytes, checksum = write_shard(tmp_shard, entries, meta)
+                publish(tmp_shard, final_shard)
+            else:
+                assert self._lead is not None
+                if stream.result is None:
+                    stream.finish(Entry(self._lead.name, self._lead.st_dtype, self._shape(self._lead, n), []),
+                                  entries, meta)
+                assert stream.result is not None
+                nbytes, checksum = stream.result
+                if not stream.published:
+                    try:
+                        publish(tmp_shard, final_shard)
+                    finally:     # linked (a later step failed): a retry only redoes what follows the link
+                        stream.published = final_shard.exists() and os.path.samestat(
+                            os.stat(final_shard), os.fstat(stream.fd))
+                else:
+                    tmp_shard.unlink(missing_ok=True)
+                    fsync_dir(self._dir)
             rec = CommitRecord(f"{name}{SHARD_SUFFIX}", self.writer_id, self.rank, self.run_id, seq, nbytes, checksum,
                                n, sum(self._lengths[TOKENS]), min(self._steps), max(self._steps),
                                min(self._versions), max(self._versions), self._completed_step, self.schema.hash,
@@ -197,8 +251,12 @@ class StoreWriter:
         except FileExistsError as e:
             raise StoreError(f"{e.filename}: already exists; refusing to overwrite (writer id collision)") from e
         finally:
-            tmp_shard.unlink(missing_ok=True)
+            if stream is None:
+                tmp_shard.unlink(missing_ok=True)
             tmp_commit.unlink(missing_ok=True)
+        if stream is not None:
+            stream.close()
+            self._stream = None
         self.commits.append(rec)
         self._reset()
         return rec
@@ -208,6 +266,9 @@ class StoreWriter:
         return (rows, *spec.shape)
 
     def _reset(self) -> None:
+        if self._stream is not None:      # after a flush: already closed and published; else dropped
+            self._stream.discard()
+            self._stream = None
         for buf in self._buffers.values():
             buf.reset()
         for lens in self._lengths.values():
@@ -220,6 +281,7 @@ class StoreWriter:
         if not self._closed:
             self.flush()
             self._closed = True
+            self._reset()           # an empty stream left by a rejected first sample
             self._buffers.clear()
 
     def _check_open(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -63,6 +64,13 @@ def drop_cache(path: Path) -> None:
             fd = os.open(p, os.O_RDONLY)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
+
+
+def settle() -> None:
+    """Untimed, between measured runs: let the previous run's writeback and deletions (discards on a
+    ``-o discard`` filesystem) finish, so they do not slow whichever run comes next."""
+    os.sync()
+    time.sleep(0.2)
 
 
 def timed(fn: Callable[..., object], *args: object, **kw: object) -> float:
@@ -130,8 +138,11 @@ def bench_write_read(args: argparse.Namespace, work: Path, schema: object) -> No
     cpu: dict[str, float] = {}
     groups: list[int] = []
     kinds = ("store", "plain+fsync", "store(copy_inputs=False)", "plain", "store(fresh writer)")
-    for rep in range(args.repeats):       # interleaved in a rotating order, best of each: fair under noisy neighbours
-        for name in kinds[rep % len(kinds):] + kinds[: rep % len(kinds)]:
+    rng = random.Random(0)
+    for rep in range(args.repeats):       # interleaved, best of each: fair under noisy neighbours
+        order = list(kinds)               # a fresh order each round: no kind always follows the same one
+        rng.shuffle(order)
+        for name in order:
             target = work / f"{name}-{rep}"
             c0 = time.process_time()
             if name.startswith("store"):
@@ -144,6 +155,7 @@ def bench_write_read(args: argparse.Namespace, work: Path, schema: object) -> No
             cpu[name] = min(cpu.get(name, 1e9), time.process_time() - c0)   # all threads, warm-up included
             if not (rep == args.repeats - 1 and name == "store"):
                 shutil.rmtree(target)
+            settle()
     store = work / f"store-{args.repeats - 1}"
     base = best["plain+fsync"]
     for name, label, goal in (("store", "write, durable, steady state", "goal >= 0.8"),

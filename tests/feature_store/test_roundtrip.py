@@ -155,13 +155,13 @@ def test_reading_one_sample_touches_only_its_pages(tmp_path: Path) -> None:
     assert float(sample["hidden"].double().sum()) == 30.0 * t * 1024       # touches every byte of it
     resident = _resident_pages(shard)
     view = index.shard(0)
-    begin = view._infos["hidden"].begin                                      # type: ignore[attr-defined]
+    begin, end = view._infos["hidden"].begin, view._infos["hidden"].end       # type: ignore[attr-defined]
     row = 1024 * 4
     lo, hi = begin + target * t * row, begin + (target + 1) * t * row
     page = mmap.PAGESIZE
     margin = 16 * page
     outside = [p for p in np.flatnonzero(resident) if p * page >= hi + margin or (p + 1) * page <= lo - margin]
-    hidden_pages = [p for p in outside if p * page >= begin]
+    hidden_pages = [p for p in outside if begin <= p * page < end]
     assert all(resident[lo // page: (hi - 1) // page + 1]), "the sample's own pages were read"
     assert not hidden_pages, f"{len(hidden_pages)} pages of other samples' hidden states were read"
 
@@ -171,9 +171,12 @@ def test_copy_inputs_decides_who_owns_the_buffered_tensors(tmp_path: Path) -> No
         sample = make_sample(3)
         with StoreWriter(tmp_path / str(copy_inputs), make_schema(), copy_inputs=copy_inputs) as w:
             w.add(sample, step=0)
-            sample["aux_hidden"].fill_(1.0)          # the caller reuses its tensor before the flush
-        got = next(StoreReader(tmp_path / str(copy_inputs), prefetch=0).iter_samples())["aux_hidden"]
-        assert torch.equal(got, sample["aux_hidden"]) != copy_inputs   # copied: unaffected; referenced: changed
+            for name in ("last_hidden", "aux_hidden"):    # the caller reuses its tensors before the flush
+                sample[name].fill_(1.0)
+        got = next(StoreReader(tmp_path / str(copy_inputs), prefetch=0).iter_samples())
+        assert torch.equal(got["last_hidden"], sample["last_hidden"]) != copy_inputs   # copied / referenced
+        # the largest per-token field goes to the shard file during add(), in both modes
+        assert torch.equal(got["aux_hidden"], make_sample(3)["aux_hidden"])
 
 
 def test_flush_policies(tmp_path: Path) -> None:
