@@ -1,4 +1,6 @@
 import json
+import os
+import stat
 from dataclasses import replace
 from pathlib import Path
 
@@ -56,6 +58,10 @@ def test_fast_target_loads_and_generates(fast_target: Path) -> None:
     info = read_recipe_file(fast_target)
     assert info["hash"] == fast_recipe().hash and info["kind"] == "target"
     assert info["final_loss"] < info["loss_curve"]["0"] - 1.0  # it trained
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(fast_target.stat().st_mode) == 0o777 & ~umask  # not mkdtemp's 0700
+    assert stat.S_IMODE((fast_target / "model.safetensors").stat().st_mode) == 0o666 & ~umask
     names = {p.name for p in fast_target.iterdir()}
     assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
             "tokenizer_config.json", "recipe.json"} <= names
@@ -159,3 +165,22 @@ def test_thread_count_does_not_change_weights() -> None:
         states.append(model.state_dict())
     assert all(torch.equal(states[0][k], states[1][k]) for k in init)
     assert not torch.equal(states[0]["model.embed_tokens.weight"], init["model.embed_tokens.weight"])
+
+
+def test_pick_num_threads(monkeypatch) -> None:
+    from verl_speco.target.train import pick_num_threads
+
+    monkeypatch.setenv("VERL_SPECO_TARGET_THREADS", "3")
+    assert pick_num_threads() == 3 and pick_num_threads(1) == 1
+    monkeypatch.setenv("VERL_SPECO_TARGET_THREADS", "two")
+    with pytest.raises(ValueError, match="VERL_SPECO_TARGET_THREADS='two'"):
+        pick_num_threads()
+    monkeypatch.delenv("VERL_SPECO_TARGET_THREADS")
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 0.0, 0.0))
+    assert pick_num_threads() == 1  # busy cores: one thread
+    assert pick_num_threads(own_threads=2) == 1  # 1.0 of the load is someone else's
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.2, 0.0, 0.0))
+    assert pick_num_threads(own_threads=2) == 2  # the load is our own two threads
+    with pytest.raises(ValueError, match="num_threads=0"):
+        pick_num_threads(0)

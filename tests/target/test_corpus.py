@@ -51,7 +51,8 @@ def test_all_tasks_present() -> None:
 
 
 def test_base_arithmetic_traces_are_correct() -> None:
-    step = re.compile(r"(1?\d) ([-+*]) (\d) ([-+]) (\d) = (\d+), write (\d), (carry|borrow) (\d)\.")
+    step = re.compile(r"(\w+): (1?\d) ([-+*]) (\d) ([-+]) (\d) = (\d+), write (\d), (carry|borrow) (\d)\.")
+    columns = ["ones", "tens", "hundreds", "thousands"]
     for ex in generate_examples(400, seed=7):
         if ex.task not in ("add", "sub", "mul"):
             continue
@@ -59,17 +60,24 @@ def test_base_arithmetic_traces_are_correct() -> None:
         assert ex.answer == str(_OPS[op](a, b))
         lines = ex.response.splitlines()
         assert lines[-1] == f"The answer is {ex.answer}."
-        written = []
-        for line in lines[1:-1]:
-            if line.startswith("Final carry"):
-                written.append(line[-2])
+        written, carry_in = [], "0"
+        top_digits, bottom_digits = str(a)[::-1], str(b)[::-1]
+        for i, (column, line) in enumerate(zip(columns, lines[1:-1])):
+            if m := re.fullmatch(r"(\w+): carry (\d), write (\d)\.", line):
+                assert m[1] == column and m[2] == m[3] == carry_in != "0", line
+                written.append(m[3])
                 continue
             m = step.fullmatch(line)
             assert m, line
-            x, o, y, o2, c, s, d, _, k = m.groups()
+            col, x, o, y, o2, c, s, d, kind, k = m.groups()
+            assert col == column and c == carry_in, line
+            assert x[-1] == (top_digits[i:i + 1] or "0"), line
+            assert y == (b_digit := (str(b) if op == "*" else bottom_digits[i:i + 1] or "0")), (line, b_digit)
             value = _OPS[o](int(x), int(y)) + (int(c) if o2 == "+" else -int(c))
             assert int(s) == value and int(d) == value % 10, line
+            assert int(k) == (value // 10 if kind == "carry" else int(len(x) == 2)), line
             written.append(d)
+            carry_in = k
         assert int("".join(reversed(written))) == int(ex.answer)
 
 
@@ -83,8 +91,8 @@ def test_count_and_sort_answers() -> None:
             start, stop, stepv = (nums[0], nums[1], nums[2]) if "steps of" in ex.prompt or "going up" in ex.prompt \
                 else (nums[1], nums[2], nums[0])
             expected = list(range(start, stop + 1, stepv))
-            assert ex.answer == str(len(expected))
-            assert ", ".join(map(str, expected)) in ex.response
+            assert ex.answer == str(stop) == str(expected[-1])
+            assert ex.response == f"Counting by {stepv}: " + ", ".join(map(str, expected)) + "."
 
 
 def test_shifted_variant_same_prompts_other_style() -> None:

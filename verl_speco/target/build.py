@@ -58,14 +58,21 @@ class TargetRecipe:
 def default_recipe(steps: int | None = None) -> TargetRecipe:
     """The default target (about 2 minutes on 2 idle cores); `steps` overrides the step count."""
     recipe = TargetRecipe()
-    return recipe if steps is None else replace(recipe, train=replace(recipe.train, steps=steps))
+    return recipe if steps is None else with_steps(recipe, steps)
+
+
+def with_steps(recipe: TargetRecipe, steps: int) -> TargetRecipe:
+    """`recipe` trained for `steps` steps (warmup clipped to fit); a different hash, so a new cache entry."""
+    if steps < 1:
+        raise ValueError(f"steps={steps} must be >= 1")
+    train = replace(recipe.train, steps=steps, warmup_steps=min(recipe.train.warmup_steps, steps))
+    return replace(recipe, train=train)
 
 
 def fast_recipe(steps: int = 30) -> TargetRecipe:
     """Same architecture and tokenizer, few small steps: for tests (seconds, not minutes)."""
     base = TargetRecipe()
-    train = replace(base.train, steps=steps, batch_size=16, warmup_steps=min(10, steps))
-    return replace(base, name="tiny-qwen3-fast", train=train)
+    return with_steps(replace(base, name="tiny-qwen3-fast", train=replace(base.train, warmup_steps=10)), steps)
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:
@@ -101,6 +108,15 @@ def _locked(final: Path) -> Iterator[None]:
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
+def _share(directory: Path) -> None:
+    """Give the build the usual umask permissions (mkdtemp creates it 0700, safetensors files 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
+    for path in directory.iterdir():
+        os.chmod(path, 0o666 & ~umask)
+
+
 def build_atomically(final: Path, expected_hash: str, force: bool, produce: Callable[[Path], None]) -> Path:
     """Run `produce(tmp_dir)` and rename tmp_dir to `final`, unless `final` already holds `expected_hash`.
 
@@ -121,6 +137,7 @@ def build_atomically(final: Path, expected_hash: str, force: bool, produce: Call
             produce(tmp)
             if read_recipe_file(tmp) is None:
                 raise RuntimeError(f"build of {final} did not write {RECIPE_FILE}")
+            _share(tmp)
             if final.exists():
                 old = final.with_name(f".{final.name}.old-{os.getpid()}")
                 os.rename(final, old)
@@ -169,6 +186,8 @@ def finetune_target(
     """
     from verl_speco.target.produce import produce_finetune
 
+    if steps < 1:
+        raise ValueError(f"steps={steps} must be >= 1")
     base_recipe = read_recipe_file(base_dir)
     if base_recipe is None:
         raise FileNotFoundError(f"base_dir={str(base_dir)!r} holds no {RECIPE_FILE}: expected a built target")
@@ -196,8 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--steps must be >= 1, got {args.steps}")
     recipe = fast_recipe() if args.fast else default_recipe()
     if args.steps is not None:
-        recipe = replace(recipe, train=replace(recipe.train, steps=args.steps,
-                                               warmup_steps=min(recipe.train.warmup_steps, args.steps)))
+        recipe = with_steps(recipe, args.steps)
     log = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
     path = ensure_target(recipe, cache_dir=args.cache_dir, out=args.out, force=args.force, log=log)
     if args.print_path:

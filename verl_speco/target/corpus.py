@@ -1,8 +1,9 @@
 """Deterministic generator of structured chat examples for the embedded target.
 
 Every example is a chat `{"messages": [user, assistant]}` whose assistant turn is a step-by-step
-trace (column addition, subtraction with borrows, multiplication by a digit, counting, sorting):
-mostly template words and copied digits, so a drafter can predict it well.
+trace (column addition and subtraction with borrows of 2-3 digit numbers, multiplication of a 2-3
+digit number by a digit, counting in steps, sorting 3-7 numbers): mostly template words and copied
+digits, so a drafter can predict it well.
 
 Example `i` of a stream is drawn from `random.Random(f"...:{seed}:{i}")` (string seeds hash with
 SHA-512, independent of PYTHONHASHSEED), so streams are reproducible across processes.
@@ -59,6 +60,9 @@ def _digits(n: int) -> list[int]:
     return [int(c) for c in reversed(str(n))]
 
 
+_COLUMNS = ("ones", "tens", "hundreds", "thousands")  # base traces name the column they work on
+
+
 def _number(rng: random.Random, lo_digits: int, hi_digits: int) -> int:
     n_digits = rng.randint(lo_digits, hi_digits)
     return rng.randint(10 ** (n_digits - 1) if n_digits > 1 else 0, 10**n_digits - 1)
@@ -72,12 +76,13 @@ def _add(rng: random.Random, phrasing: int, variant: str) -> tuple[str, str, str
         x, y = (da[i] if i < len(da) else 0), (db[i] if i < len(db) else 0)
         s = x + y + carry
         if variant == "base":
-            lines.append(f"{x} + {y} + {carry} = {s}, write {s % 10}, carry {s // 10}.")
+            lines.append(f"{_COLUMNS[i]}: {x} + {y} + {carry} = {s}, write {s % 10}, carry {s // 10}.")
         else:
             lines.append(f"Column {i + 1}: {x} plus {y} plus {carry} makes {s}; keep {s % 10}, carry {s // 10}.")
         carry = s // 10
     if carry:
-        lines.append("Final carry 1, write 1." if variant == "base" else "Column end: carry 1 becomes the top digit.")
+        lines.append(f"{_COLUMNS[len(lines)]}: carry 1, write 1." if variant == "base"
+                     else "Column end: carry 1 becomes the top digit.")
     r = a + b
     if variant == "base":
         return prompt, "\n".join(["We add the digits from right to left.", *lines, f"The answer is {r}."]), str(r)
@@ -95,7 +100,7 @@ def _sub(rng: random.Random, phrasing: int, variant: str) -> tuple[str, str, str
         top = f"1{x}" if need else str(x)  # "1x" reads as x + 10 after borrowing
         d = int(top) - y - borrow
         if variant == "base":
-            lines.append(f"{top} - {y} - {borrow} = {d}, write {d}, borrow {int(need)}.")
+            lines.append(f"{_COLUMNS[i]}: {top} - {y} - {borrow} = {d}, write {d}, borrow {int(need)}.")
         else:
             lines.append(f"Column {i + 1}: {top} minus {y} minus {borrow} leaves {d}; keep {d}, borrow {int(need)}.")
         borrow = int(need)
@@ -113,12 +118,12 @@ def _mul(rng: random.Random, phrasing: int, variant: str) -> tuple[str, str, str
     for i, x in enumerate(_digits(a)):
         p = x * b + carry
         if variant == "base":
-            lines.append(f"{x} * {b} + {carry} = {p}, write {p % 10}, carry {p // 10}.")
+            lines.append(f"{_COLUMNS[i]}: {x} * {b} + {carry} = {p}, write {p % 10}, carry {p // 10}.")
         else:
             lines.append(f"Column {i + 1}: {x} times {b} plus {carry} makes {p}; keep {p % 10}, carry {p // 10}.")
         carry = p // 10
     if carry:
-        lines.append(f"Final carry {carry}, write {carry}." if variant == "base"
+        lines.append(f"{_COLUMNS[len(lines)]}: carry {carry}, write {carry}." if variant == "base"
                      else f"Column end: carry {carry} becomes the top digit.")
     r = a * b
     if variant == "base":
@@ -134,9 +139,9 @@ def _count(rng: random.Random, phrasing: int, variant: str) -> tuple[str, str, s
               f"going up by {step}.", f"Count up by {step} from {start} to {stop}.")[phrasing]
     nums = [str(n) for n in range(start, stop + 1, step)]
     if variant == "base":
-        return prompt, f"Counting by {step}: " + ", ".join(nums) + f".\nThat is {len(nums)} numbers.", str(len(nums))
-    lines = [f"{n} (+{step})" for n in nums[:-1]] + [f"{nums[-1]} (stop)"]
-    return prompt, "\n".join(["Counting up:", *lines, f"Done: {len(nums)} numbers."]), str(len(nums))
+        return prompt, f"Counting by {step}: " + ", ".join(nums) + ".", str(stop)
+    lines = [f"{n} (+{step})" for n in nums[:-1]]
+    return prompt, "\n".join(["Counting up:", *lines, f"Done at {stop}."]), str(stop)
 
 
 def _sort(rng: random.Random, phrasing: int, variant: str) -> tuple[str, str, str]:

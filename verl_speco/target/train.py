@@ -95,17 +95,24 @@ def batches(tok: Tokenizer, spec: TrainSpec, pad_id: int) -> Iterator[dict[str, 
         yield collate([encode_example(tok, next(stream)) for _ in range(spec.batch_size)], pad_id)
 
 
-def pick_num_threads(num_threads: int | None = None) -> int:
-    """`num_threads`, else `$VERL_SPECO_TARGET_THREADS`, else 2 (1 when the cores are already busy).
+def pick_num_threads(num_threads: int | None = None, own_threads: int = 0) -> int:
+    """`num_threads`, else `$VERL_SPECO_TARGET_THREADS`, else 2, or 1 while other work keeps the cores busy.
 
     The thread count changes speed only: the CPU kernels used here give bit-identical weights with
-    1 and 2 threads (tested), so it is not part of the recipe. On an oversubscribed machine OpenMP
-    threads spin-wait on each other, and one thread is several times faster than two.
+    1 and 2 threads (tested), so it is not part of the recipe and may change between steps. On an
+    oversubscribed machine OpenMP threads spin-wait on each other and two threads run several times
+    slower than one. `own_threads` is our current thread count, subtracted from the load average.
     """
     if num_threads is None:
         env = os.environ.get("VERL_SPECO_TARGET_THREADS")
-        cores = os.cpu_count() or 1
-        num_threads = int(env) if env else (1 if os.getloadavg()[0] > cores - 0.5 else min(2, cores))
+        if env:
+            if not env.isdigit():
+                raise ValueError(f"VERL_SPECO_TARGET_THREADS={env!r}: expected a positive integer")
+            num_threads = int(env)
+        else:
+            cores = os.cpu_count() or 1
+            others = os.getloadavg()[0] - own_threads
+            num_threads = min(2, cores) if others < cores - 1.5 else 1
     if num_threads < 1:
         raise ValueError(f"num_threads={num_threads} must be >= 1")
     return num_threads
@@ -143,9 +150,11 @@ def train(
             torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
             opt.step()
             result.losses.append(loss.item())
+            if num_threads is None and step % 20 == 19:  # re-check: other work may have started or ended
+                torch.set_num_threads(pick_num_threads(None, own_threads=torch.get_num_threads()))
             if log is not None and (step % 50 == 0 or step == spec.steps - 1):
                 log(f"step {step:4d}/{spec.steps} loss {loss.item():.4f} lr {spec.lr_at(step):.2e} "
-                    f"t {time.perf_counter() - start:.1f}s")
+                    f"t {time.perf_counter() - start:.1f}s threads {torch.get_num_threads()}")
     finally:
         torch.set_num_threads(prev_threads)
         model.eval()
