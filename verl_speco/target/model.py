@@ -3,6 +3,8 @@
 8 decoder layers so the EAGLE-3 default aux layers (2, L//2, L-3) = (2, 4, 5) in HF hidden_states
 indexing are distinct; GQA (4 query heads, 2 KV heads) so the kv-head plumbing of drafters and
 engines is exercised; untied LM head, as in the large Qwen3 models drafters are built for.
+The MLP is 2x the hidden size (not Qwen's ~3x): at equal steps it trained as well as 3x here and
+keeps the default build at about 2 minutes on 2 cores (1.31M parameters).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ class TargetModelSpec:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 32
-    intermediate_size: int = 384
+    intermediate_size: int = 256
     max_position_embeddings: int = 1024
     rope_theta: float = 1_000_000.0
     rms_norm_eps: float = 1e-6
