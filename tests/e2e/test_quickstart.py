@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+# The whole quickstart runs once per module (a few minutes on an idle 2-core machine; much longer
+# when other jobs share the cores), so this module gets its own, longer timeout.
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
 
 
 @pytest.fixture(scope="module")
