@@ -131,6 +131,13 @@ class DriftHarness:
             raise RuntimeError(f"engine dropped publish version {pub.version} (stale)")
         return t1 - t0, time.perf_counter() - t1
 
+    def _publish_round(self, llm: Any, session: DrafterSession, rec: dict[str, Any]) -> dict[str, torch.Tensor]:
+        state = session.engine_state()
+        write_s, reload_s = self._publish_state(llm, state)
+        rec["publish_write_seconds"], rec["publish_reload_seconds"] = write_s, reload_s
+        rec["publish_seconds"] = write_s + reload_s
+        return state
+
     def _measure(self, llm: Any, state: dict[str, torch.Tensor], prompts: list[list[int]],
                  plain: list[list[int]]) -> dict[str, Any]:
         from verl_speco.engines import vllm_engine
@@ -162,6 +169,8 @@ class DriftHarness:
                                     worker_extension_cls=vllm_engine.DRAFT_EXTENSION, max_num_seqs=16)
         records: list[dict[str, Any]] = []
         policy = target
+        overlap = cfg.drafter.schedule == "overlap"
+        live_state = frozen_state  # what the engine serves as the co-trained draft
         metrics_file = self.out / "metrics.jsonl"
         metrics_file.unlink(missing_ok=True)
         try:
@@ -179,24 +188,30 @@ class DriftHarness:
                 plain = _cut(_plain_greedy(actor, eval_prompts, self.eos, cfg.max_new_tokens), self.eos)
                 # 2. measurement: frozen, then co-trained (re-published: it stays live for the rollout)
                 rec["frozen"] = self._measure(llm, frozen_state, eval_prompts, plain)
-                rec["cotrained"] = self._measure(llm, session.engine_state(), eval_prompts, plain)
+                rec["cotrained"] = self._measure(llm, live_state, eval_prompts, plain)
                 t2 = time.perf_counter()
                 # 3. rollout with the co-trained draft live
                 train_prompts = self._prompts(cfg.rollout_prompts, "train", cfg.seed * 7919 + step)
                 responses = vllm_engine.generate(llm, train_prompts, cfg.max_new_tokens, ignore_eos=False)
                 rec["rollout_seconds"] = time.perf_counter() - t2
-                # 4. capture in the old-logprob pass; 5. train a round and publish
+                if overlap:  # the round started last step trained during this step's update and rollout
+                    done = session.finish_round()
+                    if done is not None:
+                        rec["train"] = done
+                        live_state = self._publish_round(llm, session, rec)
+                # 4. capture in the old-logprob pass
                 t3 = time.perf_counter()
                 rows, _ = capture_rollouts(actor, capture, train_prompts, _cut(responses, self.eos), self.eos, step)
                 session.add(rows, TargetHeadSnapshot.from_model(actor, step))
                 rec["capture_seconds"] = time.perf_counter() - t3
                 rec["capture"] = rows.counts
-                if step < cfg.steps:
+                # 5. train a round (serial: now; overlap: in the background) and publish
+                if step < cfg.steps and overlap:
+                    session.start_round()
+                elif step < cfg.steps:
                     rec["train"] = session.train_round()
                     rec["train_seconds"] = rec["train"]["train_seconds"]
-                    write_s, reload_s = self._publish_state(llm, session.engine_state())
-                    rec["publish_write_seconds"], rec["publish_reload_seconds"] = write_s, reload_s
-                    rec["publish_seconds"] = write_s + reload_s
+                    live_state = self._publish_round(llm, session, rec)
                 rec["step_seconds"] = sum(rec.get(k, 0.0) for k in STEP_PARTS)  # measurement excluded
                 records.append(rec)
                 with open(metrics_file, "a") as fh:
@@ -207,6 +222,7 @@ class DriftHarness:
             summary = self._offline_baseline(llm, session, initial, target, policy, actor, capture, eval_prompts,
                                              plain, records)
         finally:
+            session.close()
             vllm_engine.shutdown(llm)
         summary["total_seconds"] = time.perf_counter() - t_start
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -290,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-steps", type=int, default=d.drafter.train_steps_per_round,
                    help="drafter optimizer steps per round")
     p.add_argument("--lr", type=float, default=d.drafter.optim.lr, help="drafter learning rate")
+    p.add_argument("--schedule", choices=("serial", "overlap"), default=d.drafter.schedule,
+                   help="serial: train after the step's capture; overlap: train during the next step")
     p.add_argument("--initial-drafter", help="EAGLE-3 export for the base target (default: train one)")
     p.add_argument("--seed", type=int, default=d.seed)
     args = p.parse_args(argv)
@@ -299,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    drafter = dataclasses.replace(d.drafter, train_steps_per_round=args.train_steps,
+    drafter = dataclasses.replace(d.drafter, train_steps_per_round=args.train_steps, schedule=args.schedule,
                                   optim=dataclasses.replace(d.drafter.optim, lr=args.lr))
     cfg = DriftConfig(out=args.out, steps=args.steps, finetune_steps=args.finetune_steps,
                       rollout_prompts=args.rollout_prompts, eval_prompts=args.eval_prompts,

@@ -17,8 +17,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,7 @@ class FeatureBuffer:
         self.heads: dict[int, TargetHeadSnapshot] = {}
         self.tokens = 0
         self.evicted = 0
+        self.lock = threading.Lock()  # add() may run while an overlapped round samples
 
     @property
     def latest_version(self) -> int:
@@ -85,12 +88,13 @@ class FeatureBuffer:
             raise ValueError(f"head.version={head.version} but rows.policy_version={rows.policy_version}: "
                              "rows must be supervised by the head of the policy that produced them")
         rows.wait()
-        self.heads[head.version] = head
-        for record in rows.records:
-            n = int(record["input_ids"].numel())
-            self.entries.append(_Entry(rows.policy_version, record, n))
-            self.tokens += n
-        self._evict()
+        with self.lock:
+            self.heads[head.version] = head
+            for record in rows.records:
+                n = int(record["input_ids"].numel())
+                self.entries.append(_Entry(rows.policy_version, record, n))
+                self.tokens += n
+            self._evict()
 
     def _evict(self) -> None:
         oldest_ok = self.latest_version - self.max_staleness
@@ -110,12 +114,17 @@ class FeatureBuffer:
         self.heads = {v: h for v, h in self.heads.items() if v in live or v == self.latest_version}
 
     def sample(self, rng: random.Random, n: int) -> tuple[int, list[dict[str, Tensor]]]:
-        """(version, up to n rows of that version): the version drawn in proportion to its rows."""
-        if not self.entries:
-            raise RuntimeError("FeatureBuffer.sample: the buffer is empty (nothing captured yet)")
-        version = rng.choice(self.entries).version
-        pool = [e.record for e in self.entries if e.version == version]
-        return version, rng.sample(pool, min(n, len(pool)))
+        """(version, up to n rows of that version, its head): the version drawn in proportion to its rows."""
+        with self.lock:
+            if not self.entries:
+                raise RuntimeError("FeatureBuffer.sample: the buffer is empty (nothing captured yet)")
+            version = rng.choice(self.entries).version
+            pool = [e.record for e in self.entries if e.version == version]
+            return version, rng.sample(pool, min(n, len(pool)))
+
+    def head_of(self, version: int) -> TargetHeadSnapshot:
+        with self.lock:
+            return self.heads[version]
 
 
 class DrafterSession:
@@ -152,6 +161,8 @@ class DrafterSession:
         self.rounds = 0
         self.version = 0
         self.publish_dir = Path(cfg.publish_dir) if cfg.publish_dir else default_publish_dir(run_name)
+        self._executor: ThreadPoolExecutor | None = None
+        self._inflight: Future[dict[str, float]] | None = None
 
     def add(self, rows: CapturedRows, head: TargetHeadSnapshot) -> None:
         self.buffer.add(rows, head)
@@ -175,7 +186,7 @@ class DrafterSession:
         acc: dict[str, list[float]] = {}
         for _ in range(steps):
             version, samples = self.buffer.sample(self.rng, self.cfg.micro_batch_size)
-            self._use_head(self.buffer.heads[version])
+            self._use_head(self.buffer.head_of(version))
             for group in self.optimizer.param_groups:
                 group["lr"] = self._lr()
             result = train_step(self.model, self.family, [samples], self.optimizer,
@@ -188,7 +199,7 @@ class DrafterSession:
                 losses.append(result.loss)
             for k, v in result.metrics.items():
                 acc.setdefault(k, []).append(v)
-        self._use_head(self.buffer.heads[latest])
+        self._use_head(self.buffer.head_of(latest))
         self.rounds += 1
         out = {"loss": sum(losses) / max(1, len(losses)), "tokens": float(tokens), "steps": float(steps),
                "skipped_steps": float(skipped), "staleness_mean": sum(lags) / max(1, len(lags)),
@@ -197,10 +208,34 @@ class DrafterSession:
         out.update({k: sum(v) / len(v) for k, v in acc.items() if v})
         return out
 
+    # -- overlap schedule: a round runs in the background while the next rollout proceeds ----------
+    def start_round(self, steps: int | None = None) -> None:
+        """Start `train_round(steps)` on a background thread (one round in flight at most)."""
+        if self._inflight is not None:
+            raise RuntimeError("start_round: a training round is already in flight; call finish_round() first")
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-train")
+        self._inflight = self._executor.submit(self.train_round, steps)
+
+    def finish_round(self) -> dict[str, float] | None:
+        """Wait for the round in flight (None when there is none); its metrics."""
+        if self._inflight is None:
+            return None
+        future, self._inflight = self._inflight, None
+        return future.result()
+
+    def close(self) -> None:
+        self.finish_round()
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+
     def engine_state(self) -> dict[str, Tensor]:
         """A copy of the draft in the engine's checkpoint names (native EAGLE-3), CPU tensors."""
         from drafters.eagle3.export import Eagle3ExportConfig, engine_tensors
 
+        if self._inflight is not None:
+            raise RuntimeError("engine_state: a training round is in flight; call finish_round() first")
         export_cfg = Eagle3ExportConfig.from_drafter(self.fam_cfg, self.target_spec)
         tensors = engine_tensors(self.model.state_dict(), export_cfg, "native")
         return {k: v.clone() for k, v in tensors.items()}  # a snapshot: never aliases live parameters

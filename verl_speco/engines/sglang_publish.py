@@ -1,0 +1,500 @@
+"""Live EAGLE-3 draft publishing into SGLang: the `update_weights_from_tensor` request, its checker, a publisher.
+
+SGLang cannot run here, so this module encodes the contract of SGLang's tensor weight-update path
+for the DRAFT model. It never imports sglang: its serializer and metadata class come lazily from
+`sglang_engine` (the one module of ours importing sglang) and are None without sglang.
+Facts from SGLang's source (sgl-project/sglang, paths under python/sglang/srt/; checked against the
+released v0.5.23 wheel):
+
+- Request, `managers/io_struct.py` `UpdateWeightsFromTensorReqInput`: `serialized_named_tensors`
+  (one entry per TP rank, bytes; base64 str over HTTP), `load_format` (None, "direct",
+  "flattened_bucket" or a `--custom-weight-loader` path), `flush_cache` (True), `abort_all_requests`
+  (False), `weight_version` (None), `selector` in {"target", "draft", "all"} (default "all"),
+  `torch_empty_cache` (False). `managers/scheduler_components/weight_updater.py`
+  `update_weights_from_tensor` loads into `_select_runners(selector)` (draft runners: the spec
+  worker's `weight_update_runners()`) and refuses to run outside `begin_weight_update(selector)` ...
+  `end_weight_update()`; only one such session may be open at a time.
+- Rank layout: rank r deserializes only entry r (`managers/tp_worker.py` `deserialize_own_rank`);
+  `entrypoints/engine.py` `_serialize_tensors_per_rank` serializes once per rank. Every entry holds
+  the FULL tensors: SGLang's parallel weight loaders shard them per rank.
+- Flattened bucket (`model_executor/model_runner_components/weight_updater.py`
+  `_update_weights_from_flattened_bucket`, `weight_sync/tensor_bucket.py`): entry r deserializes to
+  `{"flattened_tensor": 1-D tensor, "metadata": [FlattenedTensorMetadata(name, shape, dtype,
+  start_idx, end_idx, numel)]}`, one bucket per request, then `model.load_weights(...)`. v0.5.23
+  (`supports_multi_dtypes = True`) reads `flat[start:end].view(dtype).reshape(shape)`; older readers
+  `flat[start:end].reshape(shape)` and VALUE-convert with `.to(dtype)` when the bucket dtype
+  differs. Buckets here hold ONE dtype with element indices, which both return as plain views:
+  bit-exact (a mixed bf16/int64 bucket would round int64 values on the older reader).
+- Serialization: `utils/common.py` `MultiprocessingSerializer.serialize(obj, output_str=False)` is a
+  `ForkingPickler` dump (CUDA tensors travel as IPC handles, after `utils/patch_torch.py`
+  `monkey_patch_torch_reductions`); `deserialize` uses `SafeUnpickler`, whose allowlist has SGLang's
+  `FlattenedTensorMetadata` but not ours, so the metadata objects are SGLang's class whenever sglang
+  is importable. That pickling is SGLang's API boundary; between our processes tensors never travel
+  pickled (`serialize` is pluggable, defaulting to SGLang's serializer).
+- Routing: `selector="draft"` is the only safe one. With "all" (the default, and all that
+  `Engine.update_weights_from_tensor(named_tensors, load_format, flush_cache)` can send), and in
+  older releases where `speculative/eagle_worker.py` `update_weights_from_tensor` loaded the payload
+  into the draft runner and then the target runner, the target's loader (`models/qwen3.py`
+  `Qwen3ForCausalLM.load_weights`) maps our `norm.weight` onto its `model.norm.weight`, our
+  `lm_head.weight` onto its LM head (shape error, or silent overwrite when Vd == V), and fails on
+  `midlayer.*`.
+- Draft loader (`models/llama_eagle3.py` `LlamaForCausalLMEagle3.load_weights`): names as in
+  `sglang_contract` (unknown names are dropped silently); `d2t` only rebinds `model.hot_token_id`
+  while the EAGLE worker keeps the copy it took at start-up (`speculative/eagle_worker_v2.py`),
+  so the draft vocab is fixed at launch and `d2t`/`t2d` are not published; `embed_tokens.weight` is
+  the TARGET's embedding (shared via `set_embed`) and is never published.
+- `weight_version` is ONE server-wide label (`managers/scheduler.py` `record_weight_version_change`,
+  a no-op for None), i.e. the target policy's version: a draft publish leaves it None by default.
+- Memory: `release_memory_occupation(tags)` with "weights" pauses the weight memory and stashes only
+  the target model's buffers; after `resume_memory_occupation` the draft must be published again,
+  and a target sync with selector "all" can overwrite draft tensors (its `lm_head.weight`,
+  `model.norm.weight` are names of the draft too), hence `SGLangDraftPublisher.reapply`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from drafters.eagle3.export import Eagle3ExportConfig, native_config
+from verl_speco.engines import sglang_engine
+from verl_speco.engines.sglang_contract import ARCH, sglang_expected_tensors
+
+LOAD_FORMAT = "flattened_bucket"
+DRAFT_SELECTOR = "draft"
+REQUEST_FIELDS = ("serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests",
+                  "weight_version", "selector")  # what build_draft_update sends
+OPTIONAL_FIELDS = ("torch_empty_cache",)  # also accepted by SGLang v0.5.23 (left at its default False)
+PAYLOAD_KEYS = ("flattened_tensor", "metadata")
+META_FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")
+DEFAULT_BUCKET_BYTES = 512 << 20
+NEVER_PUBLISHED = {
+    "embed_tokens.weight": "the target's embedding, shared by SGLang's draft (set_embed): publishing it would "
+                           "overwrite the target",
+    "d2t": "SGLang's EAGLE worker keeps the hot_token_id it read at start-up: the draft vocab is fixed at launch",
+    "t2d": "skipped by SGLang's draft loader",
+}
+
+Serialize = Callable[[Any], bytes | str]
+Deserialize = Callable[[bytes | str], Any]
+
+
+class SGLangPublishError(ValueError):
+    """A draft update SGLang would reject or load wrongly, or a publish the client refused."""
+
+
+@dataclass(frozen=True)
+class FlatTensorMeta:
+    """Field-for-field mirror of SGLang's `FlattenedTensorMetadata` (used when sglang is absent)."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+@dataclass(frozen=True, eq=False)  # holds tensors: identity, not elementwise, equality
+class Bucket:
+    """One flattened bucket: a 1-D tensor of a single dtype and the metadata of its tensors."""
+
+    flattened_tensor: Tensor
+    metadata: tuple[Any, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(m.name for m in self.metadata)
+
+    def payload(self) -> dict[str, Any]:
+        """What one TP rank's `serialized_named_tensors` entry deserializes to."""
+        return {"flattened_tensor": self.flattened_tensor, "metadata": list(self.metadata)}
+
+
+def metadata_class() -> type:
+    """SGLang's `FlattenedTensorMetadata` when importable (its restricted unpickler accepts it), else ours."""
+    return sglang_engine.flattened_tensor_metadata_class() or FlatTensorMeta
+
+
+def sglang_serializer() -> Serialize | None:
+    """SGLang's `MultiprocessingSerializer.serialize` (see `sglang_engine.serializer`); None without sglang."""
+    return sglang_engine.serializer()
+
+
+def sglang_deserializer() -> Deserialize | None:
+    """SGLang's `MultiprocessingSerializer.deserialize`; None without sglang."""
+    return sglang_engine.deserializer()
+
+
+def draft_config(cfg: Eagle3ExportConfig) -> dict[str, Any]:
+    """The SGLang draft's config.json (our native export config) for `cfg`."""
+    return native_config(cfg)
+
+
+def publishable_tensors(state_dict: Mapping[str, Tensor], cfg: Eagle3ExportConfig) -> dict[str, Tensor]:
+    """The draft tensors SGLang's draft runner receives, in its names and order, validated.
+
+    `state_dict` uses our EAGLE-3 training/export names (`drafters.eagle3.export`); `embed_tokens.weight`,
+    `d2t` and `t2d` are left out (see NEVER_PUBLISHED). Tensors stay on their device (CUDA tensors go
+    through SGLang's serializer as IPC handles).
+    """
+    if cfg.num_layers != 1:
+        raise SGLangPublishError(f"cfg.num_layers: got {cfg.num_layers}, expected 1 (SGLang's {ARCH} names its "
+                                 "extra layers additional_layers.*, our layers.<n>.* would be dropped)")
+    want = sglang_expected_tensors(draft_config(cfg))
+    got = {k: v for k, v in state_dict.items() if k not in NEVER_PUBLISHED}
+    missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    if missing or extra:
+        raise SGLangPublishError(f"draft state dict: missing {missing}, unexpected {extra} "
+                                 f"(SGLang's {ARCH} takes exactly {sorted(want)})")
+    out: dict[str, Tensor] = {}
+    for name, shape in want.items():
+        t = got[name].detach()
+        if tuple(t.shape) != shape:
+            raise SGLangPublishError(f"{name}: shape {tuple(t.shape)}, expected {shape}")
+        if not t.is_floating_point():
+            raise SGLangPublishError(f"{name}: dtype {t.dtype}, expected a floating dtype")
+        out[name] = t
+    return out
+
+
+def build_buckets(tensors: Mapping[str, Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
+    """Flattened buckets grouped by dtype (first-appearance order), each at most `bucket_bytes`.
+
+    A tensor larger than `bucket_bytes` gets a bucket of its own. Indices count elements of the
+    bucket's dtype, so SGLang's readers (old: `.reshape`, new: `.view(dtype)`) both return views.
+    """
+    if bucket_bytes < 1:
+        raise SGLangPublishError(f"bucket_bytes: got {bucket_bytes}, expected >= 1")
+    if not tensors:
+        raise SGLangPublishError("tensors: empty; SGLang's FlattenedTensorBucket cannot be empty")
+    meta_cls = metadata_class()
+    by_dtype: dict[torch.dtype, list[tuple[str, Tensor]]] = {}
+    for name, t in tensors.items():
+        by_dtype.setdefault(t.dtype, []).append((name, t))
+    groups: list[list[tuple[str, Tensor]]] = []
+    for items in by_dtype.values():
+        current: list[tuple[str, Tensor]] = []
+        size = 0
+        for name, t in items:
+            nbytes = t.numel() * t.element_size()
+            if current and size + nbytes > bucket_bytes:
+                groups.append(current)
+                current, size = [], 0
+            current.append((name, t))
+            size += nbytes
+        groups.append(current)
+    buckets = []
+    for group in groups:
+        metadata, start = [], 0
+        for name, t in group:
+            n = t.numel()
+            metadata.append(meta_cls(name=name, shape=t.shape, dtype=t.dtype, start_idx=start, end_idx=start + n,
+                                     numel=n))
+            start += n
+        flat = torch.cat([t.reshape(-1) for _, t in group])  # a copy: later training steps do not alter it
+        buckets.append(Bucket(flat, tuple(metadata)))
+    return buckets
+
+
+@dataclass(frozen=True, eq=False)
+class SGLangDraftUpdate:
+    """One draft version, bucketed and ready to be turned into `update_weights_from_tensor` requests."""
+
+    version: int
+    buckets: tuple[Bucket, ...]
+    tp_size: int
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(n for b in self.buckets for n in b.names)
+
+    def requests(self, serialize: Serialize | None = None) -> list[dict[str, Any]]:
+        """The exact kwargs of each `update_weights_from_tensor` call, in order (one bucket each).
+
+        Every rank's entry is serialized separately (as SGLang's Engine does) and re-serialized on
+        each call, so a re-apply never reuses IPC handles. Only the last request flushes the cache
+        and only the first aborts requests (SGLang: "if there are going to be more updates, set
+        flush_cache to be false"); all carry the same `weight_version`.
+        """
+        ser = serialize or sglang_serializer()
+        if ser is None:
+            raise SGLangPublishError("serialize: sglang is not importable here; pass serialize= (SGLang's "
+                                     "MultiprocessingSerializer.serialize in its own process)")
+        last = len(self.buckets) - 1
+        return [{
+            "serialized_named_tensors": [ser(bucket.payload()) for _ in range(self.tp_size)],
+            "load_format": LOAD_FORMAT,
+            "flush_cache": self.flush_cache and i == last,
+            "abort_all_requests": self.abort_all_requests and i == 0,
+            "weight_version": self.weight_version,
+            "selector": DRAFT_SELECTOR,
+        } for i, bucket in enumerate(self.buckets)]
+
+
+def build_draft_update(state_dict: Mapping[str, Tensor], cfg: Eagle3ExportConfig, *, version: int,
+                       tp_size: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES, flush_cache: bool = True,
+                       abort_all_requests: bool = False, weight_version: str | None = None) -> SGLangDraftUpdate:
+    """Validate and bucket a draft state dict (our EAGLE-3 names) for SGLang's draft runner."""
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise SGLangPublishError(f"version: got {version!r}, expected an integer >= 0")
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise SGLangPublishError(f"tp_size: got {tp_size!r}, expected an integer >= 1 (SGLang's TP world size)")
+    if weight_version is not None and not isinstance(weight_version, str):
+        raise SGLangPublishError(f"weight_version: got {weight_version!r}, expected a str or None")
+    buckets = build_buckets(publishable_tensors(state_dict, cfg), bucket_bytes)
+    return SGLangDraftUpdate(version, tuple(buckets), tp_size, flush_cache, abort_all_requests, weight_version)
+
+
+def _bits(t: Tensor) -> Tensor:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _check_fields(i: int, req: Mapping[str, Any], tp_size: int) -> list[str]:
+    where, problems = f"request[{i}]", []
+    unknown = sorted(set(req) - set(REQUEST_FIELDS) - set(OPTIONAL_FIELDS))
+    missing = [k for k in ("serialized_named_tensors", "load_format", "selector") if k not in req]
+    if unknown:
+        problems.append(f"{where}: unknown fields {unknown}; UpdateWeightsFromTensorReqInput has "
+                        f"{list(REQUEST_FIELDS + OPTIONAL_FIELDS)}")
+    if missing:
+        problems.append(f"{where}: missing fields {missing}")
+    if req.get("load_format", LOAD_FORMAT) != LOAD_FORMAT:
+        problems.append(f"{where}.load_format: got {req.get('load_format')!r}, expected {LOAD_FORMAT!r} (payloads "
+                        "are flattened buckets)")
+    if req.get("selector", DRAFT_SELECTOR) != DRAFT_SELECTOR:
+        problems.append(f"{where}.selector: got {req.get('selector')!r}, expected {DRAFT_SELECTOR!r} (any other "
+                        "runner would load draft names into the target: norm.weight, lm_head.weight)")
+    for key in ("flush_cache", "abort_all_requests", "torch_empty_cache"):
+        if key in req and not isinstance(req[key], bool):
+            problems.append(f"{where}.{key}: got {req[key]!r}, expected a bool")
+    if req.get("weight_version") is not None and not isinstance(req["weight_version"], str):
+        problems.append(f"{where}.weight_version: got {req['weight_version']!r}, expected a str or None")
+    entries = req.get("serialized_named_tensors", [])
+    if not isinstance(entries, list) or len(entries) != tp_size:
+        n = len(entries) if isinstance(entries, list) else type(entries).__name__
+        problems.append(f"{where}.serialized_named_tensors: got {n} entries, expected a list of {tp_size} "
+                        "(one per TP rank; rank r reads entry r)")
+    elif any(not isinstance(e, bytes | str) for e in entries):
+        problems.append(f"{where}.serialized_named_tensors: entries of type "
+                        f"{sorted({type(e).__name__ for e in entries})}, expected bytes (or base64 str)")
+    return problems
+
+
+def _check_bucket(where: str, payload: Any) -> tuple[list[str], list[tuple[Any, Tensor]]]:
+    """Problems of one deserialized bucket, and (metadata, reconstructed tensor) pairs when sound."""
+    if not isinstance(payload, Mapping) or sorted(payload) != sorted(PAYLOAD_KEYS):
+        keys = sorted(payload) if isinstance(payload, Mapping) else type(payload).__name__
+        return [f"{where}: got {keys}, expected a dict with keys {list(PAYLOAD_KEYS)}"], []
+    flat, metadata = payload["flattened_tensor"], payload["metadata"]
+    if not isinstance(flat, Tensor) or flat.dim() != 1:
+        shape = tuple(flat.shape) if isinstance(flat, Tensor) else type(flat).__name__
+        return [f"{where}.flattened_tensor: got {shape}, expected a 1-D tensor"], []
+    if not isinstance(metadata, list | tuple) or not metadata:
+        return [f"{where}.metadata: got {metadata!r}, expected a non-empty list of FlattenedTensorMetadata"], []
+    problems: list[str] = []
+    out: list[tuple[Any, Tensor]] = []
+    expect_start = 0
+    for j, m in enumerate(metadata):
+        at = f"{where}.metadata[{j}]"
+        lacking = [f for f in META_FIELDS if not hasattr(m, f)]
+        if lacking:
+            problems.append(f"{at}: lacks {lacking} (SGLang reads {list(META_FIELDS)})")
+            continue
+        at, numel, mine = f"{at} ({m.name})", math.prod(tuple(m.shape)), []
+        if m.start_idx != expect_start:
+            mine.append(f"{at}.start_idx: got {m.start_idx}, expected {expect_start} (contiguous, in order)")
+        if not m.end_idx - m.start_idx == m.numel == numel:
+            mine.append(f"{at}: end_idx - start_idx = {m.end_idx - m.start_idx}, numel = {m.numel}, "
+                        f"prod(shape {tuple(m.shape)}) = {numel}; expected all equal (element indices)")
+        if m.end_idx > flat.numel():
+            mine.append(f"{at}.end_idx: {m.end_idx} beyond the {flat.numel()}-element flattened_tensor")
+        if m.dtype != flat.dtype:
+            mine.append(f"{at}.dtype: {m.dtype} in a {flat.dtype} bucket; expected the bucket's dtype (older "
+                        "SGLang converts values with .to(), newer reinterprets bytes with .view(): not bit-exact)")
+        expect_start = m.end_idx
+        problems += mine
+        if not mine:
+            out.append((m, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(tuple(m.shape))))
+    if not problems and expect_start != flat.numel():
+        problems.append(f"{where}.flattened_tensor: {flat.numel()} elements, metadata covers {expect_start}")
+    return problems, out
+
+
+def check_draft_update(requests: Sequence[Mapping[str, Any]], config: Mapping[str, Any], *, tp_size: int,
+                       deserialize: Deserialize | None = None,
+                       expected: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """Validate requests against SGLang's request and draft-loader contract; returns the tensors rank 0 loads.
+
+    `config` is the SGLang draft's config.json (`draft_config(cfg)`). Checks: request fields and
+    types, one serialized entry per TP rank with identical contents, bucket metadata (contiguous
+    element indices, numel = prod(shape), metadata dtype = bucket dtype, full coverage), names
+    and shapes against `sglang_expected_tensors(config)`, floating dtypes, and, with `expected`,
+    bit-exact equality of every reconstructed tensor. Raises SGLangPublishError listing every problem.
+    """
+    des = deserialize or sglang_deserializer()
+    if des is None:
+        raise SGLangPublishError("deserialize: sglang is not importable here; pass deserialize=")
+    problems: list[str] = [] if requests else ["requests: empty, expected one request per bucket"]
+    if int(config.get("num_hidden_layers", 1)) != 1 or ARCH not in (config.get("architectures") or []):
+        problems.append(f"config: architectures {config.get('architectures')}, num_hidden_layers "
+                        f"{config.get('num_hidden_layers')}; expected a one-layer {ARCH}")
+    want = sglang_expected_tensors(dict(config))
+    loaded: dict[str, Tensor] = {}
+    for i, req in enumerate(requests):
+        field_problems = _check_fields(i, req, tp_size)
+        problems += field_problems
+        if field_problems:
+            continue
+        per_rank = []
+        for r, entry in enumerate(req["serialized_named_tensors"]):
+            bucket_problems, pairs = _check_bucket(f"request[{i}].serialized_named_tensors[{r}]", des(entry))
+            problems += bucket_problems
+            per_rank.append(pairs)
+        if any(not pairs for pairs in per_rank):
+            continue
+        for r, pairs in enumerate(per_rank[1:], start=1):
+            if [m.name for m, _ in pairs] != [m.name for m, _ in per_rank[0]] or any(
+                    not torch.equal(_bits(a), _bits(b)) for (_, a), (_, b) in zip(pairs, per_rank[0], strict=True)):
+                problems.append(f"request[{i}].serialized_named_tensors[{r}]: differs from rank 0 (every rank "
+                                "receives the full tensors; SGLang's loaders shard them)")
+        for m, t in per_rank[0]:
+            if m.name in loaded:
+                problems.append(f"{m.name}: sent twice (request[{i}] again)")
+            loaded[m.name] = t
+    if problems:
+        raise SGLangPublishError("SGLang draft update rejected:\n  - " + "\n  - ".join(problems))
+    for name, t in loaded.items():
+        if name in NEVER_PUBLISHED:
+            problems.append(f"{name}: must not be published ({NEVER_PUBLISHED[name]})")
+        elif name not in want:
+            problems.append(f"{name}: not a parameter of SGLang's {ARCH}; its loader would drop it silently")
+        elif tuple(t.shape) != want[name]:
+            problems.append(f"{name}: shape {tuple(t.shape)}, expected {want[name]}")
+        elif not t.is_floating_point():
+            problems.append(f"{name}: dtype {t.dtype}, expected a floating dtype")
+    problems += [f"{name}: missing (expected shape {shape})" for name, shape in want.items() if name not in loaded]
+    for name, ref in (expected or {}).items():
+        got = loaded.get(name)
+        if got is not None and (got.dtype != ref.dtype or tuple(got.shape) != tuple(ref.shape)
+                                or not torch.equal(_bits(got), _bits(ref))):
+            problems.append(f"{name}: reconstructed tensor differs from the source ({got.dtype} vs {ref.dtype}); "
+                            "expected a bit-exact copy")
+    if problems:
+        raise SGLangPublishError("SGLang draft update rejected:\n  - " + "\n  - ".join(problems))
+    return loaded
+
+
+class SGLangClient(Protocol):
+    """What the publisher calls, with SGLang's request field names: SGLang's HTTP API
+    (`entrypoints/http_server.py` `/update_weights_from_tensor` taking `UpdateWeightsFromTensorReqInput`,
+    `/begin_weight_update` {"selector"}, `/end_weight_update`) or an in-process adapter over
+    `TokenizerManager.update_weights_from_tensor(UpdateWeightsFromTensorReqInput(**request), None)`.
+    `sglang.Engine` has `begin_weight_update(selector)` / `end_weight_update()`, but its
+    `update_weights_from_tensor(named_tensors, load_format, flush_cache)` cannot carry `selector`
+    (it sends "all"), so the Engine itself is not a draft-only client."""
+
+    def update_weights_from_tensor(self, **request: Any) -> Any: ...
+
+
+def _reply(result: Any) -> tuple[bool, str]:
+    """(success, message) from SGLang's replies: a (success, message) tuple, a dict or an *ReqOutput object."""
+    if isinstance(result, tuple | list) and result and isinstance(result[0], bool):
+        return result[0], str(result[1]) if len(result) > 1 else ""
+    if isinstance(result, Mapping) and isinstance(result.get("success"), bool):
+        return bool(result["success"]), str(result.get("message", ""))
+    if isinstance(getattr(result, "success", None), bool):
+        return bool(result.success), str(getattr(result, "message", ""))
+    raise SGLangPublishError(f"client reply: got {result!r}, expected (success, message), a dict with 'success' "
+                             "or an object with .success")
+
+
+class SGLangDraftPublisher:
+    """Publishes draft versions to one SGLang server, with the versioning of our vLLM path.
+
+    As `vllm_engine.DraftReloadMixin`: versions only move forward, `publish(state_dict, version)`
+    drops a version <= the latest applied one (counted in `dropped`, server untouched), and the
+    latest applied version is kept so `reapply()` restores it: call it after the target's own
+    weight sync (routed to "all" it can overwrite draft tensors) and after
+    `resume_memory_occupation` gave the weights back (`on_resume(tags)`). The kept version is a
+    bucketed snapshot (later training steps do not change it), re-serialized on every apply. A
+    refused apply raises SGLangPublishError, leaves `latest` at the previous version and
+    `applied_version` None (the server may hold a partial update: `reapply()` restores `latest`).
+    With `session=True` (SGLang's per-runner fan-out generation) each apply is bracketed by
+    `client.begin_weight_update(selector="draft")` and `client.end_weight_update()`.
+    `weight_version_tag(version)` sets the server-wide `weight_version`; leave it None so the
+    target policy's label is not overwritten.
+    """
+
+    def __init__(self, client: SGLangClient, cfg: Eagle3ExportConfig, *, tp_size: int = 1,
+                 serialize: Serialize | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, session: bool = True,
+                 weight_version_tag: Callable[[int], str] | None = None) -> None:
+        for method in ("update_weights_from_tensor",) + (("begin_weight_update", "end_weight_update") if session else ()):
+            if not callable(getattr(client, method, None)):
+                raise SGLangPublishError(f"client: has no {method}() (got {type(client).__name__})")
+        self.client, self.cfg, self.tp_size = client, cfg, tp_size
+        self.serialize, self.bucket_bytes, self.session = serialize, bucket_bytes, session
+        self.weight_version_tag = weight_version_tag
+        self.latest: SGLangDraftUpdate | None = None
+        self.applied_version: int | None = None
+        self.dropped = 0
+
+    @property
+    def latest_version(self) -> int | None:
+        return None if self.latest is None else self.latest.version
+
+    def publish(self, state_dict: Mapping[str, Tensor], version: int) -> bool:
+        """Apply `version` unless it is not newer than the latest applied one; True when applied."""
+        if self.latest is not None and version <= self.latest.version:
+            self.dropped += 1
+            return False
+        tag = self.weight_version_tag(version) if self.weight_version_tag is not None else None
+        update = build_draft_update(state_dict, self.cfg, version=version, tp_size=self.tp_size,
+                                    bucket_bytes=self.bucket_bytes, weight_version=tag)
+        self._apply(update)
+        self.latest = update
+        return True
+
+    def reapply(self) -> int:
+        """Send the latest applied version again (same tensors); its version, -1 before the first publish."""
+        if self.latest is None:
+            return -1
+        self._apply(self.latest)
+        return self.latest.version
+
+    def on_resume(self, tags: Iterable[str] | None = None) -> int:
+        """After `resume_memory_occupation(tags)`: `reapply()` when the weights came back (tags None/empty or
+        containing "weights"); -1 when nothing was re-applied."""
+        tag_list = list(tags or [])
+        if tag_list and "weights" not in tag_list:
+            return -1
+        return self.reapply()
+
+    def _apply(self, update: SGLangDraftUpdate) -> None:
+        self.applied_version = None  # unknown until every bucket landed
+        requests = update.requests(self.serialize)
+        if self.session:
+            self._call("begin_weight_update", selector=DRAFT_SELECTOR)
+        try:
+            for i, request in enumerate(requests):
+                self._call("update_weights_from_tensor", what=f"bucket {i + 1}/{len(requests)}", **request)
+        finally:
+            if self.session:
+                self._call("end_weight_update")
+        self.applied_version = update.version
+
+    def _call(self, method: str, what: str = "", **kwargs: Any) -> None:
+        result = getattr(self.client, method)(**kwargs)
+        if method == "update_weights_from_tensor" or result is not None:
+            ok, message = _reply(result)
+            if not ok:
+                raise SGLangPublishError(f"{method}{f' ({what})' if what else ''}: SGLang refused: {message} "
+                                         f"(latest applied draft version: {self.latest_version}, see reapply())")
