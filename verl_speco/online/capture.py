@@ -153,7 +153,7 @@ class OnlineCapture:
         micro-batches: their rows are concatenated). input_ids/attention_mask/loss_mask: [B, T]."""
         if not passes:
             raise ValueError("collect: no forward pass was captured (were the hooks on the actor module?)")
-        feats = _concat_passes(passes)
+        feats = _concat_passes(passes, tuple(attention_mask.shape))
         plan = plan_rows(attention_mask, loss_mask, self.caps, self.seed + 1_000_003 * int(policy_version))
         aux = _row_slices(feats.aux_hidden, plan, attention_mask)
         assert feats.last_hidden is not None
@@ -174,14 +174,20 @@ class OnlineCapture:
         return CapturedRows(records, int(policy_version), plan.counts, event)
 
 
-def _concat_passes(passes: list[CapturedFeatures]) -> CapturedFeatures:
-    """Micro-batch forwards of one batch, in order, as one: padded rows concatenate on dim 0,
-    packed [1, nnz] passes on dim 1."""
+def _concat_passes(passes: list[CapturedFeatures], batch_shape: tuple[int, ...]) -> CapturedFeatures:
+    """Micro-batch forwards of one [B, T] batch, in order, as one: padded passes ([b_i, T, ...] with
+    sum b_i = B) concatenate on dim 0, remove-padding passes ([1, nnz_i, ...]) on dim 1.
+    Example: B=4, T=9 in micro-batches of 1 -> four [1, 9, H] passes -> [4, 9, H] (padded, even
+    though each pass has a leading 1); two packed passes [1, 12, H] + [1, 10, H] -> [1, 22, H]."""
     if len(passes) == 1:
         return passes[0]
-    dim = 1 if all(p.aux_hidden.shape[0] == 1 for p in passes) else 0
-    if dim == 0 and len({p.aux_hidden.shape[1] for p in passes}) > 1:
-        raise ValueError("collect: padded micro-batches of different lengths; capture one pass per batch")
+    b, t = batch_shape
+    shapes = [p.aux_hidden.shape for p in passes]
+    padded = all(s[1] == t for s in shapes) and sum(s[0] for s in shapes) == b
+    if not padded and not all(s[0] == 1 for s in shapes):
+        raise ValueError(f"collect: passes of shapes {[tuple(s) for s in shapes]} are neither padded micro-batches "
+                         f"of the [{b}, {t}] batch nor remove-padding [1, nnz] passes")
+    dim = 0 if padded else 1
     hidden = {i: torch.cat([p.hidden[i] for p in passes], dim) for i in passes[0].layer_ids}
     last = torch.cat([p.last_hidden for p in passes if p.last_hidden is not None], dim)
     return CapturedFeatures(passes[0].layer_ids, hidden, last)

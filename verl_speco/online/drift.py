@@ -206,9 +206,9 @@ class DriftHarness:
                 rec["capture_seconds"] = time.perf_counter() - t3
                 rec["capture"] = rows.counts
                 # 5. train a round (serial: now; overlap: in the background) and publish
-                if step < cfg.steps and overlap:
+                if overlap:
                     session.start_round()
-                elif step < cfg.steps:
+                else:
                     rec["train"] = session.train_round()
                     rec["train_seconds"] = rec["train"]["train_seconds"]
                     live_state = self._publish_round(llm, session, rec)
@@ -237,7 +237,8 @@ class DriftHarness:
 
         cfg = self.cfg
         online_steps = session.step
-        online_rows = sum(r["capture"]["kept"] for r in records[:-1])
+        session.finish_round()  # overlap: the round of the last step's capture
+        online_rows = sum(r["capture"]["kept"] for r in records)
         offline = DrafterSession(dataclasses.replace(cfg.drafter, model_path=str(initial), max_staleness=0),
                                  target, run_name=f"drift-offline-{cfg.seed}")
         prompts = self._prompts(online_rows, "train", cfg.seed * 7919 + 104729)

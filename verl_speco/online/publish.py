@@ -83,6 +83,10 @@ def write_version(publish_dir: str | Path, version: int, state: Mapping[str, tor
     final = root / f"v{version:06d}"
     if final.exists():
         raise FileExistsError(f"{final}: version {version} was already published (versions only increase)")
+    newest = max(_versions(root), default=-1)
+    if version <= newest:
+        raise ValueError(f"version: got {version}, expected > {newest} (the newest version in {root}; "
+                         "versions only increase)")
     tmp = Path(tempfile.mkdtemp(prefix=f".v{version:06d}.", dir=root))
     buckets = []
     total = 0
@@ -101,10 +105,14 @@ def write_version(publish_dir: str | Path, version: int, state: Mapping[str, tor
     return PublishedDraft(version=version, path=final, total_bytes=total, num_buckets=len(buckets))
 
 
+def _versions(root: Path) -> list[int]:
+    return sorted(int(p.name[1:]) for p in root.glob("v[0-9]*") if p.is_dir() and p.name[1:].isdigit())
+
+
 def _prune(root: Path, keep: int) -> None:
-    versions = sorted(p for p in root.glob("v[0-9]*") if p.is_dir())
+    versions = _versions(root)
     for old in versions[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        shutil.rmtree(root / f"v{old:06d}", ignore_errors=True)
 
 
 def read_manifest(path: str | Path) -> dict[str, Any]:

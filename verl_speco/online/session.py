@@ -113,14 +113,15 @@ class FeatureBuffer:
         live = {e.version for e in self.entries}
         self.heads = {v: h for v, h in self.heads.items() if v in live or v == self.latest_version}
 
-    def sample(self, rng: random.Random, n: int) -> tuple[int, list[dict[str, Tensor]]]:
-        """(version, up to n rows of that version, its head): the version drawn in proportion to its rows."""
+    def sample(self, rng: random.Random, n: int) -> tuple[int, list[dict[str, Tensor]], TargetHeadSnapshot]:
+        """(version, up to n rows of that version, its head), in one locked read: the version is
+        drawn in proportion to its rows."""
         with self.lock:
             if not self.entries:
                 raise RuntimeError("FeatureBuffer.sample: the buffer is empty (nothing captured yet)")
             version = rng.choice(self.entries).version
             pool = [e.record for e in self.entries if e.version == version]
-            return version, rng.sample(pool, min(n, len(pool)))
+            return version, rng.sample(pool, min(n, len(pool))), self.heads[version]
 
     def head_of(self, version: int) -> TargetHeadSnapshot:
         with self.lock:
@@ -148,7 +149,9 @@ class DrafterSession:
             self.fam_cfg = model.cfg
         else:
             self.fam_cfg = self.family.config_cls(**cfg.settings).resolve(target.spec)
-            model = self.family.build(self.fam_cfg, target, None)
+            with torch.random.fork_rng(devices=[]):  # a fresh init is a function of drafter.seed
+                torch.manual_seed(cfg.seed)
+                model = self.family.build(self.fam_cfg, target, None)
         self.target_spec = target.spec
         self.model: nn.Module = model.to(self.device).train()
         o = cfg.optim
@@ -182,11 +185,12 @@ class DrafterSession:
         started = time.perf_counter()
         steps = self.cfg.train_steps_per_round if steps is None else steps
         latest = self.buffer.latest_version
+        latest_head = self.buffer.head_of(latest)  # kept even if add() evicts it during the round
         losses, tokens, skipped, lags = [], 0, 0, []
         acc: dict[str, list[float]] = {}
         for _ in range(steps):
-            version, samples = self.buffer.sample(self.rng, self.cfg.micro_batch_size)
-            self._use_head(self.buffer.head_of(version))
+            version, samples, head = self.buffer.sample(self.rng, self.cfg.micro_batch_size)
+            self._use_head(head)
             for group in self.optimizer.param_groups:
                 group["lr"] = self._lr()
             result = train_step(self.model, self.family, [samples], self.optimizer,
@@ -199,7 +203,7 @@ class DrafterSession:
                 losses.append(result.loss)
             for k, v in result.metrics.items():
                 acc.setdefault(k, []).append(v)
-        self._use_head(self.buffer.head_of(latest))
+        self._use_head(latest_head)
         self.rounds += 1
         out = {"loss": sum(losses) / max(1, len(losses)), "tokens": float(tokens), "steps": float(steps),
                "skipped_steps": float(skipped), "staleness_mean": sum(lags) / max(1, len(lags)),
