@@ -33,6 +33,7 @@ def test_vllm_greedy_matches_transformers(fast_target: Path, monkeypatch) -> Non
     chats = [[{"role": "user", "content": p}] for p in PROMPTS]
     prompt_ids = [list(tok.apply_chat_template(c, add_generation_prompt=True, return_dict=False)) for c in chats]
     expected = [_hf_greedy(hf, ids, MAX_NEW) for ids in prompt_ids]
+    assert all(len(set(e)) >= 3 for e in expected)  # not a degenerate constant stream
 
     llm = LLM(model=str(fast_target), dtype="float32", max_model_len=512, enforce_eager=True, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)

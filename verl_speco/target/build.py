@@ -175,7 +175,7 @@ def finetune_target(
     steps: int = 100,
     seed: int = 1,
     lr: float = 1e-3,
-    batch_size: int = 32,
+    batch_size: int = 16,
     force: bool = False,
     log: Log | None = None,
 ) -> Path:
