@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from drafters.common.contract import DraftContext, Proposer
 from drafters.common.metrics import AcceptanceStats
 from drafters.common.sampling import SamplingParams, logits_to_probs, sample
+from drafters.common.tokens import cut_at_end
 from drafters.verify import verify_greedy, verify_sampling
 
 
@@ -53,9 +54,7 @@ def _next_token(logits: Tensor, sampling: SamplingParams, generator: torch.Gener
 
 
 def _finish(tokens: list[int], max_new_tokens: int, eos_token_id: int | None) -> Tensor:
-    tokens = tokens[:max_new_tokens]
-    if eos_token_id is not None and eos_token_id in tokens:
-        tokens = tokens[: tokens.index(eos_token_id) + 1]
+    tokens, _ = cut_at_end(tokens[:max_new_tokens], () if eos_token_id is None else (eos_token_id,))
     return torch.tensor(tokens, dtype=torch.int64)
 
 

@@ -15,6 +15,7 @@ import torch
 from drafters.common.contract import StoreStats
 from drafters.common.metrics import AcceptanceStats
 from drafters.common.target import TargetHead
+from drafters.common.tokens import cut_at_end
 from drafters.eagle3 import FAMILY, Eagle3Config
 from drafters.eagle3.export import load_export
 from drafters.eagle3.model import Eagle3Model
@@ -107,8 +108,7 @@ def vllm_acceptance(target_dir: str | Path, drafts: dict[str, Path], prompts: Ev
     from verl_speco.engines import vllm_engine
 
     def _cut(seqs: list[list[int]]) -> list[list[int]]:
-        eos = prompts.eos_token_id
-        return [s[: s.index(eos) + 1] if eos in s else s for s in seqs]
+        return [cut_at_end(s, (prompts.eos_token_id,))[0] for s in seqs]
 
     llm = vllm_engine.build_llm(target_dir, None)
     try:

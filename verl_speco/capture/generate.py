@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from drafters.common.tokens import cut_at_end
+
 
 @dataclass
 class Generated:
@@ -23,10 +25,7 @@ class Generated:
 
 
 def _cut(row: list[int], end_ids: set[int]) -> Generated:
-    for k, tok in enumerate(row):
-        if tok in end_ids:
-            return Generated(row[: k + 1], True)
-    return Generated(row, False)
+    return Generated(*cut_at_end(row, end_ids))
 
 
 @torch.no_grad()

@@ -32,6 +32,7 @@ from typing import Any, cast
 
 import torch
 
+from drafters.common.tokens import cut_at_end
 from verl_speco.online.capture import CapturedRows, OnlineCapture
 from verl_speco.online.config import CaptureCaps, DrafterOptim, DrafterRunConfig
 from verl_speco.online.publish import write_version
@@ -69,7 +70,7 @@ def _plain_greedy(model: Any, prompts: list[list[int]], eos: int, max_new_tokens
 
 
 def _cut(seqs: list[list[int]], eos: int) -> list[list[int]]:
-    return [s[: s.index(eos) + 1] if eos in s else s for s in seqs]
+    return [cut_at_end(s, (eos,))[0] for s in seqs]
 
 
 def capture_rollouts(actor: Any, capture: OnlineCapture, prompts: list[list[int]], responses: list[list[int]],
