@@ -63,3 +63,17 @@ def test_rows_added_during_a_round_are_kept(tmp_path: Path, target_dir: Path, ta
     metrics = session.train_round()
     assert metrics["steps"] == 3.0 and metrics["skipped_steps"] == 0.0
     session.close()
+
+
+def test_rows_and_heads_cross_processes_as_safetensors_bytes(target_model: Any) -> None:
+    rows = _rows(target_model, 3)
+    data = rows.to_bytes()
+    assert isinstance(data, bytes) and data[8:9] == b"{"  # a safetensors header, no pickle
+    back = CapturedRows.from_bytes(data)
+    assert back.policy_version == 3 and back.counts == rows.counts and len(back.records) == len(rows.records)
+    for a, b in zip(rows.records, back.records):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+    head = TargetHeadSnapshot.from_model(target_model, 3)
+    head_back = TargetHeadSnapshot.from_bytes(head.to_bytes())
+    assert head_back.version == 3
+    assert torch.equal(head_back.lm_head, head.lm_head) and torch.equal(head_back.embed_tokens, head.embed_tokens)

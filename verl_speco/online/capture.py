@@ -18,11 +18,14 @@ row r occupying [cu[r], cu[r+1]) with cu = cumsum of the per-row valid counts.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
 from torch import Tensor, nn
 
 from verl_speco.capture.hooks import CapturedFeatures, FeatureCapture
@@ -99,6 +102,31 @@ class CapturedRows:
     @property
     def num_tokens(self) -> int:
         return sum(int(r["input_ids"].numel()) for r in self.records)
+
+    def to_bytes(self) -> bytes:
+        """Safetensors bytes (tensors `"{row}.{field}"`, metadata JSON): how rows cross processes."""
+        self.wait()
+        tensors = {f"{i}.{k}": v.contiguous() for i, r in enumerate(self.records) for k, v in r.items()}
+        meta = {"policy_version": str(self.policy_version), "rows": str(len(self.records)),
+                "counts": json.dumps(self.counts)}
+        return safetensors_save(tensors, metadata=meta)
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> CapturedRows:
+        tensors = safetensors_load(data)
+        meta = _safetensors_metadata(data)
+        records: list[dict[str, Tensor]] = [{} for _ in range(int(meta["rows"]))]
+        for key, value in tensors.items():
+            row, field_name = key.split(".", 1)
+            records[int(row)][field_name] = value
+        return cls(records, int(meta["policy_version"]), json.loads(meta["counts"]))
+
+
+def _safetensors_metadata(data: bytes) -> dict[str, str]:
+    """The `__metadata__` of a safetensors buffer (8-byte little-endian header length, JSON header)."""
+    size = int.from_bytes(data[:8], "little")
+    meta: dict[str, str] = json.loads(data[8: 8 + size]).get("__metadata__", {})
+    return meta
 
 
 def _to_host(t: Tensor) -> Tensor:

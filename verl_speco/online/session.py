@@ -15,6 +15,7 @@ never scored by a newer head. Rows older than `max_staleness` versions are evict
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import random
 import threading
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
 from torch import Tensor, nn
 
 from drafters.common.target import TargetHead
@@ -58,6 +61,18 @@ class TargetHeadSnapshot:
         embed = model.get_input_embeddings().weight  # type: ignore[operator, union-attr]
         head = model.get_output_embeddings().weight  # type: ignore[operator, union-attr]
         return cls(int(version), full(embed), full(head))
+
+    def to_bytes(self) -> bytes:
+        """Safetensors bytes (version in the metadata): how a snapshot crosses processes."""
+        return safetensors_save({"embed_tokens": self.embed_tokens.contiguous(), "lm_head": self.lm_head.contiguous()},
+                                metadata={"version": str(self.version)})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> TargetHeadSnapshot:
+        tensors = safetensors_load(data)
+        size = int.from_bytes(data[:8], "little")
+        version = int(json.loads(data[8: 8 + size])["__metadata__"]["version"])
+        return cls(version, tensors["embed_tokens"], tensors["lm_head"])
 
 
 @dataclass
