@@ -21,7 +21,7 @@ fi
 "${PIP[@]}" --no-deps verl==0.9.1
 "${PIP[@]}" accelerate codetiming datasets dill hydra-core pandas peft 'pyarrow>=19' pybind11 \
   pylatexenc 'ray[default]>=2.41' torchdata 'tensordict>=0.8,<=0.10,!=0.9.0' wandb tensorboard \
-  cachetools uvicorn fastapi
+  cachetools uvicorn fastapi transferqueue==0.1.11
 # speculators: benchmark-only reference for the EAGLE-3 training step.
 "${PIP[@]}" --no-deps speculators==0.9.0
 "${PIP[@]}" aiohttp click httpx openai protobuf hs-connectors==0.9.0

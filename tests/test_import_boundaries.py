@@ -22,8 +22,8 @@ OURS = {"feature_store", "drafters", "verl_speco"}
 ENGINE_HOMES = {
     "vllm": ("verl_speco/engines/vllm_engine.py",),
     "sglang": ("verl_speco/engines/sglang_engine.py",),
-    "verl": ("verl_speco/integration/",),
-    "ray": ("verl_speco/integration/",),
+    "verl": ("verl_speco/verl_integration/",),
+    "ray": ("verl_speco/verl_integration/",),
     "torch_npu": ("verl_speco/device.py",),
 }
 

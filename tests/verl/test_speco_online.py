@@ -1,0 +1,103 @@
+"""The online data path end to end, in one process with a local Ray: capture in the worker's
+old-logprob pass -> `speco_end_step` (rows and head put in Ray's object store) -> the trainer's
+step boundary (`SpecoTrainerMixin._speco_after_step`) -> `DrafterWorker` (a real
+`DrafterSession` on the tiny target) -> training round (serial / overlap) -> versioned publish."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from speco_verl_helpers import tiny_qwen3
+from test_speco_capture import LAYER_IDS, LENGTHS, RESPONSES, make_batch, make_worker
+from verl.utils import tensordict_utils as tu
+
+from verl_speco.online.config import CaptureCaps, DrafterRunConfig
+from verl_speco.verl_integration.worker import POLICY_VERSION_KEY
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Any:
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+class LocalHandle:
+    """`handle.method.remote(...)` runs in this process and returns an object ref (no actor)."""
+
+    def __init__(self, obj: Any):
+        self._obj = obj
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._obj, name)
+
+        class _Remote:
+            @staticmethod
+            def remote(*args: Any) -> Any:
+                return ray.put(method(*args))
+
+        return _Remote
+
+
+class WorkerGroup:
+    """verl's worker group as the trainer calls it: ONE_TO_ALL methods return one answer per rank."""
+
+    def __init__(self, workers: list[Any]):
+        self.workers = workers
+
+    def speco_end_step(self, step: int) -> list[dict]:
+        return [w.speco_end_step(step) for w in self.workers]
+
+
+@pytest.mark.parametrize("schedule", ["serial", "overlap"])
+def test_rows_train_and_publish_through_the_trainer(local_ray: Any, tmp_path: Path, schedule: str) -> None:
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    from verl_speco.verl_integration.drafter_actor import DrafterWorker
+    from verl_speco.verl_integration.trainer import speco_trainer_cls
+
+    model = tiny_qwen3()
+    target = tmp_path / "target"
+    model.save_pretrained(target)
+    cfg = DrafterRunConfig(enable=True, mode="online", schedule=schedule, train_steps_per_round=2,
+                           micro_batch_size=2, publish_interval=1, publish_dir=str(tmp_path / "publish"),
+                           caps=CaptureCaps(max_rows=4), settings={"aux_layer_ids": list(LAYER_IDS)})
+    drafter = DrafterWorker(dataclasses.asdict(cfg), str(target), "t")
+    assert drafter.layer_ids() == list(LAYER_IDS)
+    ranks = [make_worker(model, cfg, use_remove_padding=True) for _ in range(2)]
+    ranks[1]._rank = 1
+    for w in ranks:
+        assert w.speco_init(drafter.layer_ids(), 64, 96, "tiny")["armed"]
+
+    trainer: Any = object.__new__(speco_trainer_cls(get_trainer_cls("sync")))
+    trainer.speco, trainer._speco_drafter = cfg, LocalHandle(drafter)
+    trainer.actor_rollout_wg = WorkerGroup(ranks)
+    trainer._speco_round_ref, trainer._speco_rounds, trainer._speco_latest = None, 0, None
+    trainer._speco_live_publish, trainer._speco_warned = True, set()
+    trainer.total_training_steps = 3
+    logged = []
+    for step in (1, 2, 3):
+        trainer.global_steps = step
+        for w in ranks:  # each rank's shard of the batch, through its old-logprob pass
+            data = make_batch(LENGTHS, RESPONSES, vocab=96, seed=10 * step + w.rank)
+            tu.assign_non_tensor(data, **{POLICY_VERSION_KEY: step - 1})
+            w.compute_log_prob(data)
+        logged.append(trainer._speco_after_step())
+    first, _, last = logged
+    assert first["drafter/capture/kept"] == 8 and first["drafter/rows_added"] == 8
+    assert all(k.startswith("drafter/") for m in logged for k in m)
+    if schedule == "serial":  # trained and published at every step boundary
+        assert [m["drafter/version"] for m in logged] == [1.0, 2.0, 3.0]
+        assert first["drafter/steps"] == 2.0 and torch.isfinite(torch.tensor(first["drafter/loss"]))
+    else:  # started at step s, collected at s + 1 (the last step finishes its own round)
+        assert "drafter/version" not in first and logged[1]["drafter/version"] == 1.0
+        assert last["drafter/version"] == 3.0 and trainer._speco_round_ref is None
+    assert trainer._speco_latest["version"] == 3
+    assert (Path(trainer._speco_latest["path"]) / "manifest.json").is_file()
+    assert drafter.session.buffer.latest_version == 2  # rows keep the policy version they came from

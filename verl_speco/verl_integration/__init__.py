@@ -1,0 +1,18 @@
+"""The verl side of online drafter co-training: the only place in verl_speco that imports verl/ray.
+
+Modules (each imports verl lazily where it can, so `import verl_speco` never loads verl):
+
+- `config_bridge`: moves `actor_rollout_ref.rollout.drafter` out of verl's rollout section (verl
+  builds a strict `RolloutConfig` dataclass from it) into `actor_rollout_ref.speco_drafter`, and
+  derives the vLLM `speculative_config`.
+- `batch_rows`: maps verl's actor batches (nested/jagged or padded) and micro-batches to the
+  `[B, T]` masks and token selections `verl_speco.online.capture` works on (no verl import).
+- `worker`: `SpecoActorRolloutRefWorker`, verl's `ActorRolloutRefWorker` with capture hooks around
+  the old-logprob pass (`compute_log_prob`) and a per-step flush (`speco_end_step`).
+- `vllm_server`: `SpecoWorkerExtension` (vLLM worker extension), `SpecoVLLMHttpServer` and
+  `SpecoVLLMReplica` (rollout servers that load / re-apply published drafts).
+- `drafter_actor`: `DrafterWorker`, the Ray actor hosting `verl_speco.online.session.DrafterSession`.
+- `trainer`: `SpecoTrainerMixin` over verl's v1 `PPOTrainer` subclasses (schedule, publish,
+  metrics under `drafter/`).
+- `task_runner`: `SpecoTaskRunner` (verl's `TaskRunnerV1` with our trainer) and `run`.
+"""

@@ -1,0 +1,126 @@
+"""Between our drafter settings and verl's config tree.
+
+verl turns `actor_rollout_ref.rollout` into its strict `RolloutConfig` dataclass (hydra
+instantiate), which rejects any key it does not know, so the user-facing section
+`actor_rollout_ref.rollout.drafter` cannot stay there at run time. `extract_drafter` validates it
+(`DrafterRunConfig.from_dict`: an unknown key fails naming it) and moves it to
+`actor_rollout_ref.speco_drafter`, a node verl never converts; the actor workers receive
+`actor_rollout_ref` whole and read it back with `drafter_from_actor_rollout_ref`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from verl_speco.online.config import DrafterConfigError, DrafterRunConfig
+
+USER_KEY = "actor_rollout_ref.rollout.drafter"
+INTERNAL_KEY = "actor_rollout_ref.speco_drafter"
+ENGINES = ("vllm", "sglang")
+
+
+def drafter_to_dict(cfg: DrafterRunConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def extract_drafter(config: DictConfig) -> DrafterRunConfig:
+    """Validate the drafter section and move it out of verl's rollout config (idempotent)."""
+    rollout = config.actor_rollout_ref.rollout
+    raw: Any = None
+    if "drafter" in rollout:
+        raw = OmegaConf.to_container(rollout.drafter, resolve=True)
+        with open_dict(rollout):
+            del rollout["drafter"]
+    elif "speco_drafter" in config.actor_rollout_ref:
+        raw = OmegaConf.to_container(config.actor_rollout_ref.speco_drafter, resolve=True)
+    if raw is not None and not isinstance(raw, dict):
+        raise DrafterConfigError(f"{USER_KEY}: got {raw!r}, expected a mapping")
+    drafter = DrafterRunConfig.from_dict({str(k): v for k, v in raw.items()} if raw is not None else None)
+    with open_dict(config.actor_rollout_ref):
+        config.actor_rollout_ref.speco_drafter = OmegaConf.create(drafter_to_dict(drafter))
+    return drafter
+
+
+def prepare_config(config: DictConfig) -> DrafterRunConfig:
+    """What verl's `main_ppo.main` does before `run_ppo`, after moving the drafter section aside."""
+    from verl.trainer.ppo.utils import need_critic, need_reference_policy
+    from verl.utils.config import validate_config
+    from verl.utils.device import auto_set_device
+
+    drafter = extract_drafter(config)
+    auto_set_device(config)
+    validate_config(config=config, use_reference_policy=need_reference_policy(config),
+                    use_critic=need_critic(config))
+    return drafter
+
+
+def drafter_from_actor_rollout_ref(actor_rollout_ref: DictConfig | dict[str, Any]) -> DrafterRunConfig:
+    """The drafter settings a worker received inside `actor_rollout_ref` (disabled when absent)."""
+    node = actor_rollout_ref.get("speco_drafter")
+    if node is None:
+        return DrafterRunConfig()
+    raw = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    assert isinstance(raw, dict)
+    return DrafterRunConfig.from_dict({str(k): v for k, v in raw.items()})
+
+
+def rollout_engine(config: DictConfig) -> str:
+    name = str(config.actor_rollout_ref.rollout.name)
+    if name not in ENGINES:
+        raise DrafterConfigError(f"actor_rollout_ref.rollout.name: got {name!r} with {USER_KEY}.enable=true, "
+                                 f"expected one of {ENGINES}")
+    return name
+
+
+def speculative_engine_kwargs(drafter: DrafterRunConfig, engine: str, draft_dir: str) -> dict[str, Any]:
+    """The rollout engine's speculative-decoding arguments for `draft_dir` (engine_kwargs form)."""
+    from drafters.registry import engine_method
+
+    method = engine_method(drafter.algorithm, engine)
+    if engine == "vllm":
+        spec: dict[str, Any] = {"method": method.method, "model": str(draft_dir),
+                                "num_speculative_tokens": int(drafter.num_speculative_tokens)}
+        spec.update(dict(method.extra or {}))
+        return {"speculative_config": spec}
+    return {"speculative_algorithm": method.method, "speculative_draft_model_path": str(draft_dir),
+            "speculative_num_steps": int(drafter.num_speculative_tokens), "speculative_eagle_topk": 1,
+            "speculative_num_draft_tokens": int(drafter.num_speculative_tokens) + 1}
+
+
+def apply_speculative_config(config: DictConfig, drafter: DrafterRunConfig, draft_dir: str) -> dict[str, Any]:
+    """Write the speculative arguments into `rollout.engine_kwargs.<engine>` unless the user set
+    them; a user value that disagrees with the drafter section fails naming both keys."""
+    engine = rollout_engine(config)
+    wanted = speculative_engine_kwargs(drafter, engine, draft_dir)
+    kwargs_node = config.actor_rollout_ref.rollout.engine_kwargs
+    with open_dict(kwargs_node):
+        if kwargs_node.get(engine) is None:
+            kwargs_node[engine] = {}
+        current = kwargs_node[engine]
+        with open_dict(current):
+            for key, value in wanted.items():
+                have = current.get(key)
+                if have is None:
+                    current[key] = value
+                    continue
+                have_c = OmegaConf.to_container(have, resolve=True) if isinstance(have, DictConfig) else have
+                _check_consistent(engine, key, have_c, value)
+    out = OmegaConf.to_container(config.actor_rollout_ref.rollout.engine_kwargs[engine], resolve=True)
+    assert isinstance(out, dict)
+    return {str(k): v for k, v in out.items()}
+
+
+def _check_consistent(engine: str, key: str, have: Any, want: Any) -> None:
+    where = f"actor_rollout_ref.rollout.engine_kwargs.{engine}.{key}"
+    if isinstance(want, dict) and isinstance(have, dict):
+        for sub in ("method", "num_speculative_tokens"):
+            if sub in have and have[sub] != want[sub]:
+                raise DrafterConfigError(f"{where}.{sub}: got {have[sub]!r} but {USER_KEY} implies {want[sub]!r}; "
+                                         f"drop the engine kwarg or make them agree")
+        return
+    if key in ("speculative_algorithm", "speculative_num_steps") and have != want:
+        raise DrafterConfigError(f"{where}: got {have!r} but {USER_KEY} implies {want!r}; drop the engine "
+                                 "kwarg or make them agree")

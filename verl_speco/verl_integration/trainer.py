@@ -1,0 +1,303 @@
+"""`SpecoTrainerMixin`: verl's v1 PPO trainers with online drafter co-training.
+
+`speco_trainer_cls(base)` returns `Speco<Base>(SpecoTrainerMixin, base)` for any trainer in verl's
+registry (`verl.trainer.ppo.v1.get_trainer_cls(trainer.v1.trainer_mode)`). With the drafter
+disabled (or in `offline` mode) every override falls through to verl. Otherwise:
+
+- `_init_resource_pool_mgr`: the actor role runs `SpecoActorRolloutRefWorker` (capture hooks).
+- `_setup`: online, starts the drafter actor, asks it for the layer ids, points the rollout
+  engine's speculative config at the initial draft (`drafter.model_path`, else a fresh export) and
+  installs `SpecoVLLMReplica` as verl's vLLM replica; after verl's setup, arms the workers' capture
+  and wraps the checkpoint manager so the latest draft is (re)loaded after every weight sync and
+  wake-up (verl's level-2 sleep discards draft weights and its weight sync only restores the target).
+- `_compute_old_log_prob`: on capture steps (`collect_interval`) tags the batch with the policy
+  version (`global_steps - 1` actor updates so far), which turns the workers' hooks on.
+- `step`: after verl's step, flushes the workers' rows (`speco_end_step`) to the drafter actor
+  (online) or the Feature Store (collect_only), runs a training round every `train_interval` steps
+  (`schedule=serial`: now; `overlap`: started now, collected at the next step's boundary, so it runs
+  during the next rollout) and publishes every `publish_interval` rounds. The publish reaches the
+  rollout servers at the next weight sync (they sleep during the actor update).
+- metrics under `drafter/` are merged into verl's step metrics, so verl's `Tracking` logs them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import ray
+from verl.checkpoint_engine.base import CheckpointEngineManager
+from verl.trainer.ppo.utils import Role
+from verl.utils.ray_utils import auto_await
+
+from verl_speco.online.config import DrafterConfigError, DrafterRunConfig
+from verl_speco.verl_integration.config_bridge import (
+    apply_speculative_config,
+    extract_drafter,
+    rollout_engine,
+)
+from verl_speco.verl_integration.worker import COUNT_KEYS, POLICY_VERSION_KEY, SpecoActorRolloutRefWorker
+
+ACTOR_ROLES = (Role.Actor, Role.ActorRollout, Role.ActorRolloutRef)
+
+
+class SpecoCheckpointEngineManager(CheckpointEngineManager):
+    """verl's checkpoint manager that runs `after_weights` after every weight sync and wake-up."""
+
+    def __init__(self, config: Any, actor_wg: Any, replicas: list[Any],
+                 after_weights: Callable[[CheckpointEngineManager], Awaitable[None]]):
+        super().__init__(config=config, actor_wg=actor_wg, replicas=replicas)
+        self._after_weights = after_weights
+
+    @classmethod
+    def wrap(cls, manager: CheckpointEngineManager,
+             after_weights: Callable[[CheckpointEngineManager], Awaitable[None]]) -> SpecoCheckpointEngineManager:
+        return cls(manager.config, manager.actor_wg, manager.replicas, after_weights)
+
+    @auto_await
+    async def update_weights(self, global_steps: int | None = None) -> Any:
+        result = await CheckpointEngineManager.update_weights.__wrapped__(self, global_steps)  # type: ignore[attr-defined]
+        await self._after_weights(self)
+        return result
+
+    @auto_await
+    async def wake_up_replicas(self) -> None:
+        await CheckpointEngineManager.wake_up_replicas.__wrapped__(self)  # type: ignore[attr-defined]
+        await self._after_weights(self)
+
+
+def _sum_counts(results: list[dict[str, Any]]) -> dict[str, int]:
+    total = dict.fromkeys(COUNT_KEYS, 0)
+    for r in results:
+        for k in COUNT_KEYS:
+            total[k] += int(r.get("counts", {}).get(k, 0))
+    return total
+
+
+class SpecoTrainerMixin:
+    """Mixed in front of a verl v1 `PPOTrainer` subclass (see the module docstring)."""
+
+    config: Any
+    global_steps: int
+    total_training_steps: int
+    role_worker_mapping: dict[Any, Any]
+    actor_rollout_wg: Any
+    checkpoint_manager: Any
+    llm_server_manager: Any
+
+    def __init__(self, config: Any):
+        self.speco: DrafterRunConfig = extract_drafter(config)
+        super().__init__(config)  # type: ignore[call-arg]
+        self._speco_drafter: Any = None
+        self._speco_round_ref: Any = None  # an overlapped training round in flight
+        self._speco_round_started = 0.0
+        self._speco_rounds = 0
+        self._speco_latest: dict[str, Any] | None = None  # the newest publish {"version", "path", ...}
+        self._speco_loaded: dict[int, int] = {}  # id(checkpoint manager) -> version its replicas hold
+        self._speco_sync_metrics: dict[str, float] = {}
+        self._speco_live_publish = False
+        self._speco_warned: set[str] = set()
+        if self.speco_active:
+            rc = config.algorithm.get("rollout_correction", None)
+            if rc is not None and rc.get("bypass_mode", False):
+                raise DrafterConfigError("algorithm.rollout_correction.bypass_mode: got True, expected False with "
+                                         "actor_rollout_ref.rollout.drafter.enable=true (capture runs in the "
+                                         "old-logprob pass, which bypass mode skips)")
+
+    @property
+    def speco_active(self) -> bool:
+        return bool(self.speco.enable) and self.speco.mode != "offline"
+
+    @property
+    def speco_online(self) -> bool:
+        return self.speco_active and self.speco.mode == "online"
+
+    # ------------------------------------------------------------------ setup
+
+    def _init_resource_pool_mgr(self) -> None:
+        super()._init_resource_pool_mgr()  # type: ignore[misc]
+        if not self.speco_active:
+            return
+        for role in ACTOR_ROLES:
+            if role in self.role_worker_mapping:
+                self.role_worker_mapping[role] = ray.remote(SpecoActorRolloutRefWorker)
+
+    def _speco_target_dir(self) -> str:
+        from verl.utils.fs import copy_to_local
+
+        model = self.config.actor_rollout_ref.model
+        return str(copy_to_local(str(model.path), use_shm=bool(model.get("use_shm", False))))
+
+    def _setup(self) -> None:
+        if not self.speco_active:
+            super()._setup()  # type: ignore[misc]
+            return
+        target_dir = self._speco_target_dir()
+        engine = rollout_engine(self.config)
+        if self.speco_online:
+            from verl_speco.verl_integration.drafter_actor import start_drafter_worker
+
+            run_name = str(self.config.trainer.experiment_name)
+            self._speco_drafter = start_drafter_worker(self.speco, target_dir, run_name)
+            layer_ids = ray.get(self._speco_drafter.layer_ids.remote())
+            shape = ray.get(self._speco_drafter.target_shape.remote())
+            draft_dir = self.speco.model_path
+            if not draft_dir:
+                out = tempfile.mkdtemp(prefix="verl_speco_initial_draft_")
+                draft_dir = ray.get(self._speco_drafter.export_initial.remote(out))
+            apply_speculative_config(self.config, self.speco, str(draft_dir))
+            if engine == "vllm":
+                from verl_speco.verl_integration.vllm_server import install_replica_class
+
+                install_replica_class()
+                self._speco_live_publish = True
+        else:
+            layer_ids, shape = _local_layout(self.speco, target_dir)
+        super()._setup()  # type: ignore[misc]
+        self.actor_rollout_wg.speco_init(layer_ids, shape["hidden_size"], shape["vocab_size"],
+                                         str(self.config.actor_rollout_ref.model.path))
+        if self._speco_live_publish:
+            # verl's trainers sync the colocated replicas through `checkpoint_manager`; the
+            # separate_async trainer also has standalone replicas behind `standalone_checkpoint_manager`
+            for attr in ("checkpoint_manager", "standalone_checkpoint_manager"):
+                manager = getattr(self, attr, None)
+                if isinstance(manager, CheckpointEngineManager):
+                    setattr(self, attr, SpecoCheckpointEngineManager.wrap(manager, self._speco_after_weights))
+            # v1 = the initial draft: loaded by on_init_end's weight sync, so re-apply always has a source
+            self._speco_publish_now()
+
+    # ----------------------------------------------------------- weight sync
+
+    @staticmethod
+    async def _speco_replica_call(replicas: list[Any], method: str, args: tuple = ()) -> list[Any]:
+        answers = await asyncio.gather(*[r.speco_call(method, args) for r in replicas])
+        return [a for per in answers for a in per]
+
+    async def _speco_after_weights(self, manager: CheckpointEngineManager) -> None:
+        """After verl restored the target weights of `manager`'s replicas: load the newest publish
+        they do not hold yet, else re-apply the one they hold (weights may have been discarded)."""
+        started = time.perf_counter()
+        replicas = list(manager.replicas)
+        held = self._speco_loaded.get(id(manager), -1)
+        pub = self._speco_latest
+        if pub is not None and int(pub["version"]) > held:
+            answers = await self._speco_replica_call(replicas, "speco_load_draft", (pub["path"], int(pub["version"])))
+            if not all(bool(a) for a in answers):
+                raise RuntimeError(f"drafter publish v{pub['version']}: rollout workers answered {answers} "
+                                   "(False = they already hold a newer version)")
+            self._speco_loaded[id(manager)] = int(pub["version"])
+            self._speco_sync_metrics["drafter/publish_load_seconds"] = time.perf_counter() - started
+        elif held >= 0:
+            await self._speco_replica_call(replicas, "speco_reapply_draft")
+            self._speco_sync_metrics["drafter/reapply_seconds"] = time.perf_counter() - started
+        versions = await self._speco_replica_call(replicas, "speco_draft_version")
+        if versions:
+            self._speco_sync_metrics["drafter/served_version_min"] = float(min(int(v) for v in versions))
+
+    # ------------------------------------------------------------- the step
+
+    def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
+        capture = self.speco_active and (self.global_steps - 1) % self.speco.collect_interval == 0
+        if capture:
+            batch.extra_info[POLICY_VERSION_KEY] = self.global_steps - 1
+        try:
+            return super()._compute_old_log_prob(batch, metrics)  # type: ignore[misc]
+        finally:
+            batch.extra_info.pop(POLICY_VERSION_KEY, None)
+
+    def step(self, metrics: dict, timing_raw: dict) -> Any:
+        batch = super().step(metrics, timing_raw)  # type: ignore[misc]
+        if self.speco_active:
+            started = time.perf_counter()
+            metrics.update(self._speco_after_step())
+            timing_raw["drafter"] = time.perf_counter() - started
+        return batch
+
+    def _consume_sync_metrics(self) -> dict:
+        out = dict(super()._consume_sync_metrics())  # type: ignore[misc]
+        out.update(self._speco_sync_metrics)
+        self._speco_sync_metrics = {}
+        return out
+
+    def _speco_after_step(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        results = self.actor_rollout_wg.speco_end_step(self.global_steps)
+        counts = _sum_counts(results)
+        out.update({f"drafter/capture/{k}": float(v) for k, v in counts.items()})
+        out["drafter/capture/seconds_max"] = max((float(r.get("capture_seconds", 0.0)) for r in results), default=0.0)
+        if not self.speco_online:
+            out["drafter/store/seconds_max"] = max((float(r.get("store_seconds", 0.0)) for r in results), default=0.0)
+            out["drafter/store/samples"] = float(sum(int(r.get("store_samples", 0)) for r in results))
+            return out
+        last = self.global_steps >= self.total_training_steps
+        if self._speco_round_ref is not None:  # an overlapped round started last step
+            out.update(self._speco_finish_round())
+        rows = [ref for r in results for ref in r.get("rows", [])]
+        heads = [r["head"] for r in results if r.get("head") is not None]
+        if rows:
+            if not heads:
+                raise RuntimeError("drafter capture: rows without a target-head snapshot (rank 0 captured nothing)")
+            add = ray.get(self._speco_drafter.add.remote(rows, heads[0]))
+            out.update({f"drafter/{k}": float(v) for k, v in add.items()})
+        if self.global_steps % self.speco.train_interval == 0:
+            if ray.get(self._speco_drafter.buffered_tokens.remote()) > 0:
+                self._speco_round_ref = self._speco_drafter.train_round.remote()
+                self._speco_round_started = time.perf_counter()
+                if self.speco.schedule == "serial" or last:
+                    out.update(self._speco_finish_round())
+            elif "empty" not in self._speco_warned:
+                self._speco_warned.add("empty")
+                print("verl_speco: no captured rows yet; skipping the drafter training round")
+        return out
+
+    def _speco_finish_round(self) -> dict[str, float]:
+        waited = time.perf_counter()
+        result = ray.get(self._speco_round_ref)
+        self._speco_round_ref = None
+        now = time.perf_counter()
+        out = {f"drafter/{k}": float(v) for k, v in result.items()}
+        out["drafter/train_wait_seconds"] = now - waited
+        out["drafter/train_wall_seconds"] = now - self._speco_round_started
+        self._speco_rounds += 1
+        if self._speco_rounds % self.speco.publish_interval == 0:
+            out.update(self._speco_publish_now())
+        return out
+
+    def _speco_publish_now(self) -> dict[str, float]:
+        pub = ray.get(self._speco_drafter.publish.remote())
+        out = {"drafter/version": float(pub["version"]), "drafter/publish_seconds": float(pub["seconds"]),
+               "drafter/publish_bytes": float(pub["bytes"])}
+        if not self._speco_live_publish:
+            if "live" not in self._speco_warned:
+                self._speco_warned.add("live")
+                print(f"verl_speco: rollout {rollout_engine(self.config)!r} has no live draft reload in this "
+                      f"integration; versions are written to {os.path.dirname(pub['path'])} only")
+            return out
+        self._speco_latest = pub  # the servers sleep now; loaded after the next weight sync
+        return out
+
+
+def _local_layout(drafter: DrafterRunConfig, target_dir: str) -> tuple[list[int], dict[str, int]]:
+    """Layer ids and target shape without a drafter actor (collect_only)."""
+    from drafters.common.target import TargetSpec
+    from drafters.registry import get_family
+
+    spec = TargetSpec.from_pretrained(target_dir)
+    family = get_family(drafter.algorithm)
+    cfg = family.config_cls(**drafter.settings).resolve(spec)
+    ids = [int(i) for i in family.required_layout(cfg, spec).layer_ids]
+    return ids, {"hidden_size": int(spec.hidden_size), "vocab_size": int(spec.vocab_size)}
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def speco_trainer_cls(base: type) -> type:
+    """`Speco<Base>`: the mixin in front of verl trainer class `base` (one class per base)."""
+    if base not in _CLASSES:
+        _CLASSES[base] = type(f"Speco{base.__name__}", (SpecoTrainerMixin, base), {"__module__": __name__})
+    return _CLASSES[base]

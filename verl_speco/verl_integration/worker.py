@@ -1,0 +1,194 @@
+"""`SpecoActorRolloutRefWorker`: verl's hybrid actor/rollout/ref worker with drafter capture.
+
+Capture happens in the old-logprob pass verl runs anyway (`compute_log_prob`). For the duration
+of that call the worker
+
+1. plans which rows of its shard to keep (`verl_speco.online.capture.plan_rows`, seeded, under
+   `drafter.caps`) from the masks alone, and tags every sample with its batch index
+   (`batch_rows.ROW_ID_KEY`) so reordered micro-batches still name their rows;
+2. installs `OnlineCapture.hooks` (forward hooks, `verl_speco.capture.hooks.FeatureCapture`) on
+   the actor's module and wraps the engine instance's `forward_step`: before each micro-batch the
+   hooks' `select` is set to that micro-batch's planned rows, so only their activations are kept;
+3. on the first micro-batch (online mode) snapshots the target head (`TargetHeadSnapshot`; a
+   collective under FSDP2, every rank runs the same number of micro-batches);
+4. after the pass puts the kept rows in batch order and converts them to `CapturedRows`
+   (`OnlineCapture.collect`), moved to host memory with non-blocking copies.
+
+`speco_end_step` (called by the trainer at every step boundary) hands the rows on: online, as
+object references (to safetensors bytes) for the drafter actor; collect_only, into this rank's Feature Store writer,
+committed at the boundary. verl's own code paths are unchanged when the drafter is disabled or
+the trainer did not ask for a capture this step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
+from verl.utils import tensordict_utils as tu
+from verl.workers.engine_workers import ActorRolloutRefWorker
+
+from verl_speco.online.capture import CapturedRows, OnlineCapture, plan_rows
+from verl_speco.online.config import DrafterConfigError, DrafterRunConfig
+from verl_speco.verl_integration.batch_rows import (
+    ROW_ID_KEY,
+    MicroBatchSelection,
+    assemble,
+    full_sequence_masks,
+)
+from verl_speco.verl_integration.config_bridge import drafter_from_actor_rollout_ref
+
+_Dispatch: Any = Dispatch  # verl's DynamicEnum: members are created at run time
+ONE_TO_ALL = _Dispatch.ONE_TO_ALL
+POLICY_VERSION_KEY = "speco_policy_version"  # set by the trainer on steps that capture
+COUNT_KEYS = ("seen", "kept", "truncated", "dropped_short", "dropped_rows_cap", "dropped_tokens_cap", "tokens")
+
+
+def _row_lengths(micro_batch: Any) -> torch.Tensor:
+    ids = micro_batch["input_ids"]
+    if ids.is_nested:
+        return ids.offsets().diff().cpu()
+    return micro_batch["attention_mask"].sum(-1).cpu()
+
+
+def capture_seed(seed: int, rank: int) -> int:
+    return int(seed) + 7919 * int(rank)
+
+
+class SpecoActorRolloutRefWorker(ActorRolloutRefWorker):
+    """verl's `ActorRolloutRefWorker` plus drafter capture (see the module docstring)."""
+
+    def __init__(self, config: Any, role: str, distillation_config: Any = None, **kwargs: Any):
+        super().__init__(config, role, distillation_config=distillation_config, **kwargs)
+        self._speco_reset(drafter_from_actor_rollout_ref(config))
+
+    def _speco_reset(self, cfg: DrafterRunConfig) -> None:
+        self.speco_cfg = cfg
+        self._speco_capture: OnlineCapture | None = None
+        self._speco_sink: Any = None
+        self._speco_rows: list[CapturedRows] = []
+        self._speco_head: Any = None
+        self._speco_counts: dict[str, int] = dict.fromkeys(COUNT_KEYS, 0)
+        self._speco_seconds = 0.0
+
+    @register(dispatch_mode=ONE_TO_ALL)
+    def speco_init(self, layer_ids: list[int], hidden_size: int, vocab_size: int, target_model_id: str) -> dict:
+        """Arm the capture (and, in collect_only mode, open this rank's Feature Store writer)."""
+        cfg = self.speco_cfg
+        if not cfg.enable or cfg.mode == "offline":
+            return {"rank": self.rank, "armed": False}
+        if self.actor is None:
+            raise DrafterConfigError(f"drafter capture needs the actor role; this worker has role {self.role!r}")
+        sp = int(getattr(self.actor.engine, "ulysses_sequence_parallel_size", 1) or 1)
+        if sp > 1:
+            raise DrafterConfigError(
+                f"actor_rollout_ref.actor.ulysses_sequence_parallel_size: got {sp}, expected 1 with "
+                "actor_rollout_ref.rollout.drafter.enable=true (each rank would see a slice of every sequence)")
+        self._speco_capture = OnlineCapture(tuple(int(i) for i in layer_ids), cfg.caps,
+                                            seed=capture_seed(cfg.seed, self.rank))
+        if cfg.mode == "collect_only":
+            from verl_speco.online.sink import StoreSink
+
+            self._speco_sink = StoreSink(cfg.feature_store, tuple(int(i) for i in layer_ids), int(hidden_size),
+                                         int(vocab_size), target_model_id, rank=self.rank,
+                                         producer={"algorithm": cfg.algorithm})
+        return {"rank": self.rank, "armed": True}
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+    def compute_log_prob(self, data: Any) -> Any:
+        version = tu.get(data, POLICY_VERSION_KEY, default=None)
+        if self._speco_capture is None or version is None:
+            return super().compute_log_prob(data)
+        with self._speco_capture_pass(data, int(version)):
+            return super().compute_log_prob(data)
+
+    @contextmanager
+    def _speco_capture_pass(self, data: Any, version: int) -> Iterator[None]:
+        capture = self._speco_capture
+        assert capture is not None and self.actor is not None
+        started = time.perf_counter()
+        loss_mask = data["loss_mask"] if "loss_mask" in data.keys() else data["response_mask"]
+        attention = data["attention_mask"] if "attention_mask" in data.keys() else None
+        ids, am, lm = full_sequence_masks(data["input_ids"], loss_mask, attention)
+        plan = plan_rows(am, lm, capture.caps, capture.seed + 1_000_003 * version)
+        keep = set(plan.rows)
+        data[ROW_ID_KEY] = torch.arange(ids.shape[0])
+        engine: Any = self.actor.engine
+        module = engine.module
+        original = engine.forward_step
+        parts: list[tuple[MicroBatchSelection, Any]] = []
+        want_head = self.speco_cfg.mode == "online"
+        heads: list[Any] = []
+
+        with capture.hooks(module) as hooked:
+            def forward_step(micro_batch: Any, loss_function: Any, forward_only: Any) -> Any:
+                if want_head and not heads:
+                    from verl_speco.online.session import TargetHeadSnapshot
+
+                    heads.append(TargetHeadSnapshot.from_model(module, version, dtype=torch.bfloat16))
+                packed = bool(tu.get(micro_batch, "use_remove_padding", default=True))
+                sel = MicroBatchSelection.build(micro_batch[ROW_ID_KEY], _row_lengths(micro_batch), keep, packed)
+                hooked.select = sel
+                out = original(micro_batch, loss_function=loss_function, forward_only=forward_only)
+                passes = hooked.pop_all()
+                if len(passes) != 1:
+                    raise RuntimeError(f"drafter capture: expected 1 hooked forward per micro-batch, got "
+                                       f"{len(passes)} (is the actor module an HF decoder?)")
+                if sel.row_ids:
+                    parts.append((sel, passes[0]))
+                return out
+
+            engine.forward_step = forward_step
+            try:
+                yield
+            finally:
+                del engine.forward_step  # the class method again
+                if ROW_ID_KEY in data.keys():
+                    del data[ROW_ID_KEY]
+        for key in COUNT_KEYS:
+            self._speco_counts[key] += int(plan.counts.get(key, 0))
+        if parts:
+            rows_order, feats = assemble(parts)
+            if rows_order != plan.rows:
+                raise RuntimeError(f"drafter capture: captured rows {rows_order[:8]}... differ from the planned "
+                                   f"{plan.rows[:8]}... (a micro-batch was not run through the hooked forward)")
+            kept = torch.tensor(plan.rows, dtype=torch.long)
+            self._speco_rows.append(capture.collect([feats], ids[kept], am[kept], lm[kept], version))
+        if heads and self.rank == 0:
+            self._speco_head = heads[0]
+        self._speco_seconds += time.perf_counter() - started
+
+    @register(dispatch_mode=ONE_TO_ALL)
+    def speco_end_step(self, global_step: int) -> dict:
+        """Hand this step's rows on (see the module docstring); returns this rank's counters."""
+        import ray
+
+        rows, self._speco_rows = self._speco_rows, []
+        head, self._speco_head = self._speco_head, None
+        counts, self._speco_counts = self._speco_counts, dict.fromkeys(COUNT_KEYS, 0)
+        seconds, self._speco_seconds = self._speco_seconds, 0.0
+        out: dict[str, Any] = {"rank": self.rank, "counts": counts, "capture_seconds": seconds,
+                               "rows": [], "head": None}
+        if self._speco_sink is not None:
+            started = time.perf_counter()
+            for r in rows:
+                self._speco_sink.write(r, global_step)
+            self._speco_sink.end_step(global_step)
+            out["store_seconds"] = time.perf_counter() - started
+            out["store_samples"] = self._speco_sink.samples
+            return out
+        # safetensors bytes (CapturedRows/TargetHeadSnapshot.to_bytes): our objects never travel pickled
+        out["rows"] = [ray.put(r.to_bytes()) for r in rows if r.records]
+        out["head"] = ray.put(head.to_bytes()) if head is not None else None
+        return out
+
+    @register(dispatch_mode=ONE_TO_ALL)
+    def speco_close(self) -> bool:
+        if self._speco_sink is not None:
+            self._speco_sink.close()
+            self._speco_sink = None
+        return True
