@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -40,3 +41,10 @@ def test_counters_going_backwards_are_an_error() -> None:
 def test_no_drafts_gives_nan_not_a_crash() -> None:
     s = acceptance_summary(SpecCounters())
     assert s["num_drafts"] == 0 and math.isnan(s["mean_acceptance_length"]) and s["per_position_acceptance_rate"] == []
+
+
+def test_counters_add_and_round_trip_as_json() -> None:
+    a = SpecCounters(3, 9, 4, (3, 1))
+    b = SpecCounters(2, 6, 5, (2, 2, 1))
+    assert a + b == SpecCounters(5, 15, 9, (5, 3, 1))
+    assert SpecCounters.from_dict(json.loads(json.dumps((a + b).to_dict()))) == a + b

@@ -128,6 +128,15 @@ def test_reapply_restores_the_published_draft_after_its_memory_was_overwritten(l
     assert _run(live)["mean_acceptance_length"] == 2.0
 
 
+def test_process_registry_counters_equal_the_engines(live: dict[str, Any]) -> None:
+    """What a vLLM HTTP server reports (its process's registry) is this engine's counters."""
+    from verl_speco.engines.vllm_engine import process_spec_counters, snapshot_spec_counters
+
+    _run(live)
+    assert process_spec_counters() == snapshot_spec_counters(live["llm"])
+    assert process_spec_counters().num_drafts > 0
+
+
 def test_publish_of_a_missing_version_fails_clearly(live: dict[str, Any], tmp_path: Path) -> None:
     from verl_speco.engines.vllm_engine import publish_draft
 

@@ -101,3 +101,36 @@ def test_rows_train_and_publish_through_the_trainer(local_ray: Any, tmp_path: Pa
     assert trainer._speco_latest["version"] == 3
     assert (Path(trainer._speco_latest["path"]) / "manifest.json").is_file()
     assert drafter.session.buffer.latest_version == 2  # rows keep the policy version they came from
+
+
+class CountingReplica:
+    """A rollout replica's `speco_spec_counters` as the servers report it: cumulative counters."""
+
+    def __init__(self, snapshots: list[Any]):
+        self.snapshots = iter(snapshots)
+
+    async def speco_spec_counters(self) -> Any:
+        return next(self.snapshots)
+
+
+def test_step_acceptance_is_the_delta_of_the_servers_counters_summed_over_replicas() -> None:
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    from verl_speco.engines.spec_metrics import SpecCounters
+    from verl_speco.verl_integration.trainer import speco_trainer_cls
+
+    trainer: Any = object.__new__(speco_trainer_cls(get_trainer_cls("sync")))
+    trainer._speco_counters = SpecCounters()
+    a = CountingReplica([SpecCounters(10, 30, 15, (8, 5, 2)), SpecCounters(14, 42, 24, (12, 8, 4))])
+    b = CountingReplica([SpecCounters(6, 18, 3, (3, 0, 0)), SpecCounters(6, 18, 3, (3, 0, 0))])
+    trainer.checkpoint_manager = type("Manager", (), {"replicas": [a, b]})()
+    step1 = trainer._speco_acceptance()
+    # step 1: 16 drafts, 18 accepted -> 1 + 18/16; position 1: (8 + 3) / 16
+    assert step1["drafter/accept/num_drafts"] == 16.0
+    assert step1["drafter/accept/mean_acceptance_length"] == 1 + 18 / 16
+    assert step1["drafter/accept/pos1"] == 11 / 16 and step1["drafter/accept/pos3"] == 2 / 16
+    step2 = trainer._speco_acceptance()
+    # step 2 only: replica a drafted 4 more (9 accepted: 4, 3, 2 by position), replica b nothing
+    assert step2["drafter/accept/num_drafts"] == 4.0
+    assert step2["drafter/accept/mean_acceptance_length"] == 1 + 9 / 4
+    assert [step2[f"drafter/accept/pos{i}"] for i in (1, 2, 3)] == [4 / 4, 3 / 4, 2 / 4]

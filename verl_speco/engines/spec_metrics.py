@@ -45,6 +45,22 @@ class SpecCounters:
                              "different engines (vLLM keeps one metrics registry per process)")
         return delta
 
+    def __add__(self, other: SpecCounters) -> SpecCounters:
+        """Counters of two engines together (e.g. the rollout replicas of one RL step)."""
+        pairs = itertools.zip_longest(self.accepted_per_pos, other.accepted_per_pos, fillvalue=0)
+        return SpecCounters(num_drafts=self.num_drafts + other.num_drafts,
+                            num_draft_tokens=self.num_draft_tokens + other.num_draft_tokens,
+                            num_accepted_tokens=self.num_accepted_tokens + other.num_accepted_tokens,
+                            accepted_per_pos=tuple(a + b for a, b in pairs))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens, "accepted_per_pos": list(self.accepted_per_pos)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SpecCounters:
+        return cls(int(d["num_drafts"]), int(d["num_draft_tokens"]), int(d["num_accepted_tokens"]),
+                   tuple(int(x) for x in d["accepted_per_pos"]))
 
     def to_stats(self) -> AcceptanceStats:
         return AcceptanceStats(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,

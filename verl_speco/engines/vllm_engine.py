@@ -90,11 +90,23 @@ def generate(llm: LLM, prompts_token_ids: Sequence[Sequence[int]], max_tokens: i
 
 def snapshot_spec_counters(llm: LLM) -> SpecCounters:
     """Cumulative acceptance counters now (summed over engine labels; zeros without speculation)."""
+    return _counters(llm.get_metrics())
+
+
+def process_spec_counters() -> SpecCounters:
+    """The same counters from this process's metrics registry: for an engine without `get_metrics`,
+    e.g. the AsyncLLM inside a vLLM HTTP server (needs `disable_log_stats=False`)."""
+    from vllm.v1.metrics.reader import get_metrics_snapshot
+
+    return _counters(get_metrics_snapshot())
+
+
+def _counters(metrics: Any) -> SpecCounters:
     from vllm.v1.metrics.reader import Counter, Vector
 
     totals = dict.fromkeys(_COUNTER_KEYS.values(), 0)
     per_pos: list[int] = []
-    for metric in llm.get_metrics():
+    for metric in metrics:
         if isinstance(metric, Counter) and metric.name in _COUNTER_KEYS:
             totals[_COUNTER_KEYS[metric.name]] += int(metric.value)
         elif isinstance(metric, Vector) and metric.name == _PER_POS:

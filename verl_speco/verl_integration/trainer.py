@@ -30,10 +30,12 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import ray
+from omegaconf import open_dict
 from verl.checkpoint_engine.base import CheckpointEngineManager
 from verl.trainer.ppo.utils import Role
 from verl.utils.ray_utils import auto_await
 
+from verl_speco.engines.spec_metrics import SpecCounters, acceptance_summary
 from verl_speco.online.config import DrafterConfigError, DrafterRunConfig
 from verl_speco.verl_integration.config_bridge import (
     apply_speculative_config,
@@ -101,6 +103,7 @@ class SpecoTrainerMixin:
         self._speco_sync_metrics: dict[str, float] = {}
         self._speco_live_publish = False
         self._speco_warned: set[str] = set()
+        self._speco_counters = SpecCounters()  # the rollout servers' cumulative counters at the last step
         if self.speco_active:
             rc = config.algorithm.get("rollout_correction", None)
             if rc is not None and rc.get("bypass_mode", False):
@@ -155,6 +158,8 @@ class SpecoTrainerMixin:
 
                 install_replica_class()
                 self._speco_live_publish = True
+                with open_dict(self.config.actor_rollout_ref.rollout):  # the acceptance counters need stats
+                    self.config.actor_rollout_ref.rollout.disable_log_stats = False
         else:
             layer_ids, shape = _local_layout(self.speco, target_dir)
         super()._setup()  # type: ignore[misc]
@@ -234,6 +239,8 @@ class SpecoTrainerMixin:
             out["drafter/store/samples"] = float(sum(int(r.get("store_samples", 0)) for r in results))
             return out
         last = self.global_steps >= self.total_training_steps
+        if self._speco_live_publish:
+            out.update(self._speco_acceptance())
         if self._speco_round_ref is not None:  # an overlapped round started last step
             out.update(self._speco_finish_round())
         rows = [ref for r in results for ref in r.get("rows", [])]
@@ -252,6 +259,26 @@ class SpecoTrainerMixin:
             elif "empty" not in self._speco_warned:
                 self._speco_warned.add("empty")
                 print("verl_speco: no captured rows yet; skipping the drafter training round")
+        return out
+
+    def _speco_acceptance(self) -> dict[str, float]:
+        """This step's acceptance from the rollout servers' own spec-decode counters (the difference
+        of the cumulative counters since the previous step, summed over replicas)."""
+        manager = getattr(self, "checkpoint_manager", None)
+        replicas = list(getattr(manager, "replicas", []) or [])
+        if not replicas:
+            return {}
+
+        now = SpecCounters()
+        for counters in _gather_counters(replicas):
+            now = now + counters
+        previous, self._speco_counters = self._speco_counters, now
+        summary = acceptance_summary(now - previous)
+        out = {"drafter/accept/num_drafts": float(summary["num_drafts"]),
+               "drafter/accept/mean_acceptance_length": float(summary["mean_acceptance_length"]),
+               "drafter/accept/draft_acceptance_rate": float(summary["draft_acceptance_rate"])}
+        for i, rate in enumerate(summary["per_position_acceptance_rate"]):
+            out[f"drafter/accept/pos{i + 1}"] = float(rate)
         return out
 
     def _speco_finish_round(self) -> dict[str, float]:
@@ -279,6 +306,11 @@ class SpecoTrainerMixin:
             return out
         self._speco_latest = pub  # the servers sleep now; loaded after the next weight sync
         return out
+
+
+@auto_await
+async def _gather_counters(replicas: list[Any]) -> list[SpecCounters]:
+    return list(await asyncio.gather(*[r.speco_spec_counters() for r in replicas]))
 
 
 def _local_layout(drafter: DrafterRunConfig, target_dir: str) -> tuple[list[int], dict[str, int]]:

@@ -26,6 +26,7 @@ from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
+from verl_speco.engines.spec_metrics import SpecCounters
 from verl_speco.engines.vllm_engine import DraftReloadMixin
 
 DRAFT_METHODS = ("speco_load_draft", "speco_reapply_draft", "speco_draft_version")
@@ -57,6 +58,13 @@ class SpecoVLLMHttpServer(vLLMHttpServer):
         return list(result or [])
 
 
+    async def speco_spec_counters(self) -> dict[str, Any]:
+        """This server process's cumulative spec-decode counters (`SpecCounters.to_dict()`)."""
+        from verl_speco.engines.vllm_engine import process_spec_counters
+
+        return process_spec_counters().to_dict()
+
+
 class SpecoVLLMReplica(vLLMReplica):
     """verl's vLLM replica whose servers are `SpecoVLLMHttpServer`."""
 
@@ -68,6 +76,15 @@ class SpecoVLLMReplica(vLLMReplica):
         answers: list[list[Any]] = await asyncio.gather(*[server.speco_call.remote(method, tuple(args), timeout)
                                          for server in self.servers])
         return [a for per_server in answers for a in per_server]
+
+    async def speco_spec_counters(self) -> SpecCounters:
+        """Spec-decode counters summed over this replica's servers."""
+        answers: list[dict[str, Any]] = await asyncio.gather(
+            *[server.speco_spec_counters.remote() for server in self.servers])
+        total = SpecCounters()
+        for answer in answers:
+            total = total + SpecCounters.from_dict(answer)
+        return total
 
 
 def _load_speco_vllm() -> type[RolloutReplica]:
