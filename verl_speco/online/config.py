@@ -67,6 +67,7 @@ class DrafterRunConfig:
     buffer_max_tokens: int = 262144  # replay buffer capacity (oldest evicted first)
     seed: int = 0
     publish_dir: str | None = None  # where published draft versions are written (default: tmp)
+    num_gpus: float = 0.0  # accelerators reserved for the drafter actor (outside verl's pools); 0: CPU
     caps: CaptureCaps = field(default_factory=CaptureCaps)
     optim: DrafterOptim = field(default_factory=DrafterOptim)
     feature_store: FeatureStoreSink = field(default_factory=FeatureStoreSink)
@@ -88,6 +89,8 @@ class DrafterRunConfig:
                     "micro_batch_size", "num_speculative_tokens", "buffer_max_tokens"):
             if getattr(self, key) < 1:
                 raise bad(key, getattr(self, key), "an integer >= 1")
+        if self.num_gpus < 0:
+            raise bad("num_gpus", self.num_gpus, "a number >= 0")
         if self.max_staleness < 0:
             raise bad("max_staleness", self.max_staleness, "an integer >= 0")
         for key in ("max_rows", "max_tokens", "min_response_tokens", "max_seq_len"):

@@ -145,7 +145,8 @@ class SpecoTrainerMixin:
             from verl_speco.verl_integration.drafter_actor import start_drafter_worker
 
             run_name = str(self.config.trainer.experiment_name)
-            self._speco_drafter = start_drafter_worker(self.speco, target_dir, run_name)
+            self._speco_drafter = start_drafter_worker(self.speco, target_dir, run_name,
+                                                       num_gpus=self.speco.num_gpus)
             layer_ids = ray.get(self._speco_drafter.layer_ids.remote())
             shape = ray.get(self._speco_drafter.target_shape.remote())
             draft_dir = self.speco.model_path
