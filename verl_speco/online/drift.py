@@ -310,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--train-steps", type=int, default=d.drafter.train_steps_per_round,
                    help="drafter optimizer steps per round")
     p.add_argument("--lr", type=float, default=d.drafter.optim.lr, help="drafter learning rate")
+    p.add_argument("--max-staleness", type=int, default=d.drafter.max_staleness,
+                   help="train on rows of the last N+1 policy versions")
     p.add_argument("--schedule", choices=("serial", "overlap"), default=d.drafter.schedule,
                    help="serial: train after the step's capture; overlap: train during the next step")
     p.add_argument("--initial-drafter", help="EAGLE-3 export for the base target (default: train one)")
@@ -322,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     drafter = dataclasses.replace(d.drafter, train_steps_per_round=args.train_steps, schedule=args.schedule,
+                                  max_staleness=args.max_staleness,
                                   optim=dataclasses.replace(d.drafter.optim, lr=args.lr))
     cfg = DriftConfig(out=args.out, steps=args.steps, finetune_steps=args.finetune_steps,
                       rollout_prompts=args.rollout_prompts, eval_prompts=args.eval_prompts,
