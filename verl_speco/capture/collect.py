@@ -155,7 +155,8 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
                 "generated": generate, "max_new_tokens": max_new_tokens, "temperature": temperature,
                 "seed": seed, "data": str(data)}
     tokens = response_tokens = 0
-    with StoreWriter(store, schema, rank=rank, producer=producer) as writer:
+    # copy_inputs=False: every record is a fresh tensor this loop never touches again (no defensive copy)
+    with StoreWriter(store, schema, rank=rank, producer=producer, copy_inputs=False) as writer:
         for start in range(0, len(kept), batch_size):
             batch = kept[start: start + batch_size]
             for record in forward_records(model, batch, layers, pad_id=pad_id, dtype=DTYPES[dtype],

@@ -33,7 +33,8 @@ class StoreSink:
                              "expected a floating torch dtype name such as 'bfloat16' or 'float32'")
         self.dtype = dtype
         schema = build_schema(capture_layout(layer_ids), hidden_size, vocab_size, target_model_id, dtype)
-        self.writer = StoreWriter(Path(cfg.path), schema, rank=rank, flush_samples=cfg.flush_samples,
+        # copy_inputs=False: captured rows are fresh tensors nobody mutates after `write` (no defensive copy)
+        self.writer = StoreWriter(Path(cfg.path), schema, rank=rank, flush_samples=cfg.flush_samples, copy_inputs=False,
                                   producer={"tool": "verl-speco online collect_only", **(producer or {})})
         self.samples = 0
         self.tokens = 0
