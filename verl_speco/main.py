@@ -25,29 +25,16 @@ from omegaconf import DictConfig, OmegaConf
 CONFIG_NAME = "speco_trainer"
 
 
-def default_config_dir() -> Path:
-    from verl_speco.train.compose import default_config_dir as train_config_dir
-
-    return train_config_dir()
-
-
 def compose(overrides: Sequence[str] = (), config_name: str = CONFIG_NAME,
             config_dir: str | Path | None = None) -> DictConfig:
     """Compose `config_name` (default `speco_trainer`) from `configs/` with Hydra overrides."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from verl_speco.train.compose import compose_raw, default_config_dir
 
     root = Path(config_dir) if config_dir is not None else default_config_dir()
     if not (root / f"{config_name}.yaml").is_file():
         raise FileNotFoundError(f"config {config_name!r} not found in {str(root)!r} (set --config-dir or "
                                 "VERL_SPECO_CONFIG_DIR)")
-    GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=str(root.resolve()), version_base=None):
-            return hydra_compose(config_name=config_name, overrides=list(overrides))
-    finally:
-        GlobalHydra.instance().clear()
+    return compose_raw(overrides, config_name=config_name, config_dir=root)
 
 
 def prepare(config: DictConfig) -> Any:
