@@ -180,7 +180,7 @@ def test_fsdp2_shards_trainable_and_replicates_frozen(tiny_target: Path) -> None
     try:
         family = get_family("eagle3")
         model = family.build(family.config_cls(ttt_steps=2), TargetHead.from_pretrained(tiny_target))
-        units = apply_fsdp(model, device, cfg)
+        units = apply_fsdp(model, device, cfg.run.mixed_precision, cfg.dist.reshard_after_forward)
         assert units[-1] is model and isinstance(model, FSDPModule)
         assert {type(u).__name__ for u in units[:-1]} >= {"FSDPLinear", "FSDPEagle3MidLayer"}
         for name, p in model.named_parameters():

@@ -21,11 +21,13 @@ PARAMS: list[tuple[str, str, list[str]]] = [
     ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._setup", ["self"]),
     ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._init_resource_pool_mgr", ["self"]),
     ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._compute_old_log_prob", ["self", "batch", "metrics"]),
+    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._update_actor", ["self", "batch", "metrics"]),
     ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer.step", ["self", "metrics", "timing_raw"]),
     ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._consume_sync_metrics", ["self"]),
     ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer.fit", ["self", "agent_loop_manager"]),
     ("verl.workers.engine_workers", "ActorRolloutRefWorker.__init__", ["self", "config", "role", "distillation_config"]),
     ("verl.workers.engine_workers", "ActorRolloutRefWorker.compute_log_prob", ["self", "data"]),
+    ("verl.workers.engine_workers", "ActorRolloutRefWorker.update_actor", ["self", "data"]),
     ("verl.workers.engine_workers", "TrainingWorker.infer_batch", ["self", "data"]),
     ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngine.forward_step",
      ["self", "micro_batch", "loss_function", "forward_only"]),
@@ -59,6 +61,9 @@ SOURCE_PINS: list[tuple[str, str, list[str]]] = [
     ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._setup", [
         "self.checkpoint_manager: CheckpointEngineManager = CheckpointEngineManager(", "LLMServerManager.create("]),
     ("verl.workers.engine_workers", "ActorRolloutRefWorker.compute_log_prob", ["self.actor.infer_batch(data)"]),
+    ("verl.workers.engine_workers", "ActorRolloutRefWorker.update_actor", ["self.actor.train_mini_batch(data=data)"]),
+    ("verl.trainer.ppo.v1.trainer_base", "PPOTrainer._update_actor", [
+        "batch.extra_info.update(extra_info)", "self.actor_rollout_wg.update_actor(batch)"]),
     ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngine.forward_backward_batch", [
         "prepare_micro_batches(", "self.forward_step(micro_batch, loss_function=loss_function, forward_only=forward_only)"]),
     ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead.prepare_model_inputs", [
@@ -117,16 +122,18 @@ def test_worker_subclass_is_bound_like_verls() -> None:
     from verl_speco.verl_integration.worker import SpecoActorRolloutRefWorker
 
     assert issubclass(SpecoActorRolloutRefWorker, ActorRolloutRefWorker)
-    ours = getattr(SpecoActorRolloutRefWorker.compute_log_prob, MAGIC_ATTR)
-    theirs = getattr(ActorRolloutRefWorker.compute_log_prob, MAGIC_ATTR)
-    assert ours["execute_mode"] == theirs["execute_mode"] and ours["blocking"] == theirs["blocking"]
-    assert ours["dispatch_mode"]["dispatch_fn"].args == theirs["dispatch_mode"]["dispatch_fn"].args  # mesh "actor"
+    for method in ("compute_log_prob", "update_actor"):
+        ours = getattr(getattr(SpecoActorRolloutRefWorker, method), MAGIC_ATTR)
+        theirs = getattr(getattr(ActorRolloutRefWorker, method), MAGIC_ATTR)
+        assert ours["execute_mode"] == theirs["execute_mode"] and ours["blocking"] == theirs["blocking"]
+        assert ours["dispatch_mode"]["dispatch_fn"].args == theirs["dispatch_mode"]["dispatch_fn"].args  # "actor"
     for name in ("speco_init", "speco_end_step", "speco_close"):
         assert hasattr(getattr(SpecoActorRolloutRefWorker, name), MAGIC_ATTR), name
     fused = create_colocated_worker_cls({"actor_rollout": RayClassWithInitArgs(
         cls=ray.remote(SpecoActorRolloutRefWorker), config={}, role="actor_rollout")})
     methods = set(dir(fused.cls.__ray_actor_class__))
-    assert {"actor_rollout_speco_end_step", "actor_rollout_speco_init", "actor_rollout_compute_log_prob"} <= methods
+    assert {"actor_rollout_speco_end_step", "actor_rollout_speco_init", "actor_rollout_compute_log_prob",
+            "actor_rollout_update_actor"} <= methods
 
 
 @pytest.mark.parametrize("mode", ["sync", "colocate_async", "separate_async"])

@@ -23,7 +23,11 @@ from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
 from verl.workers.engine.utils import prepare_micro_batches
 
 from verl_speco.online.config import CaptureCaps, DrafterRunConfig, FeatureStoreSink
-from verl_speco.verl_integration.worker import POLICY_VERSION_KEY, SpecoActorRolloutRefWorker
+from verl_speco.verl_integration.worker import (
+    POLICY_VERSION_KEY,
+    POST_UPDATE_VERSION_KEY,
+    SpecoActorRolloutRefWorker,
+)
 
 LAYER_IDS = (2, 4, 5)
 
@@ -154,6 +158,47 @@ def test_captured_rows_match_a_per_row_forward(use_remove_padding: bool) -> None
         expect_mask = torch.zeros(len(full), dtype=torch.uint8)
         expect_mask[len(full) - r:] = data["loss_mask"].unbind()[b].to(torch.uint8)
         assert torch.equal(rec["loss_mask"], expect_mask[:n])
+
+
+def test_post_update_capture_sees_the_updated_actor() -> None:
+    """capture_pass=post_update: verl's update runs first, then one forward of the updated weights."""
+    model = tiny_qwen3()
+    caps = CaptureCaps(max_rows=3, max_tokens=200)
+    worker = make_worker(model, DrafterRunConfig(enable=True, capture_pass="post_update", caps=caps, seed=5),
+                         use_remove_padding=False)
+    assert worker.speco_init(list(LAYER_IDS), 64, 96, "tiny")["armed"]
+    before = [p.detach().clone() for p in model.parameters()]
+    order: list[str] = []
+
+    def train_mini_batch(data: TensorDict) -> None:  # verl's update, standing in: it moves the weights
+        order.append("update")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+
+    worker.actor.train_mini_batch = train_mini_batch  # type: ignore[union-attr]
+    data = make_batch(LENGTHS, RESPONSES, vocab=96)
+    worker.update_actor(data)  # the trainer did not ask: nothing captured
+    assert order == ["update"] and worker._speco_rows == [] and worker._speco_head is None
+    tu.assign_non_tensor(data, **{POST_UPDATE_VERSION_KEY: 7})
+    worker.update_actor(data)
+    assert order == ["update", "update"] and tu.get(data, "compute_loss") is False
+    (rows,) = worker._speco_rows
+    rows.wait()
+    assert rows.policy_version == 7 and len(rows.records) == 3 and worker._speco_head.version == 7
+    torch.testing.assert_close(worker._speco_head.lm_head.float(), model.lm_head.weight, atol=1e-2, rtol=1e-2)
+    by_ids = {tuple(ids.tolist()): ids for ids in data["input_ids"].unbind()}
+    for rec in rows.records:
+        n = rec["input_ids"].numel()
+        full = next(ids for key, ids in by_ids.items() if list(key[:n]) == rec["input_ids"].tolist())
+        with torch.no_grad():
+            now = model(input_ids=full[None], output_hidden_states=True).hidden_states
+        torch.testing.assert_close(rec["last_hidden"].float(), now[-1][0, :n], atol=3e-2, rtol=3e-2)
+    with torch.no_grad():  # and not the weights before the update
+        for p, old in zip(model.parameters(), before):
+            p.copy_(old)
+        old_hidden = model(input_ids=full[None], output_hidden_states=True).hidden_states[-1][0, :n]
+    assert not torch.allclose(rec["last_hidden"].float(), old_hidden, atol=3e-2, rtol=3e-2)
 
 
 def test_no_capture_without_a_policy_version_or_when_disabled() -> None:

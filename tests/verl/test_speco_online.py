@@ -134,3 +134,41 @@ def test_step_acceptance_is_the_delta_of_the_servers_counters_summed_over_replic
     assert step2["drafter/accept/num_drafts"] == 4.0
     assert step2["drafter/accept/mean_acceptance_length"] == 1 + 9 / 4
     assert [step2[f"drafter/accept/pos{i}"] for i in (1, 2, 3)] == [4 / 4, 3 / 4, 2 / 4]
+
+
+@pytest.mark.parametrize("capture_pass", ["old_logprob", "post_update"])
+def test_trainer_tags_the_pass_the_capture_rides_on(capture_pass: str) -> None:
+    """old_logprob tags verl's old-logprob call with `global_steps - 1`; post_update tags the update
+    with `global_steps` (the version after it); the tags never outlive the call."""
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    from verl_speco.verl_integration.trainer import speco_trainer_cls
+    from verl_speco.verl_integration.worker import POST_UPDATE_VERSION_KEY
+
+    seen: list[tuple[str, dict]] = []
+
+    class Base:
+        def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
+            seen.append(("old_log_prob", dict(batch.extra_info)))
+            return batch
+
+        def _update_actor(self, batch: Any, metrics: dict) -> Any:
+            seen.append(("update", dict(batch.extra_info)))
+            return batch
+
+    assert get_trainer_cls("sync")  # the mixin goes in front of verl's trainers (test_contract); here of Base
+    trainer: Any = object.__new__(speco_trainer_cls(Base))  # type: ignore[arg-type]
+    trainer.speco = DrafterRunConfig(enable=True, capture_pass=capture_pass, collect_interval=2)
+    batch = type("Batch", (), {"extra_info": {}})()
+    for step in (1, 2, 3):
+        trainer.global_steps = step
+        trainer._compute_old_log_prob(batch, {})
+        trainer._update_actor(batch, {})
+    assert batch.extra_info == {}
+    tags = [(name, info.get(POLICY_VERSION_KEY), info.get(POST_UPDATE_VERSION_KEY)) for name, info in seen]
+    if capture_pass == "old_logprob":  # steps 1 and 3 capture (collect_interval=2)
+        assert tags == [("old_log_prob", 0, None), ("update", None, None), ("old_log_prob", None, None),
+                        ("update", None, None), ("old_log_prob", 2, None), ("update", None, None)]
+    else:
+        assert tags == [("old_log_prob", None, None), ("update", None, 1), ("old_log_prob", None, None),
+                        ("update", None, None), ("old_log_prob", None, None), ("update", None, 3)]

@@ -17,6 +17,7 @@ from typing import Any
 
 MODES = ("online", "collect_only", "offline")
 SCHEDULES = ("serial", "overlap")
+CAPTURE_PASSES = ("old_logprob", "post_update")
 
 
 class DrafterConfigError(ValueError):
@@ -63,11 +64,17 @@ class DrafterRunConfig:
     train_steps_per_round: int = 8  # optimizer steps per training round
     micro_batch_size: int = 8  # samples per optimizer step
     schedule: str = "serial"  # serial: after the actor update; overlap: during the next rollout
+    # old_logprob: hooks on verl's old-logprob forward (no extra compute; rows of the policy before the
+    # update, so the draft the next rollout serves lags the policy by one update). post_update: one extra
+    # forward of the updated actor over the step's batch right after the update (rows of the very policy
+    # the next rollout runs; costs one forward pass of the actor per capturing step).
+    capture_pass: str = "old_logprob"
     max_staleness: int = 2  # features older than this many policy versions are evicted
     buffer_max_tokens: int = 262144  # replay buffer capacity (oldest evicted first)
     seed: int = 0
     publish_dir: str | None = None  # where published draft versions are written (default: tmp)
-    num_gpus: float = 0.0  # accelerators reserved for the drafter actor (outside verl's pools); 0: CPU
+    num_gpus: float = 0.0  # accelerators reserved for each drafter actor (outside verl's pools); 0: CPU
+    num_workers: int = 1  # drafter actors; > 1: FSDP2 data parallel over them (one node)
     caps: CaptureCaps = field(default_factory=CaptureCaps)
     optim: DrafterOptim = field(default_factory=DrafterOptim)
     feature_store: FeatureStoreSink = field(default_factory=FeatureStoreSink)
@@ -85,8 +92,10 @@ class DrafterRunConfig:
             raise bad("mode", self.mode, f"one of {MODES}")
         if self.schedule not in SCHEDULES:
             raise bad("schedule", self.schedule, f"one of {SCHEDULES}")
+        if self.capture_pass not in CAPTURE_PASSES:
+            raise bad("capture_pass", self.capture_pass, f"one of {CAPTURE_PASSES}")
         for key in ("collect_interval", "train_interval", "publish_interval", "train_steps_per_round",
-                    "micro_batch_size", "num_speculative_tokens", "buffer_max_tokens"):
+                    "micro_batch_size", "num_speculative_tokens", "buffer_max_tokens", "num_workers"):
             if getattr(self, key) < 1:
                 raise bad(key, getattr(self, key), "an integer >= 1")
         if self.num_gpus < 0:

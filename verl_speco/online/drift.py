@@ -16,6 +16,11 @@ serves target + EAGLE-3 drafter for the whole run, with the draft-reload worker 
      response under `OnlineCapture` hooks; rows tagged with version s, supervised by target_s's head;
   5. train a round (`DrafterSession.train_round`) and publish the new version into the engine.
 
+With `capture_pass=post_update`, 4-5 move to the start of step s+1, right after its policy update
+(before 2): the updated actor target_{s+1} runs the forward over step s's rollouts, so the draft the
+rollout of step s+1 serves was trained on rows of the policy it drafts for (verl: one extra actor
+forward after `update_actor`).
+
 At the last step a drafter trained offline on the final policy with the same token budget
 (same initial drafter, same optimizer steps and micro-batch size, rows captured from target_S)
 is measured too. Output: `metrics.jsonl` (one line per step), `summary.json`, `acceptance.png`.
@@ -139,6 +144,23 @@ class DriftHarness:
         rec["publish_seconds"] = write_s + reload_s
         return state
 
+    def _capture_and_train(self, llm: Any, session: DrafterSession, capture: OnlineCapture, actor: Any,
+                           prompts: list[list[int]], responses: list[list[int]], version: int, rec: dict[str, Any],
+                           live_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Capture rows of policy `version` (the actor's forward under hooks), then a round: serial trains and
+        publishes now (returns the new live state); overlap starts it in the background (returns `live_state`)."""
+        t0 = time.perf_counter()
+        rows, _ = capture_rollouts(actor, capture, prompts, responses, self.eos, version)
+        session.add(rows, TargetHeadSnapshot.from_model(actor, version))
+        rec["capture_seconds"] = time.perf_counter() - t0
+        rec["capture"] = rows.counts
+        if self.cfg.drafter.schedule == "overlap":
+            session.start_round()
+            return live_state
+        rec["train"] = session.train_round()
+        rec["train_seconds"] = rec["train"]["train_seconds"]
+        return self._publish_round(llm, session, rec)
+
     def _measure(self, llm: Any, state: dict[str, torch.Tensor], prompts: list[list[int]],
                  plain: list[list[int]]) -> dict[str, Any]:
         from verl_speco.engines import vllm_engine
@@ -174,6 +196,8 @@ class DriftHarness:
         live_state = frozen_state  # what the engine serves as the co-trained draft
         metrics_file = self.out / "metrics.jsonl"
         metrics_file.unlink(missing_ok=True)
+        post_update = cfg.drafter.capture_pass == "post_update"
+        pending: tuple[list[list[int]], list[list[int]]] | None = None  # post_update: last step's rollouts
         try:
             for step in range(cfg.steps + 1):
                 rec: dict[str, Any] = {"step": step}
@@ -186,6 +210,9 @@ class DriftHarness:
                     vllm_engine.reload_target(llm, policy)
                     rec["target_sync_seconds"] = time.perf_counter() - t1
                 actor = AutoModelForCausalLM.from_pretrained(str(policy), dtype=torch.float32).eval()
+                if pending is not None:  # post_update: the updated actor's forward over last step's batch
+                    live_state = self._capture_and_train(llm, session, capture, actor, *pending, step, rec,
+                                                         live_state)
                 plain = _cut(_plain_greedy(actor, eval_prompts, self.eos, cfg.max_new_tokens), self.eos)
                 # 2. measurement: frozen, then co-trained (re-published: it stays live for the rollout)
                 rec["frozen"] = self._measure(llm, frozen_state, eval_prompts, plain)
@@ -200,19 +227,11 @@ class DriftHarness:
                     if done is not None:
                         rec["train"] = done
                         live_state = self._publish_round(llm, session, rec)
-                # 4. capture in the old-logprob pass
-                t3 = time.perf_counter()
-                rows, _ = capture_rollouts(actor, capture, train_prompts, _cut(responses, self.eos), self.eos, step)
-                session.add(rows, TargetHeadSnapshot.from_model(actor, step))
-                rec["capture_seconds"] = time.perf_counter() - t3
-                rec["capture"] = rows.counts
-                # 5. train a round (serial: now; overlap: in the background) and publish
-                if overlap:
-                    session.start_round()
-                else:
-                    rec["train"] = session.train_round()
-                    rec["train_seconds"] = rec["train"]["train_seconds"]
-                    live_state = self._publish_round(llm, session, rec)
+                if post_update:
+                    pending = (train_prompts, _cut(responses, self.eos))
+                else:  # 4-5. capture in the old-logprob pass, then a round
+                    live_state = self._capture_and_train(llm, session, capture, actor, train_prompts,
+                                                         _cut(responses, self.eos), step, rec, live_state)
                 rec["step_seconds"] = sum(rec.get(k, 0.0) for k in STEP_PARTS)  # measurement excluded
                 records.append(rec)
                 with open(metrics_file, "a") as fh:
@@ -239,7 +258,7 @@ class DriftHarness:
         cfg = self.cfg
         online_steps = session.step
         session.finish_round()  # overlap: the round of the last step's capture
-        online_rows = sum(r["capture"]["kept"] for r in records)
+        online_rows = sum(r["capture"]["kept"] for r in records if "capture" in r)
         offline = DrafterSession(dataclasses.replace(cfg.drafter, model_path=str(initial), max_staleness=0),
                                  target, run_name=f"drift-offline-{cfg.seed}")
         prompts = self._prompts(online_rows, "train", cfg.seed * 7919 + 104729)
@@ -314,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="train on rows of the last N+1 policy versions")
     p.add_argument("--schedule", choices=("serial", "overlap"), default=d.drafter.schedule,
                    help="serial: train after the step's capture; overlap: train during the next step")
+    p.add_argument("--capture-pass", choices=("old_logprob", "post_update"), default=d.drafter.capture_pass,
+                   help="old_logprob: rows of the policy that generated the rollout; post_update: the updated "
+                        "policy's forward over the last step's rollouts (one more forward per step)")
     p.add_argument("--initial-drafter", help="EAGLE-3 export for the base target (default: train one)")
     p.add_argument("--seed", type=int, default=d.seed)
     args = p.parse_args(argv)
@@ -324,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     drafter = dataclasses.replace(d.drafter, train_steps_per_round=args.train_steps, schedule=args.schedule,
-                                  max_staleness=args.max_staleness,
+                                  max_staleness=args.max_staleness, capture_pass=args.capture_pass,
                                   optim=dataclasses.replace(d.drafter.optim, lr=args.lr))
     cfg = DriftConfig(out=args.out, steps=args.steps, finetune_steps=args.finetune_steps,
                       rollout_prompts=args.rollout_prompts, eval_prompts=args.eval_prompts,

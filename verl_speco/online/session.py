@@ -1,6 +1,6 @@
 """The drafter side of online co-training: replay buffer, training rounds, versioned publishes.
 
-One `DrafterSession` lives in the drafter worker (a Ray actor in the verl run, or in-process in
+One `DrafterSession` lives in each drafter worker (the Ray actors of the verl run, or in-process in
 the drift harness). Per RL step it receives the captured rows and the target head of the policy
 version that produced them; a training round runs `train_steps_per_round` optimizer steps through
 the standalone trainer's `train_step` (the same normalisation, clipping and non-finite skipping);
@@ -10,6 +10,16 @@ Supervision: EAGLE-3's targets are the target's distributions `lm_head(last_hidd
 the policy version they came from and every optimizer step draws rows of one version and
 supervises them with that version's head snapshot (`TargetHeadSnapshot`), so a stale row is
 never scored by a newer head. Rows older than `max_staleness` versions are evicted.
+
+Data parallel (FSDP2): when a process group of world size W > 1 is initialised before the session
+is built, the draft is sharded with FSDP2 (`verl_speco.train.distributed.apply_fsdp`, as the
+standalone trainer: frozen target pieces replicated, gradients SUM-reduced over globally normalised
+losses). Every rank holds the same buffer (the same rows, in the same order) and the same sampler
+seed, so all ranks draw the same version and the same global micro-batch; rank r trains on rows
+r, r + W, ... of it. Worked example, W = 2, a draw of rows [a, b, c]: rank 0 gets [a, c], rank 1 [b];
+the loss is normalised by the tokens of all three, so the update equals one process on [a, b, c].
+A draw of fewer rows than ranks (a version with 1 row, W = 2) gives rank r row r mod n (row a
+twice): every rank must run the forward, whose FSDP all-gathers are collectives.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save as safetensors_save
 from torch import Tensor, nn
@@ -169,6 +180,11 @@ class DrafterSession:
                 model = self.family.build(self.fam_cfg, target, None)
         self.target_spec = target.spec
         self.model: nn.Module = model.to(self.device).train()
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        if self.world > 1:
+            from verl_speco.train.distributed import apply_fsdp
+
+            apply_fsdp(self.model, self.device, mixed_precision=None, reshard_after_forward=True)
         o = cfg.optim
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.betas[0], o.betas[1]),
@@ -191,6 +207,12 @@ class DrafterSession:
         with torch.no_grad():
             m.embed_tokens.weight.copy_(head.embed_tokens.to(self.device, m.embed_tokens.weight.dtype))
 
+    def _rank_rows(self, samples: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+        """This rank's share of a global draw (module docstring: rows r, r + W, ...; never empty)."""
+        if self.world == 1:
+            return samples
+        return [samples[i % len(samples)] for i in range(self.rank, max(len(samples), self.world), self.world)]
+
     def _lr(self) -> float:
         w = self.cfg.optim.warmup_steps
         return self.cfg.optim.lr * (min(1.0, (self.step + 1) / w) if w > 0 else 1.0)
@@ -205,6 +227,7 @@ class DrafterSession:
         acc: dict[str, list[float]] = {}
         for _ in range(steps):
             version, samples, head = self.buffer.sample(self.rng, self.cfg.micro_batch_size)
+            samples = self._rank_rows(samples)
             self._use_head(head)
             for group in self.optimizer.param_groups:
                 group["lr"] = self._lr()
@@ -249,19 +272,43 @@ class DrafterSession:
             self._executor.shutdown()
             self._executor = None
 
+    def _full_state_dict(self) -> dict[str, Tensor]:
+        """The model's state dict with FSDP2-sharded parameters gathered in full (a collective when
+        W > 1: every rank calls it), on CPU."""
+        if self._inflight is not None:
+            raise RuntimeError("a training round is in flight; call finish_round() first")
+        out = {}
+        for k, v in self.model.state_dict().items():
+            v = v.full_tensor() if hasattr(v, "full_tensor") else v
+            out[k] = v.detach().cpu()
+        return out
+
     def engine_state(self) -> dict[str, Tensor]:
-        """A copy of the draft in the engine's checkpoint names (native EAGLE-3), CPU tensors."""
+        """A copy of the draft in the engine's checkpoint names (native EAGLE-3), CPU tensors
+        (a collective when W > 1)."""
         from drafters.eagle3.export import Eagle3ExportConfig, engine_tensors
 
-        if self._inflight is not None:
-            raise RuntimeError("engine_state: a training round is in flight; call finish_round() first")
         export_cfg = Eagle3ExportConfig.from_drafter(self.fam_cfg, self.target_spec)
-        tensors = engine_tensors(self.model.state_dict(), export_cfg, "native")
+        tensors = engine_tensors(self._full_state_dict(), export_cfg, "native")
         return {k: v.clone() for k, v in tensors.items()}  # a snapshot: never aliases live parameters
 
-    def publish(self, out_dir: str | Path | None = None) -> PublishedDraft:
-        """Write the current draft as the next version (bucketed safetensors; see publish.py)."""
+    def export(self, out_dir: str | Path) -> Path:
+        """The draft as an engine-loadable native export directory (written by rank 0; a collective)."""
+        from drafters.eagle3.export import Eagle3ExportConfig, export_eagle3
+
+        state = self._full_state_dict()
+        out = Path(out_dir)
+        if self.rank == 0:
+            export_eagle3(state, Eagle3ExportConfig.from_drafter(self.fam_cfg, self.target_spec), out, "native")
+        return out
+
+    def publish(self, out_dir: str | Path | None = None) -> PublishedDraft | None:
+        """Write the current draft as the next version (bucketed safetensors; see publish.py).
+        Every rank calls it (the gather is a collective); rank 0 writes and returns the version."""
         self.version += 1
-        return write_version(out_dir or self.publish_dir, self.version, self.engine_state(),
+        state = self.engine_state()
+        if self.rank != 0:
+            return None
+        return write_version(out_dir or self.publish_dir, self.version, state,
                              meta={"optimizer_step": self.step, "policy_version": self.buffer.latest_version})
 

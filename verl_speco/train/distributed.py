@@ -86,16 +86,18 @@ def _shard_units(module: nn.Module) -> list[nn.Module]:
     return units
 
 
-def apply_fsdp(model: nn.Module, device: torch.device, cfg: TrainerConfig) -> list[nn.Module]:
-    """Shard `model` in place with FSDP2; returns the FSDP units (the root last)."""
+def apply_fsdp(model: nn.Module, device: torch.device, mixed_precision: str | None,
+               reshard_after_forward: bool) -> list[nn.Module]:
+    """Shard `model` in place with FSDP2 over the default process group; returns the FSDP units (the
+    root last). `mixed_precision`: compute dtype name (None: the parameters' own)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy()
-    if cfg.run.mixed_precision is not None:
-        mp = MixedPrecisionPolicy(param_dtype=DTYPES[cfg.run.mixed_precision], reduce_dtype=torch.float32)
-    reshard = cfg.dist.reshard_after_forward
+    if mixed_precision is not None:
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[mixed_precision], reduce_dtype=torch.float32)
+    reshard = reshard_after_forward
     units = [] if _all_trainable(model) else _shard_units(model)
     covered = {id(p) for u in units for p in u.parameters()}
     for unit in units:

@@ -99,7 +99,7 @@ def _run(cfg: TrainerConfig, device: torch.device) -> dict[str, Any]:
     eval_index = open_eval_index(cfg.data, held, layout, fields)
     stats = store_stats(cfg, fam_cfg, target.spec.vocab_size, shard_set, device)
     model = family.build(fam_cfg, target, stats).to(device=device, dtype=DTYPES[cfg.run.dtype])
-    apply_fsdp(model, device, cfg)
+    apply_fsdp(model, device, cfg.run.mixed_precision, cfg.dist.reshard_after_forward)
     optimizer = build_optimizer(model.parameters(), cfg.optim)
     seed_everything(cfg.run.seed + 1_000_003 * rank)  # per-rank stream for stochastic objectives
 

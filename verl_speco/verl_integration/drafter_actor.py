@@ -1,4 +1,9 @@
-"""`DrafterWorker`: the Ray actor that hosts the online `DrafterSession` of an RL run.
+"""The drafter worker group of an RL run: `drafter.num_workers` Ray actors (`DrafterWorker`), each
+hosting one rank of the online `DrafterSession`; with more than one, the draft is sharded with FSDP2
+over a process group of the actors (NCCL on GPUs, gloo on CPUs; see session.py for how ranks split
+the rows). `DrafterGroup` is the trainer's handle: `group.method.remote(...)` calls the method on
+every rank (each actor runs its calls in order) and returns one object ref to rank 0's answer,
+which resolves only when every rank has answered (a failure on any rank surfaces there).
 
 The actor workers put their captured rows into Ray's object store as safetensors bytes
 (`CapturedRows.to_bytes`, `TargetHeadSnapshot.to_bytes`: nothing of ours is unpickled) and hand
@@ -10,12 +15,14 @@ share it).
 
 from __future__ import annotations
 
+import datetime
+import socket
 import time
-from pathlib import Path
 from typing import Any
 
 import ray
 import torch
+import torch.distributed as dist
 
 from verl_speco.online.config import DrafterRunConfig
 
@@ -27,16 +34,34 @@ def drafter_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-class DrafterWorker:
-    """Holds the session; every method is called by the trainer (one call at a time)."""
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
 
-    def __init__(self, drafter: dict[str, Any], target_dir: str, run_name: str):
+
+class DrafterWorker:
+    """One rank: holds its session; every method is called by the trainer (one call at a time)."""
+
+    def __init__(self, drafter: dict[str, Any], target_dir: str, run_name: str, rank: int = 0,
+                 world_size: int = 1, master: tuple[str, int] | None = None):
         from verl_speco.online.session import DrafterSession
 
         self.cfg = DrafterRunConfig.from_dict(drafter)
-        self.session = DrafterSession(self.cfg, target_dir, device=drafter_device(), run_name=run_name)
+        device = drafter_device()
+        if world_size > 1:  # every rank's constructor runs at once; this returns when all have joined
+            if master is None:
+                raise ValueError(f"DrafterWorker rank {rank} of {world_size}: master (host, port) is required")
+            if device == "cuda":
+                torch.cuda.set_device(0)  # Ray exposes this actor's accelerator as device 0
+            dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
+                                    rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=30))
+        self.session = DrafterSession(self.cfg, target_dir, device=device, run_name=run_name)
         self.rows_added = 0
         self.tokens_added = 0
+
+    def rank(self) -> int:
+        return int(self.session.rank)
 
     def layer_ids(self) -> list[int]:
         """Internal layer ids the drafter needs from the actor's forward (HF hidden_states indexing)."""
@@ -49,16 +74,16 @@ class DrafterWorker:
 
     def export_initial(self, out_dir: str) -> str:
         """The current draft as an engine-loadable directory (the rollout engine starts from it)."""
-        s = self.session
-        return str(s.family.export(s.model, s.fam_cfg, s.target_spec, Path(out_dir), fmt="native"))
+        return str(self.session.export(out_dir))
 
-    def add(self, rows_refs: list[Any], head_ref: Any) -> dict[str, float]:
-        """Buffer the rows of one RL step (object refs from every actor rank) with their head."""
+    def add(self, rows_refs: list[Any], head: Any) -> dict[str, float]:
+        """Buffer the rows of one RL step (object refs from every actor rank, in a list: fetched here)
+        with their head (safetensors bytes: Ray resolves a ref passed as a top-level argument)."""
         from verl_speco.online.capture import CapturedRows
         from verl_speco.online.session import TargetHeadSnapshot
 
         started = time.perf_counter()
-        head = TargetHeadSnapshot.from_bytes(ray.get(head_ref))
+        head = TargetHeadSnapshot.from_bytes(head if isinstance(head, bytes) else ray.get(head))
         added_rows = added_tokens = 0
         for data in ray.get(list(rows_refs)):
             rows = CapturedRows.from_bytes(data)
@@ -78,18 +103,62 @@ class DrafterWorker:
         return self.session.train_round()
 
     def publish(self) -> dict[str, Any]:
+        """Every rank gathers the draft (a collective); rank 0 writes the version and answers."""
         started = time.perf_counter()
         published = self.session.publish()
+        if published is None:
+            return {"version": int(self.session.version), "path": None, "bytes": 0, "seconds": 0.0}
         return {"version": int(published.version), "path": str(published.path),
                 "bytes": int(published.total_bytes), "seconds": time.perf_counter() - started}
 
 
-def start_drafter_worker(drafter: DrafterRunConfig, target_dir: str, run_name: str,
-                         num_gpus: float = 0.0) -> Any:
-    """Start the named drafter actor. It reserves no CPU (a 2-core machine would deadlock with
-    verl's own placement groups); `num_gpus` > 0 gives it an accelerator outside verl's pools."""
+@ray.remote(num_cpus=0)
+def _rank0_answer(*answers: Any) -> Any:
+    return answers[0]
+
+
+class DrafterGroup:
+    """The trainer's handle on the drafter ranks (module docstring)."""
+
+    def __init__(self, actors: list[Any]):
+        self.actors = list(actors)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        actors = self.actors
+
+        class _Method:
+            @staticmethod
+            def remote(*args: Any) -> Any:
+                refs = [getattr(a, name).remote(*args) for a in actors]
+                return refs[0] if len(refs) == 1 else _rank0_answer.remote(*refs)
+
+        return _Method()
+
+
+@ray.remote(num_cpus=0)
+def _rendezvous() -> tuple[str, int]:
+    return ray.util.get_node_ip_address(), free_port()
+
+
+def start_drafter_group(drafter: DrafterRunConfig, target_dir: str, run_name: str) -> DrafterGroup:
+    """Start `drafter.num_workers` named actors (`<prefix>_<run>_<rank>`), each with
+    `drafter.num_gpus` accelerators (outside verl's pools) and no CPU reservation (a 2-core machine
+    would deadlock with verl's own placement groups). With several, they form one process group whose
+    address is on the node a probe task ran on; every rank is pinned to that node (one-node group)."""
     import dataclasses
 
+    world = int(drafter.num_workers)
+    raw = dataclasses.asdict(drafter)
     remote_cls = ray.remote(DrafterWorker)
-    return remote_cls.options(name=f"{ACTOR_NAME_PREFIX}_{run_name}", num_cpus=0, num_gpus=num_gpus,
-                              max_concurrency=1).remote(dataclasses.asdict(drafter), target_dir, run_name)
+    master = ray.get(_rendezvous.remote()) if world > 1 else None
+    options: dict[str, Any] = {"num_cpus": 0, "num_gpus": drafter.num_gpus, "max_concurrency": 1}
+    if world > 1 and master is not None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == master[0])
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+    actors = [remote_cls.options(name=f"{ACTOR_NAME_PREFIX}_{run_name}_{rank}", **options)
+              .remote(raw, target_dir, run_name, rank, world, master) for rank in range(world)]
+    return DrafterGroup(actors)

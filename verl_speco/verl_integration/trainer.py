@@ -11,7 +11,9 @@ disabled (or in `offline` mode) every override falls through to verl. Otherwise:
   and wraps the checkpoint manager so the latest draft is (re)loaded after every weight sync and
   wake-up (verl's level-2 sleep discards draft weights and its weight sync only restores the target).
 - `_compute_old_log_prob`: on capture steps (`collect_interval`) tags the batch with the policy
-  version (`global_steps - 1` actor updates so far), which turns the workers' hooks on.
+  version (`global_steps - 1` actor updates so far), which turns the workers' hooks on;
+  `_update_actor` does the same with version `global_steps` under `capture_pass=post_update` (the
+  workers then run one forward of the updated actor after the update).
 - `step`: after verl's step, flushes the workers' rows (`speco_end_step`) to the drafter actor
   (online) or the Feature Store (collect_only), runs a training round every `train_interval` steps
   (`schedule=serial`: now; `overlap`: started now, collected at the next step's boundary, so it runs
@@ -42,7 +44,12 @@ from verl_speco.verl_integration.config_bridge import (
     extract_drafter,
     rollout_engine,
 )
-from verl_speco.verl_integration.worker import COUNT_KEYS, POLICY_VERSION_KEY, SpecoActorRolloutRefWorker
+from verl_speco.verl_integration.worker import (
+    COUNT_KEYS,
+    POLICY_VERSION_KEY,
+    POST_UPDATE_VERSION_KEY,
+    SpecoActorRolloutRefWorker,
+)
 
 ACTOR_ROLES = (Role.Actor, Role.ActorRollout, Role.ActorRolloutRef)
 
@@ -104,12 +111,13 @@ class SpecoTrainerMixin:
         self._speco_live_publish = False
         self._speco_warned: set[str] = set()
         self._speco_counters = SpecCounters()  # the rollout servers' cumulative counters at the last step
-        if self.speco_active:
+        if self.speco_active and self.speco.capture_pass == "old_logprob":
             rc = config.algorithm.get("rollout_correction", None)
             if rc is not None and rc.get("bypass_mode", False):
                 raise DrafterConfigError("algorithm.rollout_correction.bypass_mode: got True, expected False with "
-                                         "actor_rollout_ref.rollout.drafter.enable=true (capture runs in the "
-                                         "old-logprob pass, which bypass mode skips)")
+                                         "actor_rollout_ref.rollout.drafter.capture_pass=old_logprob (capture "
+                                         "runs in the old-logprob pass, which bypass mode skips; "
+                                         "capture_pass=post_update works with it)")
 
     @property
     def speco_active(self) -> bool:
@@ -142,11 +150,10 @@ class SpecoTrainerMixin:
         target_dir = self._speco_target_dir()
         engine = rollout_engine(self.config)
         if self.speco_online:
-            from verl_speco.verl_integration.drafter_actor import start_drafter_worker
+            from verl_speco.verl_integration.drafter_actor import start_drafter_group
 
             run_name = str(self.config.trainer.experiment_name)
-            self._speco_drafter = start_drafter_worker(self.speco, target_dir, run_name,
-                                                       num_gpus=self.speco.num_gpus)
+            self._speco_drafter = start_drafter_group(self.speco, target_dir, run_name)
             layer_ids = ray.get(self._speco_drafter.layer_ids.remote())
             shape = ray.get(self._speco_drafter.target_shape.remote())
             draft_dir = self.speco.model_path
@@ -206,14 +213,25 @@ class SpecoTrainerMixin:
 
     # ------------------------------------------------------------- the step
 
+    def _speco_captures(self, capture_pass: str) -> bool:
+        return (self.speco_active and self.speco.capture_pass == capture_pass
+                and (self.global_steps - 1) % self.speco.collect_interval == 0)
+
     def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
-        capture = self.speco_active and (self.global_steps - 1) % self.speco.collect_interval == 0
-        if capture:
+        if self._speco_captures("old_logprob"):  # rows of the policy that generated this step's rollout
             batch.extra_info[POLICY_VERSION_KEY] = self.global_steps - 1
         try:
             return super()._compute_old_log_prob(batch, metrics)  # type: ignore[misc]
         finally:
             batch.extra_info.pop(POLICY_VERSION_KEY, None)
+
+    def _update_actor(self, batch: Any, metrics: dict) -> Any:
+        if self._speco_captures("post_update"):  # rows of the updated policy (the next rollout's)
+            batch.extra_info[POST_UPDATE_VERSION_KEY] = self.global_steps
+        try:
+            return super()._update_actor(batch, metrics)  # type: ignore[misc]
+        finally:
+            batch.extra_info.pop(POST_UPDATE_VERSION_KEY, None)
 
     def step(self, metrics: dict, timing_raw: dict) -> Any:
         batch = super().step(metrics, timing_raw)  # type: ignore[misc]

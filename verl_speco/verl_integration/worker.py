@@ -1,7 +1,9 @@
 """`SpecoActorRolloutRefWorker`: verl's hybrid actor/rollout/ref worker with drafter capture.
 
-Capture happens in the old-logprob pass verl runs anyway (`compute_log_prob`). For the duration
-of that call the worker
+Capture happens in the old-logprob pass verl runs anyway (`compute_log_prob`), or, with
+`drafter.capture_pass=post_update`, in one extra forward of the updated actor over the step's batch
+at the end of `update_actor` (the rows then come from the policy the next rollout runs). For the
+duration of that pass the worker
 
 1. plans which rows of its shard to keep (`verl_speco.online.capture.plan_rows`, seeded, under
    `drafter.caps`) from the masks alone, and tags every sample with its batch index
@@ -44,7 +46,8 @@ from verl_speco.verl_integration.config_bridge import drafter_from_actor_rollout
 
 _Dispatch: Any = Dispatch  # verl's DynamicEnum: members are created at run time
 ONE_TO_ALL = _Dispatch.ONE_TO_ALL
-POLICY_VERSION_KEY = "speco_policy_version"  # set by the trainer on steps that capture
+POLICY_VERSION_KEY = "speco_policy_version"  # set by the trainer on steps that capture (old_logprob)
+POST_UPDATE_VERSION_KEY = "speco_post_update_version"  # the same, for capture_pass=post_update
 COUNT_KEYS = ("seen", "kept", "truncated", "dropped_short", "dropped_rows_cap", "dropped_tokens_cap", "tokens")
 
 
@@ -105,6 +108,19 @@ class SpecoActorRolloutRefWorker(ActorRolloutRefWorker):
             return super().compute_log_prob(data)
         with self._speco_capture_pass(data, int(version)):
             return super().compute_log_prob(data)
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+    def update_actor(self, data: Any) -> Any:
+        """verl's update; with `capture_pass=post_update` then one forward of the updated actor over the
+        same batch under the capture (its output is discarded): rows of the policy the next rollout runs."""
+        output = super().update_actor(data)
+        version = tu.get(data, POST_UPDATE_VERSION_KEY, default=None)
+        if self._speco_capture is not None and version is not None:
+            assert self.actor is not None  # speco_init refused a worker without the actor role
+            tu.assign_non_tensor(data, compute_loss=False)  # forward only: no loss, no metrics of it
+            with self._speco_capture_pass(data, int(version)):
+                self.actor.infer_batch(data)
+        return output
 
     @contextmanager
     def _speco_capture_pass(self, data: Any, version: int) -> Iterator[None]:
