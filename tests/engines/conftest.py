@@ -134,3 +134,18 @@ def single_cycle(n: int, seed: int) -> list[int]:
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_target(tmp_path_factory.mktemp("target"))
+
+
+@pytest.fixture(scope="module")
+def draft(target_dir: Path) -> tuple[torch.nn.Module, Eagle3ExportConfig]:
+    """A random EAGLE-3 draft (draft vocab 48) for the tiny target, and its export config."""
+    from drafters.common.contract import StoreStats
+    from drafters.common.target import TargetHead
+    from drafters.eagle3 import FAMILY, Eagle3Config
+
+    head = TargetHead.from_pretrained(target_dir)
+    counts = torch.randint(0, 1000, (VOCAB,), generator=torch.Generator().manual_seed(3))
+    cfg = Eagle3Config(draft_vocab_size=48, aux_layer_ids=AUX_IDS, attn_backend="sdpa")
+    torch.manual_seed(0)
+    model = FAMILY.build(cfg, head, StoreStats(counts))
+    return model, Eagle3ExportConfig.from_drafter(cfg, head.spec)

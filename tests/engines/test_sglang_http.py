@@ -31,9 +31,6 @@ from typing import Any
 import pytest
 import torch
 
-from drafters.common.contract import StoreStats
-from drafters.common.target import TargetHead
-from drafters.eagle3 import FAMILY, Eagle3Config
 from drafters.eagle3.export import Eagle3ExportConfig
 from verl_speco.engines.sglang_http import SGLangHTTPClient, SGLangHTTPError, resume_and_reapply
 from verl_speco.engines.sglang_publish import (
@@ -44,8 +41,6 @@ from verl_speco.engines.sglang_publish import (
     check_draft_update,
     draft_config,
 )
-
-from .conftest import AUX_IDS, VOCAB
 
 API_KEY = "test-admin-key"
 NONE = type(None)
@@ -233,16 +228,6 @@ def sglang() -> Iterator[FakeSGLang]:
     fake.httpd.shutdown()
     fake.httpd.server_close()
     thread.join(timeout=5)
-
-
-@pytest.fixture(scope="module")
-def draft(target_dir: Any) -> tuple[torch.nn.Module, Eagle3ExportConfig]:
-    head = TargetHead.from_pretrained(target_dir)
-    counts = torch.randint(0, 1000, (VOCAB,), generator=torch.Generator().manual_seed(3))
-    cfg = Eagle3Config(draft_vocab_size=48, aux_layer_ids=AUX_IDS, attn_backend="sdpa")
-    torch.manual_seed(0)
-    model = FAMILY.build(cfg, head, StoreStats(counts))
-    return model, Eagle3ExportConfig.from_drafter(cfg, head.spec)
 
 
 def state(model: torch.nn.Module, scale: float = 1.0) -> dict[str, torch.Tensor]:

@@ -257,7 +257,11 @@ def test_publish_writes_increasing_versions_equal_to_engine_state(tmp_path: Path
         for name, t in got.items():
             assert t.dtype == state[name].dtype
             assert torch.equal(t.view(torch.int32), state[name].view(torch.int32)), name
-        assert read_manifest(pub.path)["meta"] == {"optimizer_step": pub.version, "policy_version": 0}
+        meta = read_manifest(pub.path)["meta"]
+        assert {k: meta[k] for k in ("optimizer_step", "policy_version")} == {"optimizer_step": pub.version,
+                                                                             "policy_version": 0}
+        assert Eagle3ExportConfig(**meta["export_config"]) == Eagle3ExportConfig.from_drafter(
+            session.fam_cfg, session.target_spec)  # what an SGLang server builds its update with
     assert not torch.equal(states[1]["fc.weight"], states[2]["fc.weight"])
     other = session.publish(tmp_path / "elsewhere")
     assert other.version == 4 and other.path == tmp_path / "elsewhere" / "v000004"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -228,10 +229,11 @@ def test_vllm_server_classes_install_on_verls(vllm_alias: str) -> None:
 
     from verl_speco.engines.vllm_engine import DraftReloadMixin
     from verl_speco.verl_integration import vllm_server
+    from verl_speco.verl_integration.draft_servers import DRAFT_METHODS
 
     ext = vllm_server.SpecoWorkerExtension
     assert issubclass(ext, DraftReloadMixin) and issubclass(ext, vLLMColocateWorkerExtension)
-    assert all(callable(getattr(ext, m)) for m in vllm_server.DRAFT_METHODS)
+    assert all(callable(getattr(ext, m)) for m in DRAFT_METHODS)
     qualname = vllm_server.SpecoVLLMHttpServer._get_worker_extension_cls(None)  # type: ignore[arg-type]
     module, _, name = qualname.rpartition(".")
     assert getattr(__import__(module, fromlist=[name]), name) is ext
@@ -247,3 +249,30 @@ def test_vllm_server_classes_install_on_verls(vllm_alias: str) -> None:
         RolloutReplicaRegistry._registry.clear()
         RolloutReplicaRegistry._registry.update(saved)
     assert get_rollout_replica_class("vllm") is vLLMReplica
+
+
+def test_sglang_server_classes_match_verls_source() -> None:
+    """verl's SGLang server imports sglang (absent here): its source text is checked for what
+    `draft_servers.SGLangDraftServerMixin` reads, and our loader is what verl's registry returns."""
+    import importlib.util
+
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    from verl_speco.verl_integration import draft_servers
+
+    spec = importlib.util.find_spec("verl.workers.rollout.sglang_rollout.async_sglang_server")
+    assert spec is not None and spec.origin is not None
+    source = Path(spec.origin).read_text()
+    for needle in ("class SGLangHttpServer:", "self.node_rank = node_rank", "def get_server_address(self):",
+                   "return self._server_address, self._server_port", "self.config: RolloutConfig =",
+                   "self.config.tensor_model_parallel_size", "if self.node_rank > 0:\n            return",
+                   "await run_uvicorn(app, server_args, self._server_address)",
+                   "class SGLangReplica(RolloutReplica):", "self.server_class = ray.remote(SGLangHttpServer)"):
+        assert needle in source, needle
+    saved = dict(RolloutReplicaRegistry._registry)
+    try:
+        draft_servers.install_sglang_replica_class()
+        assert RolloutReplicaRegistry._registry["sglang"] is draft_servers._load_speco_sglang
+    finally:
+        RolloutReplicaRegistry._registry.clear()
+        RolloutReplicaRegistry._registry.update(saved)

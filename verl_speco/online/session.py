@@ -309,6 +309,10 @@ class DrafterSession:
         state = self.engine_state()
         if self.rank != 0:
             return None
+        from drafters.eagle3.export import Eagle3ExportConfig
+
+        export_cfg = Eagle3ExportConfig.from_drafter(self.fam_cfg, self.target_spec)
         return write_version(out_dir or self.publish_dir, self.version, state,
-                             meta={"optimizer_step": self.step, "policy_version": self.buffer.latest_version})
+                             meta={"optimizer_step": self.step, "policy_version": self.buffer.latest_version,
+                                   "export_config": dataclasses.asdict(export_cfg)})
 

@@ -11,7 +11,10 @@ Modules (each imports verl lazily where it can, so `import verl_speco` never loa
   the old-logprob pass (`compute_log_prob`) and a per-step flush (`speco_end_step`).
 - `vllm_server`: `SpecoWorkerExtension` (vLLM worker extension), `SpecoVLLMHttpServer` and
   `SpecoVLLMReplica` (rollout servers that load / re-apply published drafts).
-- `drafter_actor`: `DrafterWorker`, the Ray actor hosting `verl_speco.online.session.DrafterSession`.
+- `drafter_actor`: the drafter worker group (`DrafterWorker` Ray actors, one rank of
+  `verl_speco.online.session.DrafterSession` each, FSDP2 over them) and its handle `DrafterGroup`.
+- `draft_servers`: the replica-side draft calls of both engines and the SGLang server mixin that
+  loads published drafts through SGLang's weight-update routes.
 - `trainer`: `SpecoTrainerMixin` over verl's v1 `PPOTrainer` subclasses (schedule, publish,
   metrics under `drafter/`).
 - `task_runner`: `SpecoTaskRunner` (verl's `TaskRunnerV1` with our trainer) and `run`.

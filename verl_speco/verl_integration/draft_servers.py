@@ -1,0 +1,159 @@
+"""What the rollout servers and replicas of both engines answer for the drafter, and the SGLang server.
+
+The trainer (`trainer.py`) talks to every rollout replica through two calls:
+`replica.speco_call(method, args)` with `method` in `DRAFT_METHODS`
+(`speco_load_draft(path, version)` -> True, or False for a stale version; `speco_reapply_draft()` ->
+the version re-applied, -1 before the first; `speco_draft_version()` -> the version held, -1 before
+the first), answered by every engine worker of every server of the replica, and
+`replica.speco_spec_counters()`, the replica's cumulative spec-decode counters.
+`SpecoReplicaMixin` is that replica side for both engines (fan-out to `self.servers`).
+
+vLLM: `vllm_server.SpecoVLLMHttpServer` answers through its worker extension. SGLang:
+`SGLangDraftServerMixin` goes in front of verl's `SGLangHttpServer` (which runs SGLang's
+tokenizer manager and HTTP server in its own event loop). A load reads the published version
+(`verl_speco.online.publish`: bucketed safetensors + manifest, whose meta carries the EAGLE-3 export
+config) and sends it to the server's own HTTP address with `SGLangDraftPublisher` over
+`SGLangHTTPClient`: `begin_weight_update(selector="draft")`, flattened-bucket
+`update_weights_from_tensor` requests, `end_weight_update()` (engines/sglang_publish.py has the
+contract). The blocking client runs in a thread, so the event loop keeps serving the very requests
+it sends. SGLang's server API has no cumulative per-position acceptance counters, so an SGLang
+server reports none (`drafter/accept/*` is then not logged).
+
+verl's SGLang server module imports sglang at the top; `install_sglang_replica_class` registers a
+loader that imports it only when verl asks for the "sglang" replica, and `speco_sglang_classes`
+builds the two classes over whatever bases it is given.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from verl_speco.engines.spec_metrics import SpecCounters
+
+DRAFT_METHODS = ("speco_load_draft", "speco_reapply_draft", "speco_draft_version")
+SGLANG_REQUEST_TIMEOUT_S = 600.0
+
+
+def check_method(method: str) -> None:
+    if method not in DRAFT_METHODS:
+        raise ValueError(f"speco_call: method {method!r}, expected one of {DRAFT_METHODS}")
+
+
+class SpecoReplicaMixin:
+    """Replica side: every server of the replica (`self.servers`, Ray actor handles) answers."""
+
+    servers: list[Any]
+
+    async def speco_call(self, method: str, args: tuple = (), timeout: float | None = None) -> list[Any]:
+        check_method(method)
+        answers: list[list[Any]] = await asyncio.gather(*[server.speco_call.remote(method, tuple(args), timeout)
+                                                          for server in self.servers])
+        return [a for per_server in answers for a in per_server]
+
+    async def speco_spec_counters(self) -> SpecCounters:
+        """Spec-decode counters summed over this replica's servers."""
+        answers: list[dict[str, Any]] = await asyncio.gather(
+            *[server.speco_spec_counters.remote() for server in self.servers])
+        total = SpecCounters()
+        for answer in answers:
+            total = total + SpecCounters.from_dict(answer)
+        return total
+
+
+def publish_export_config(path: str | Path) -> Any:
+    """The `Eagle3ExportConfig` a published version was written for (its manifest's meta)."""
+    from drafters.eagle3.export import Eagle3ExportConfig
+    from verl_speco.online.publish import read_manifest
+
+    meta = read_manifest(path).get("meta", {})
+    if "export_config" not in meta:
+        raise ValueError(f"{path}: the publish manifest has no meta.export_config (written by "
+                         "DrafterSession.publish); an SGLang server cannot build its update without it")
+    return Eagle3ExportConfig(**meta["export_config"])
+
+
+class SGLangDraftServerMixin:
+    """In front of verl's `SGLangHttpServer`: the draft-reload calls (module docstring).
+
+    Reads verl's `node_rank` (only node 0 runs the HTTP server), `get_server_address()` and
+    `config.tensor_model_parallel_size` (one request entry per TP rank)."""
+
+    node_rank: int
+    config: Any
+    get_server_address: Callable[[], tuple[str, int]]  # verl's (annotation only: the server class has it)
+    speco_serialize: Any = None  # None: SGLang's own serializer (engines/sglang_engine.py)
+    _speco_publisher: Any = None
+
+    def _speco_client(self) -> Any:
+        from verl_speco.engines.sglang_http import SGLangHTTPClient
+
+        host, port = self.get_server_address()
+        host = f"[{host}]" if ":" in host else host  # IPv6
+        return SGLangHTTPClient(f"http://{host}:{port}", timeout_s=SGLANG_REQUEST_TIMEOUT_S)
+
+    def _speco_run(self, method: str, args: tuple) -> Any:
+        from verl_speco.engines.sglang_publish import SGLangDraftPublisher
+        from verl_speco.online.publish import iter_buckets
+
+        if method == "speco_load_draft":
+            path, version = str(args[0]), int(args[1])
+            cfg = publish_export_config(path)
+            if self._speco_publisher is None:
+                tp = int(getattr(self.config, "tensor_model_parallel_size", 1) or 1)
+                self._speco_publisher = SGLangDraftPublisher(self._speco_client(), cfg, tp_size=tp,
+                                                             serialize=self.speco_serialize)
+            elif self._speco_publisher.cfg != cfg:
+                raise ValueError(f"{path}: export config differs from the draft this server was publishing")
+            state = {name: t for bucket in iter_buckets(path) for name, t in bucket}
+            return bool(self._speco_publisher.publish(state, version))
+        if self._speco_publisher is None:
+            return -1
+        if method == "speco_reapply_draft":
+            return int(self._speco_publisher.reapply())
+        latest = self._speco_publisher.latest_version
+        return -1 if latest is None else int(latest)
+
+    async def speco_call(self, method: str, args: tuple = (), timeout: float | None = None) -> list[Any]:
+        """`method` for this server's engine: one answer (node 0; the other nodes answer [])."""
+        check_method(method)
+        if self.node_rank != 0:
+            return []
+        answer = await asyncio.wait_for(asyncio.to_thread(self._speco_run, method, tuple(args)), timeout)
+        return [answer]
+
+    async def speco_spec_counters(self) -> dict[str, Any]:
+        return SpecCounters().to_dict()
+
+
+def speco_sglang_classes(server_base: type, replica_base: type) -> tuple[type, type]:
+    """(`SpecoSGLangHttpServer`, `SpecoSGLangReplica`) over verl's SGLang server and replica classes:
+    the replica launches the server class (`server_class = ray.remote(server)`, as verl's does)."""
+    import ray
+
+    server = type("SpecoSGLangHttpServer", (SGLangDraftServerMixin, server_base), {"__module__": __name__})
+
+    base_init: Callable[..., None] = replica_base.__init__  # type: ignore[misc]
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        base_init(self, *args, **kwargs)
+        self.server_class = ray.remote(server)
+
+    replica = type("SpecoSGLangReplica", (SpecoReplicaMixin, replica_base),
+                   {"__module__": __name__, "__init__": __init__})
+    return server, replica
+
+
+def _load_speco_sglang() -> type:
+    from verl.workers.rollout.sglang_rollout.async_sglang_server import SGLangHttpServer, SGLangReplica
+
+    return speco_sglang_classes(SGLangHttpServer, SGLangReplica)[1]
+
+
+def install_sglang_replica_class() -> None:
+    """Make verl's `get_rollout_replica_class("sglang")` return `SpecoSGLangReplica` in this process."""
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    RolloutReplicaRegistry.register("sglang", _load_speco_sglang)
