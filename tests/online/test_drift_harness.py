@@ -17,8 +17,8 @@ import pytest
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+@pytest.fixture(scope="module", params=["post_update", "old_logprob"])
+def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -28,7 +28,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     base = DriftConfig(out=str(out))
     cfg = dataclasses.replace(base, steps=2, finetune_steps=12, rollout_prompts=24, eval_prompts=8,
                               max_new_tokens=64, initial_train_steps=150,
-                              drafter=dataclasses.replace(base.drafter, train_steps_per_round=40))
+                              drafter=dataclasses.replace(base.drafter, train_steps_per_round=40,
+                                                          capture_pass=request.param))
     return out, DriftHarness(cfg).run()
 
 
@@ -53,9 +54,13 @@ def test_drift_hurts_the_frozen_drafter_and_cotraining_recovers(run: tuple[Path,
 def test_capture_publish_and_artifacts(run: tuple[Path, dict]) -> None:
     out, summary = run
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    for r in lines:
+    post_update = summary["capture_pass"] == "post_update"
+    trained = lines[1:] if post_update else lines  # post_update: step s captures step s-1's rollouts
+    if post_update:
+        assert "capture" not in lines[0] and "train" not in lines[0]
+    for r in trained:
         assert r["capture"]["kept"] == 24 and r["capture"]["dropped_short"] == 0
         assert r["train"]["steps"] == 40 and r["train"]["skipped_steps"] == 0
         assert r["publish_seconds"] > 0
     assert (out / "acceptance.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert summary["offline_tokens_budget"]["optimizer_steps"] == 3 * 40  # a round after every step
+    assert summary["offline_tokens_budget"]["optimizer_steps"] == len(trained) * 40  # a round per capture

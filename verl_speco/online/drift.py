@@ -61,7 +61,8 @@ class DriftConfig:
     initial_train_steps: int | None = None  # optimizer steps of that training (None: the quickstart's)
     seed: int = 0
     drafter: DrafterRunConfig = field(default_factory=lambda: DrafterRunConfig(
-        enable=True, mode="online", train_steps_per_round=60, micro_batch_size=8, max_staleness=1,
+        enable=True, mode="online", train_steps_per_round=60, micro_batch_size=8, max_staleness=0,
+        capture_pass="post_update",
         settings={"ttt_steps": 3}, optim=DrafterOptim(lr=1e-3, warmup_steps=0),
         caps=CaptureCaps(max_rows=64, max_tokens=65536)))
 
@@ -274,6 +275,9 @@ class DriftHarness:
         publish = [r["publish_seconds"] / r["step_seconds"] for r in records if "publish_seconds" in r]
         return {
             "steps": cfg.steps, "finetune_steps_per_step": cfg.finetune_steps,
+            "capture_pass": cfg.drafter.capture_pass, "schedule": cfg.drafter.schedule,
+            "max_staleness": cfg.drafter.max_staleness, "eval_prompts": cfg.eval_prompts,
+            "rollout_prompts": cfg.rollout_prompts,
             "last_step": {"frozen": fr, "cotrained": co, "offline_final_policy": off,
                           "cotrained_after_last_round": cotrained_final["mean_acceptance_length"]},
             "cotrained_over_frozen": co / fr, "cotrained_over_offline": co / off,
