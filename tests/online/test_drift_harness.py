@@ -29,7 +29,8 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     cfg = dataclasses.replace(base, steps=2, finetune_steps=12, rollout_prompts=24, eval_prompts=8,
                               max_new_tokens=64, initial_train_steps=150,
                               drafter=dataclasses.replace(base.drafter, train_steps_per_round=40,
-                                                          capture_pass=request.param))
+                                                          capture_pass=request.param,
+                                                          max_staleness=1))  # 24 rows a step: keep 2 versions
     return out, DriftHarness(cfg).run()
 
 
@@ -48,7 +49,8 @@ def test_drift_hurts_the_frozen_drafter_and_cotraining_recovers(run: tuple[Path,
     assert per_step[0]["frozen"] == per_step[0]["cotrained"]  # same drafter before any training
     assert per_step[-1]["frozen"] < per_step[0]["frozen"] - 0.3  # the policy really drifted
     last = summary["last_step"]
-    assert last["cotrained_after_last_round"] > last["frozen"] + 0.2
+    # once trained on the drifted policy (post_update: the live draft itself) it beats the frozen one
+    assert last["cotrained_after_last_round"] > 1.1 * last["frozen"]
 
 
 def test_capture_publish_and_artifacts(run: tuple[Path, dict]) -> None:
