@@ -55,11 +55,15 @@ class WorkerGroup:
         return [w.speco_end_step(step) for w in self.workers]
 
 
-@pytest.mark.parametrize("schedule", ["serial", "overlap"])
-def test_rows_train_and_publish_through_the_trainer(local_ray: Any, tmp_path: Path, schedule: str) -> None:
+@pytest.mark.parametrize(("schedule", "drafters"), [("serial", "in_process"), ("overlap", "in_process"),
+                                                    ("overlap", "ray_group_of_2")])
+def test_rows_train_and_publish_through_the_trainer(local_ray: Any, tmp_path: Path, schedule: str,
+                                                    drafters: str) -> None:
+    """`in_process`: the drafter worker called in this process; `ray_group_of_2`: the real drafter worker
+    group (2 Ray actors, gloo, FSDP2) behind the handle the trainer uses in a run."""
     from verl.trainer.ppo.v1 import get_trainer_cls
 
-    from verl_speco.verl_integration.drafter_actor import DrafterWorker
+    from verl_speco.verl_integration.drafter_actor import DrafterWorker, start_drafter_group
     from verl_speco.verl_integration.trainer import speco_trainer_cls
 
     model = tiny_qwen3()
@@ -67,16 +71,23 @@ def test_rows_train_and_publish_through_the_trainer(local_ray: Any, tmp_path: Pa
     model.save_pretrained(target)
     cfg = DrafterRunConfig(enable=True, mode="online", schedule=schedule, train_steps_per_round=2,
                            micro_batch_size=2, publish_interval=1, publish_dir=str(tmp_path / "publish"),
-                           caps=CaptureCaps(max_rows=4), settings={"aux_layer_ids": list(LAYER_IDS)})
-    drafter = DrafterWorker(dataclasses.asdict(cfg), str(target), "t")
-    assert drafter.layer_ids() == list(LAYER_IDS)
+                           caps=CaptureCaps(max_rows=4), settings={"aux_layer_ids": list(LAYER_IDS)},
+                           num_workers=2 if drafters == "ray_group_of_2" else 1)
+    drafter: Any = None
+    if drafters == "in_process":
+        drafter = DrafterWorker(dataclasses.asdict(cfg), str(target), "t")
+        handle: Any = LocalHandle(drafter)
+    else:
+        handle = start_drafter_group(cfg, str(target), f"t-{schedule}")
+    layer_ids = ray.get(handle.layer_ids.remote())
+    assert layer_ids == list(LAYER_IDS)
     ranks = [make_worker(model, cfg, use_remove_padding=True) for _ in range(2)]
     ranks[1]._rank = 1
     for w in ranks:
-        assert w.speco_init(drafter.layer_ids(), 64, 96, "tiny")["armed"]
+        assert w.speco_init(layer_ids, 64, 96, "tiny")["armed"]
 
     trainer: Any = object.__new__(speco_trainer_cls(get_trainer_cls("sync")))
-    trainer.speco, trainer._speco_drafter = cfg, LocalHandle(drafter)
+    trainer.speco, trainer._speco_drafter = cfg, handle
     trainer.actor_rollout_wg = WorkerGroup(ranks)
     trainer._speco_round_ref, trainer._speco_rounds, trainer._speco_latest = None, 0, None
     trainer._speco_live_publish, trainer._speco_warned = True, set()
@@ -100,7 +111,11 @@ def test_rows_train_and_publish_through_the_trainer(local_ray: Any, tmp_path: Pa
         assert last["drafter/version"] == 3.0 and trainer._speco_round_ref is None
     assert trainer._speco_latest["version"] == 3
     assert (Path(trainer._speco_latest["path"]) / "manifest.json").is_file()
-    assert drafter.session.buffer.latest_version == 2  # rows keep the policy version they came from
+    if drafter is not None:
+        assert drafter.session.buffer.latest_version == 2  # rows keep the policy version they came from
+    else:
+        for actor in handle.actors:
+            ray.kill(actor)
 
 
 class CountingReplica:
