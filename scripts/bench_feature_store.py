@@ -7,6 +7,8 @@ Goals (issue): write >= 0.8x plain sequential writes of the same bytes; shuffled
 sequential read (warm cache); one sample of a >= 1 GB shard < 1% of reading the shard; bytes on disk
 <= 1.01x the raw tensor bytes. Writes are durable on both sides (fsync per file, as the store must);
 the no-fsync baseline is printed for reference. Needs a real disk (not tmpfs) for the cold numbers.
+Run as root to start from a dropped page cache (``drop_page_cache``: on lazily backed VMs a large page
+cache left by earlier work slows every new page, whichever side allocates it).
 """
 
 from __future__ import annotations
@@ -66,25 +68,28 @@ def drop_cache(path: Path) -> None:
             os.close(fd)
 
 
-def settle(prime_bytes: int = 0) -> None:
+def settle() -> None:
     """Untimed, between measured runs: let the previous run's writeback and deletions (discards on a
-    ``-o discard`` filesystem) finish, so they do not slow whichever run comes next; then touch and free
-    ``prime_bytes`` of memory (``prime_memory``)."""
+    ``-o discard`` filesystem) finish, so they do not slow whichever run comes next."""
     os.sync()
     time.sleep(0.2)
-    prime_memory(prime_bytes)
 
 
-def prime_memory(nbytes: int) -> None:
-    """Touch ``nbytes`` of fresh memory and free it at once, so the free pages the next run's page cache
-    and buffers come from are backed by the host. Under a VM with free page reporting (virtio-balloon,
-    e.g. Firecracker), memory freed a few seconds earlier is handed back to the host, and the next first
-    touch of each page costs a host fault: measured 2.2 s/GiB against 0.15 s/GiB, landing at random on
-    one side or the other of a comparison. Priming before every timed run, ours and the baseline's,
-    takes that out of both."""
-    if nbytes > 0:
-        buf = torch.ones(nbytes, dtype=torch.uint8)   # every page written ...
-        del buf                                       # ... then unmapped: back to the free lists
+def drop_page_cache() -> str:
+    """Drop the clean page cache of the whole machine (root only); returns what happened.
+
+    On a VM whose memory the host backs lazily (here: Firecracker, virtio-balloon), a guest holding GBs
+    of clean page cache from earlier work makes every newly allocated page slow: measured, the same
+    549 MB store write took 1.3-1.6 s with 5.4 GB of page cache and 0.47 s after dropping it, and
+    holding one extra idle 150 MB tensor doubled the time of a write. That penalty lands on whichever
+    side of a comparison allocates more, so both sides are measured from a dropped cache."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+    except OSError as e:
+        return f"not dropped ({type(e).__name__}: run as root, or with --no-drop-caches to silence)"
+    return "dropped"
 
 
 def timed(fn: Callable[..., object], *args: object, **kw: object) -> float:
@@ -152,11 +157,10 @@ def bench_write_read(args: argparse.Namespace, work: Path, schema: object) -> No
     cpu: dict[str, float] = {}
     kinds = ("store", "plain+fsync", "store(copy_inputs=False)", "plain", "store(fresh writer)")
     rng = random.Random(0)
-    prime = 2 * (raw + raw_bytes(warm))       # > page cache + buffers of one run
     write_store(work / "dry", schema, samples, args.shard_mb << 20, True, warm)     # untimed: the shard sizes
     groups = [c.num_samples for c in list_commits(work / "dry") if c.min_step > 0]  # the plain files mirror
     shutil.rmtree(work / "dry")
-    settle(prime)
+    settle()
     for rep in range(args.repeats):       # interleaved, best of each: fair under noisy neighbours
         order = list(kinds)               # a fresh order each round: no kind always follows the same one
         rng.shuffle(order)
@@ -172,7 +176,7 @@ def bench_write_read(args: argparse.Namespace, work: Path, schema: object) -> No
             cpu[name] = min(cpu.get(name, 1e9), time.process_time() - c0)   # all threads, warm-up included
             if not (rep == args.repeats - 1 and name == "store"):
                 shutil.rmtree(target)
-            settle(prime)
+            settle()
     store = work / f"store-{args.repeats - 1}"
     base = best["plain+fsync"]
     for name, label, goal in (("store", "write, durable, steady state", "goal >= 0.8"),
@@ -215,10 +219,8 @@ def bench_write_read(args: argparse.Namespace, work: Path, schema: object) -> No
     row("shuffled read (zero-copy views, pages touched), warm", mbps(raw, t_zc), mbps(raw, t_plain),
         t_plain / t_zc, "reference")
     drop_cache(store)
-    prime_memory(prime)
     t_cold_plain = timed(lambda: plain_read(files))
     drop_cache(store)
-    prime_memory(prime)
 
     def cold_epoch() -> None:
         r = StoreReader(store, seed=1, prefetch=2, copy=True)
@@ -278,7 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--big-shard-gb", type=float, default=0.0, help="also time one sample of a shard this big")
     p.add_argument("--keep", action="store_true", help="keep the stores written")
+    p.add_argument("--no-drop-caches", action="store_true",
+                   help="do not drop the machine's clean page cache before measuring (see drop_page_cache)")
     args = p.parse_args(argv)
+    cache = "kept (--no-drop-caches)" if args.no_drop_caches else drop_page_cache()
     work = Path(tempfile.mkdtemp(prefix="bench-fs-", dir=args.root))
     schema = standard_schema(Layout(tuple(range(2, 2 + args.layers))), hidden_size=args.hidden, vocab_size=32000,
                              target_model_id="bench")
@@ -289,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; {' '.join(sys.argv[1:]) or 'defaults'}")
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; page cache before measuring: {cache}; "
+          f"{' '.join(sys.argv[1:]) or 'defaults'}")
     widths = [max(len(r[i]) for r in ROWS + [("measure", "store", "baseline", "ratio")]) for i in range(4)]
     for r in [("measure", "store", "baseline", "ratio (goal)")] + ROWS:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
