@@ -219,15 +219,19 @@ class RawBucketCodec:
         return {"flattened_tensor": flat, "metadata": meta}
 
 
-@pytest.fixture
-def sglang() -> Iterator[FakeSGLang]:
-    fake = FakeSGLang()
+def serving(fake: FakeSGLang) -> Iterator[FakeSGLang]:
+    """Serve `fake` on a background thread for the duration of a fixture."""
     thread = threading.Thread(target=fake.httpd.serve_forever, daemon=True)
     thread.start()
     yield fake
     fake.httpd.shutdown()
     fake.httpd.server_close()
     thread.join(timeout=5)
+
+
+@pytest.fixture
+def sglang() -> Iterator[FakeSGLang]:
+    yield from serving(FakeSGLang())
 
 
 def state(model: torch.nn.Module, scale: float = 1.0) -> dict[str, torch.Tensor]:

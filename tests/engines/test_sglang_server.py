@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,7 +25,7 @@ from verl_speco.engines.spec_metrics import SpecCounters
 from verl_speco.online.publish import write_version
 from verl_speco.verl_integration.draft_servers import SGLangDraftServerMixin, speco_sglang_classes
 
-from .test_sglang_http import UPDATE, FakeSGLang, RawBucketCodec, assert_sessions_wrap_updates
+from .test_sglang_http import UPDATE, FakeSGLang, RawBucketCodec, assert_sessions_wrap_updates, serving
 
 
 class VerlServerStandIn:
@@ -59,13 +58,7 @@ class LocalActor:
 
 @pytest.fixture()
 def sglang() -> Iterator[FakeSGLang]:
-    fake = FakeSGLang(api_key=None)  # verl launches SGLang without an API key
-    thread = threading.Thread(target=fake.httpd.serve_forever, daemon=True)
-    thread.start()
-    yield fake
-    fake.httpd.shutdown()
-    fake.httpd.server_close()
-    thread.join(timeout=5)
+    yield from serving(FakeSGLang(api_key=None))  # verl launches SGLang without an API key
 
 
 def _publish(root: Path, model: torch.nn.Module, cfg: Eagle3ExportConfig, version: int, scale: float,
