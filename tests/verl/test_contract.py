@@ -179,6 +179,9 @@ class _Replica:
     async def wake_up(self) -> None:
         self.calls.append(("wake_up", ()))
 
+    async def resume_generation(self) -> None:
+        self.calls.append(("resume_generation", ()))
+
     async def speco_call(self, method: str, args: tuple = ()) -> list[Any]:
         self.calls.append((method, tuple(args)))
         if method == "speco_load_draft":
@@ -220,6 +223,33 @@ def test_checkpoint_manager_reloads_the_latest_draft_after_every_wake_up() -> No
     trainer._speco_latest = {"version": 4, "path": "/shm/v000004"}
     with pytest.raises(RuntimeError, match="v4: rollout workers answered"):
         wake()
+
+
+def test_draft_loads_before_generation_resumes_after_a_non_naive_sync() -> None:
+    """verl's update_weights aborts generation, syncs, then resumes it (`resume_generation_replicas`);
+    the draft is loaded in between, while nothing is in flight (the naive path has no abort/resume)."""
+    import inspect
+
+    from verl.checkpoint_engine.base import CheckpointEngineManager
+    from verl.trainer.ppo.v1 import get_trainer_cls
+    from verl.workers.config.rollout import CheckpointEngineConfig
+
+    from verl_speco.verl_integration.trainer import SpecoCheckpointEngineManager, speco_trainer_cls
+
+    source = inspect.getsource(CheckpointEngineManager.update_weights)
+    naive, abort = source.index('if self.backend == "naive":'), source.index("await self.abort_replicas()")
+    finalize, resume = source.index('["finalize"]'), source.index("await self.resume_generation_replicas()")
+    assert naive < abort < finalize < resume
+    trainer: Any = object.__new__(speco_trainer_cls(get_trainer_cls("sync")))
+    trainer._speco_latest, trainer._speco_loaded, trainer._speco_sync_metrics = None, {}, {}
+    trainer._speco_latest = {"version": 2, "path": "/shm/v000002"}
+    replicas = [_Replica(), _Replica()]
+    manager = SpecoCheckpointEngineManager.wrap(
+        CheckpointEngineManager(CheckpointEngineConfig(backend="naive"), actor_wg=None, replicas=replicas),
+        trainer._speco_after_weights)
+    asyncio.run(manager.resume_generation_replicas.__wrapped__(manager))
+    assert [[c[0] for c in r.calls] for r in replicas] == [
+        ["speco_load_draft", "speco_draft_version", "resume_generation"]] * 2
 
 
 def test_vllm_server_classes_install_on_verls(vllm_alias: str) -> None:

@@ -55,7 +55,9 @@ ACTOR_ROLES = (Role.Actor, Role.ActorRollout, Role.ActorRolloutRef)
 
 
 class SpecoCheckpointEngineManager(CheckpointEngineManager):
-    """verl's checkpoint manager that runs `after_weights` after every weight sync and wake-up."""
+    """verl's checkpoint manager that runs `after_weights` after every weight sync and wake-up, always
+    while no request is in flight (naive backend: after the sync; other backends: between the sync and
+    `resume_generation_replicas`)."""
 
     def __init__(self, config: Any, actor_wg: Any, replicas: list[Any],
                  after_weights: Callable[[CheckpointEngineManager], Awaitable[None]]):
@@ -70,8 +72,16 @@ class SpecoCheckpointEngineManager(CheckpointEngineManager):
     @auto_await
     async def update_weights(self, global_steps: int | None = None) -> Any:
         result = await CheckpointEngineManager.update_weights.__wrapped__(self, global_steps)  # type: ignore[attr-defined]
+        if self.backend == "naive":  # colocated: the actor's sync woke the servers; no request is in flight
+            await self._after_weights(self)
+        return result  # other backends: done in resume_generation_replicas, before generation resumes
+
+    @auto_await
+    async def resume_generation_replicas(self) -> None:
+        """verl aborts generation around a non-naive weight sync (and its async trainers around their own
+        pauses) and resumes it here: the draft is loaded while nothing is in flight, then generation resumes."""
         await self._after_weights(self)
-        return result
+        await CheckpointEngineManager.resume_generation_replicas.__wrapped__(self)  # type: ignore[attr-defined]
 
     @auto_await
     async def wake_up_replicas(self) -> None:
