@@ -5,7 +5,7 @@ registry (`verl.trainer.ppo.v1.get_trainer_cls(trainer.v1.trainer_mode)`). With 
 disabled (or in `offline` mode) every override falls through to verl. Otherwise:
 
 - `_init_resource_pool_mgr`: the actor role runs `SpecoActorRolloutRefWorker` (capture hooks).
-- `_setup`: online, starts the drafter actor, asks it for the layer ids, points the rollout
+- `_setup`: online, starts the drafter worker group, asks it for the layer ids, points the rollout
   engine's speculative config at the initial draft (`drafter.model_path`, else a fresh export) and
   installs `SpecoVLLMReplica` as verl's vLLM replica; after verl's setup, arms the workers' capture
   and wraps the checkpoint manager so the latest draft is (re)loaded after every weight sync and
@@ -14,7 +14,7 @@ disabled (or in `offline` mode) every override falls through to verl. Otherwise:
   version (`global_steps - 1` actor updates so far), which turns the workers' hooks on;
   `_update_actor` does the same with version `global_steps` under `capture_pass=post_update` (the
   workers then run one forward of the updated actor after the update).
-- `step`: after verl's step, flushes the workers' rows (`speco_end_step`) to the drafter actor
+- `step`: after verl's step, flushes the workers' rows (`speco_end_step`) to the drafter group
   (online) or the Feature Store (collect_only), runs a training round every `train_interval` steps
   (`schedule=serial`: now; `overlap`: started now, collected at the next step's boundary, so it runs
   during the next rollout) and publishes every `publish_interval` rounds. The publish reaches the

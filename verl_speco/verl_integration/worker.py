@@ -17,7 +17,7 @@ duration of that pass the worker
    (`OnlineCapture.collect`), moved to host memory with non-blocking copies.
 
 `speco_end_step` (called by the trainer at every step boundary) hands the rows on: online, as
-object references (to safetensors bytes) for the drafter actor; collect_only, into this rank's Feature Store writer,
+object references (to safetensors bytes) for the drafter worker group; collect_only, into this rank's Feature Store writer,
 committed at the boundary. verl's own code paths are unchanged when the drafter is disabled or
 the trainer did not ask for a capture this step.
 """
