@@ -7,7 +7,7 @@ disabled (or in `offline` mode) every override falls through to verl. Otherwise:
 - `_init_resource_pool_mgr`: the actor role runs `SpecoActorRolloutRefWorker` (capture hooks).
 - `_setup`: online, starts the drafter worker group, asks it for the layer ids, points the rollout
   engine's speculative config at the initial draft (`drafter.model_path`, else a fresh export) and
-  installs `SpecoVLLMReplica` as verl's vLLM replica; after verl's setup, arms the workers' capture
+  installs our vLLM or SGLang replica class in verl's registry; after verl's setup, arms the workers' capture
   and wraps the checkpoint manager so the latest draft is (re)loaded after every weight sync and
   wake-up (verl's level-2 sleep discards draft weights and its weight sync only restores the target).
 - `_compute_old_log_prob`: on capture steps (`collect_interval`) tags the batch with the policy
