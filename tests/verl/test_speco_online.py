@@ -90,7 +90,7 @@ def test_rows_train_and_publish_through_the_trainer(local_ray: Any, tmp_path: Pa
     trainer.speco, trainer._speco_drafter = cfg, handle
     trainer.actor_rollout_wg = WorkerGroup(ranks)
     trainer._speco_round_ref, trainer._speco_rounds, trainer._speco_latest = None, 0, None
-    trainer._speco_live_publish, trainer._speco_warned = True, set()
+    trainer._speco_warned = set()
     trainer.total_training_steps = 3
     logged = []
     for step in (1, 2, 3):

@@ -114,7 +114,7 @@ class CapturedRows:
     @classmethod
     def from_bytes(cls, data: bytes) -> CapturedRows:
         tensors = safetensors_load(data)
-        meta = _safetensors_metadata(data)
+        meta = safetensors_metadata(data)
         records: list[dict[str, Tensor]] = [{} for _ in range(int(meta["rows"]))]
         for key, value in tensors.items():
             row, field_name = key.split(".", 1)
@@ -122,7 +122,7 @@ class CapturedRows:
         return cls(records, int(meta["policy_version"]), json.loads(meta["counts"]))
 
 
-def _safetensors_metadata(data: bytes) -> dict[str, str]:
+def safetensors_metadata(data: bytes) -> dict[str, str]:
     """The `__metadata__` of a safetensors buffer (8-byte little-endian header length, JSON header)."""
     size = int.from_bytes(data[:8], "little")
     meta: dict[str, str] = json.loads(data[8: 8 + size]).get("__metadata__", {})

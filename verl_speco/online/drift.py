@@ -39,7 +39,7 @@ import torch
 
 from drafters.common.tokens import cut_at_end
 from verl_speco.online.capture import CapturedRows, OnlineCapture
-from verl_speco.online.config import CaptureCaps, DrafterOptim, DrafterRunConfig
+from verl_speco.online.config import CAPTURE_PASSES, SCHEDULES, CaptureCaps, DrafterOptim, DrafterRunConfig
 from verl_speco.online.publish import write_version
 from verl_speco.online.session import DrafterSession, TargetHeadSnapshot
 
@@ -335,9 +335,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lr", type=float, default=d.drafter.optim.lr, help="drafter learning rate")
     p.add_argument("--max-staleness", type=int, default=d.drafter.max_staleness,
                    help="train on rows of the last N+1 policy versions")
-    p.add_argument("--schedule", choices=("serial", "overlap"), default=d.drafter.schedule,
+    p.add_argument("--schedule", choices=SCHEDULES, default=d.drafter.schedule,
                    help="serial: train after the step's capture; overlap: train during the next step")
-    p.add_argument("--capture-pass", choices=("old_logprob", "post_update"), default=d.drafter.capture_pass,
+    p.add_argument("--capture-pass", choices=CAPTURE_PASSES, default=d.drafter.capture_pass,
                    help="old_logprob: rows of the policy that generated the rollout; post_update: the updated "
                         "policy's forward over the last step's rollouts (one more forward per step)")
     p.add_argument("--initial-drafter", help="EAGLE-3 export for the base target (default: train one)")

@@ -25,7 +25,6 @@ twice): every rank must run the forward, whose FSDP all-gathers are collectives.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import random
 import threading
@@ -43,8 +42,9 @@ from safetensors.torch import save as safetensors_save
 from torch import Tensor, nn
 
 from drafters.common.target import TargetHead
+from drafters.eagle3.export import Eagle3ExportConfig, engine_tensors, export_eagle3
 from drafters.registry import get_family
-from verl_speco.online.capture import CapturedRows
+from verl_speco.online.capture import CapturedRows, safetensors_metadata
 from verl_speco.online.config import DrafterRunConfig
 from verl_speco.online.publish import PublishedDraft, default_publish_dir, write_version
 from verl_speco.train.step import train_step
@@ -81,9 +81,7 @@ class TargetHeadSnapshot:
     @classmethod
     def from_bytes(cls, data: bytes) -> TargetHeadSnapshot:
         tensors = safetensors_load(data)
-        size = int.from_bytes(data[:8], "little")
-        version = int(json.loads(data[8: 8 + size])["__metadata__"]["version"])
-        return cls(version, tensors["embed_tokens"], tensors["lm_head"])
+        return cls(int(safetensors_metadata(data)["version"]), tensors["embed_tokens"], tensors["lm_head"])
 
 
 @dataclass
@@ -179,6 +177,7 @@ class DrafterSession:
                 torch.manual_seed(cfg.seed)
                 model = self.family.build(self.fam_cfg, target, None)
         self.target_spec = target.spec
+        self.export_cfg = Eagle3ExportConfig.from_drafter(self.fam_cfg, self.target_spec)
         self.model: nn.Module = model.to(self.device).train()
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         if self.world > 1:
@@ -286,20 +285,15 @@ class DrafterSession:
     def engine_state(self) -> dict[str, Tensor]:
         """A copy of the draft in the engine's checkpoint names (native EAGLE-3), CPU tensors
         (a collective when W > 1)."""
-        from drafters.eagle3.export import Eagle3ExportConfig, engine_tensors
-
-        export_cfg = Eagle3ExportConfig.from_drafter(self.fam_cfg, self.target_spec)
-        tensors = engine_tensors(self._full_state_dict(), export_cfg, "native")
+        tensors = engine_tensors(self._full_state_dict(), self.export_cfg, "native")
         return {k: v.clone() for k, v in tensors.items()}  # a snapshot: never aliases live parameters
 
     def export(self, out_dir: str | Path) -> Path:
         """The draft as an engine-loadable native export directory (written by rank 0; a collective)."""
-        from drafters.eagle3.export import Eagle3ExportConfig, export_eagle3
-
         state = self._full_state_dict()
         out = Path(out_dir)
         if self.rank == 0:
-            export_eagle3(state, Eagle3ExportConfig.from_drafter(self.fam_cfg, self.target_spec), out, "native")
+            export_eagle3(state, self.export_cfg, out, "native")
         return out
 
     def publish(self, out_dir: str | Path | None = None) -> PublishedDraft | None:
@@ -309,10 +303,7 @@ class DrafterSession:
         state = self.engine_state()
         if self.rank != 0:
             return None
-        from drafters.eagle3.export import Eagle3ExportConfig
-
-        export_cfg = Eagle3ExportConfig.from_drafter(self.fam_cfg, self.target_spec)
         return write_version(out_dir or self.publish_dir, self.version, state,
                              meta={"optimizer_step": self.step, "policy_version": self.buffer.latest_version,
-                                   "export_config": dataclasses.asdict(export_cfg)})
+                                   "export_config": dataclasses.asdict(self.export_cfg)})
 

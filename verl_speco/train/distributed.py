@@ -97,13 +97,12 @@ def apply_fsdp(model: nn.Module, device: torch.device, mixed_precision: str | No
     mp = MixedPrecisionPolicy()
     if mixed_precision is not None:
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[mixed_precision], reduce_dtype=torch.float32)
-    reshard = reshard_after_forward
     units = [] if _all_trainable(model) else _shard_units(model)
     covered = {id(p) for u in units for p in u.parameters()}
     for unit in units:
-        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     frozen = {p for p in model.parameters() if not p.requires_grad and id(p) not in covered}
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard, ignored_params=frozen or None)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward, ignored_params=frozen or None)
     units.append(model)
     for unit in units:
         unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]

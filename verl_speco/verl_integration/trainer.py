@@ -25,7 +25,6 @@ disabled (or in `offline` mode) every override falls through to verl. Otherwise:
 from __future__ import annotations
 
 import asyncio
-import os
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -118,7 +117,6 @@ class SpecoTrainerMixin:
         self._speco_latest: dict[str, Any] | None = None  # the newest publish {"version", "path", ...}
         self._speco_loaded: dict[int, int] = {}  # id(checkpoint manager) -> version its replicas hold
         self._speco_sync_metrics: dict[str, float] = {}
-        self._speco_live_publish = False
         self._speco_warned: set[str] = set()
         self._speco_counters = SpecCounters()  # the rollout servers' cumulative counters at the last step
         if self.speco_active and self.speco.capture_pass == "old_logprob":
@@ -175,20 +173,18 @@ class SpecoTrainerMixin:
                 from verl_speco.verl_integration.vllm_server import install_replica_class
 
                 install_replica_class()
-                self._speco_live_publish = True
                 with open_dict(self.config.actor_rollout_ref.rollout):  # the acceptance counters need stats
                     self.config.actor_rollout_ref.rollout.disable_log_stats = False
-            elif engine == "sglang":
+            else:  # sglang (rollout_engine admits only ENGINES)
                 from verl_speco.verl_integration.draft_servers import install_sglang_replica_class
 
                 install_sglang_replica_class()
-                self._speco_live_publish = True
         else:
             layer_ids, shape = _local_layout(self.speco, target_dir)
         super()._setup()  # type: ignore[misc]
         self.actor_rollout_wg.speco_init(layer_ids, shape["hidden_size"], shape["vocab_size"],
                                          str(self.config.actor_rollout_ref.model.path))
-        if self._speco_live_publish:
+        if self.speco_online:
             # verl's trainers sync the colocated replicas through `checkpoint_manager`; the
             # separate_async trainer also has standalone replicas behind `standalone_checkpoint_manager`
             for attr in ("checkpoint_manager", "standalone_checkpoint_manager"):
@@ -273,8 +269,7 @@ class SpecoTrainerMixin:
             out["drafter/store/samples"] = float(sum(int(r.get("store_samples", 0)) for r in results))
             return out
         last = self.global_steps >= self.total_training_steps
-        if self._speco_live_publish:
-            out.update(self._speco_acceptance())
+        out.update(self._speco_acceptance())
         if self._speco_round_ref is not None:  # an overlapped round started last step
             out.update(self._speco_finish_round())
         rows = [ref for r in results for ref in r.get("rows", [])]
@@ -332,16 +327,9 @@ class SpecoTrainerMixin:
 
     def _speco_publish_now(self) -> dict[str, float]:
         pub = ray.get(self._speco_drafter.publish.remote())
-        out = {"drafter/version": float(pub["version"]), "drafter/publish_seconds": float(pub["seconds"]),
-               "drafter/publish_bytes": float(pub["bytes"])}
-        if not self._speco_live_publish:
-            if "live" not in self._speco_warned:
-                self._speco_warned.add("live")
-                print(f"verl_speco: rollout {rollout_engine(self.config)!r} has no live draft reload in this "
-                      f"integration; versions are written to {os.path.dirname(pub['path'])} only")
-            return out
         self._speco_latest = pub  # the servers sleep now; loaded after the next weight sync
-        return out
+        return {"drafter/version": float(pub["version"]), "drafter/publish_seconds": float(pub["seconds"]),
+                "drafter/publish_bytes": float(pub["bytes"])}
 
 
 @auto_await
