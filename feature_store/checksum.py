@@ -98,3 +98,25 @@ def file_checksum(path: Path, chunk: int = 8 << 20) -> str:
         while n := f.readinto(buf):
             h.update(memoryview(buf)[:n])
     return h.hexdigest()
+
+
+def file_checksums(path: Path, start: int, chunk: int = 8 << 20) -> tuple[str, str]:
+    """(``s64x4k`` of the whole file, ``s64x4k`` of its bytes from offset ``start`` on), in one read. A
+    ``start`` past the end gives the checksum of no bytes. When ``start`` is a multiple of the sector, the
+    tail's sector sums are the file's from there (one hasher); otherwise a second hasher takes the tail."""
+    if start < 0:
+        raise ValueError(f"start={start}: expected an offset >= 0")
+    h = SectorSumHasher()
+    tail = None if start % SECTOR == 0 else SectorSumHasher()
+    buf = bytearray(chunk)
+    pos = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(memoryview(buf)[:n])
+            if tail is not None and pos + n > start:
+                tail.update(memoryview(buf)[max(0, start - pos): n])
+            pos += n
+    if tail is not None:
+        return h.hexdigest(), tail.hexdigest()
+    sums = h.sector_sums()
+    return combine([sums], pos), combine([sums[start // SECTOR * 8:]], max(0, pos - start))

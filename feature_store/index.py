@@ -2,8 +2,12 @@
 
 Global order: commit records sorted by shard name (``r<rank>-<run>-<seq>``), samples in shard order;
 global index g -> (shard k, local i) by binary search over cumulative counts. Only shards with a commit
-record exist; every commit is checked (schema hash, shard present, byte size) when the index is built,
-and, with ``verify_checksums``, each shard's checksum (checksum.py) the first time it is opened.
+record exist; every commit is checked when the index is built (schema hash, shard present, byte size, and
+the shard header's writer id and seq = the record's: a shard copied or renamed under another name is
+refused, see provenance.py), the header again when the shard is opened, and, with ``verify_checksums``,
+each shard's checksum (checksum.py) the first time it is opened, together with its tensors' identity: a
+shard holding the same tensors as one already opened is refused (``CorruptShardError``, no sample of it is
+read), so no sample is read twice. Like any corrupt shard, these are errors, never silently skipped.
 
 ``shard_set`` = {writer id: number of its shards}, the small description of a snapshot kept in reader
 states: a writer commits its shards in sequence order, so "seq < count" selects the same shards later
@@ -22,10 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from feature_store.checksum import file_checksum
 from feature_store.errors import ChecksumError, CorruptShardError, SchemaDriftError
+from feature_store.provenance import content_key, header_mismatch
 from feature_store.schema import Schema
-from feature_store.shard import ShardView
+from feature_store.shard import ShardView, read_shard_meta, shard_checksums
 from feature_store.store import SHARDS_DIR, CommitRecord, StoreMeta, list_commits, load_store
 
 
@@ -47,6 +51,7 @@ class StoreIndex:
         self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64)
         self._open: OrderedDict[int, ShardView] = OrderedDict()
         self._verified: set[int] = set()
+        self._contents: dict[str, int] = {}      # content key of each verified shard -> its position
         self._lock = threading.Lock()
         self._max_open = max_open_shards
 
@@ -71,6 +76,12 @@ class StoreIndex:
         if size != c.nbytes:
             raise CorruptShardError(f"{where}: {size} bytes on disk, commit record says {c.nbytes} "
                                     "(truncated or replaced shard)")
+        self._check_header(c, read_shard_meta(where))
+
+    def _check_header(self, c: CommitRecord, meta: Mapping[str, str]) -> None:
+        mismatch = header_mismatch(c, meta)
+        if mismatch is not None:
+            raise CorruptShardError(f"{self._dir / c.shard}: {mismatch}")
 
     # -- snapshot description -----------------------------------------------------------------------------
     @property
@@ -114,15 +125,24 @@ class StoreIndex:
                 return view
         c = self.commits[k]
         path = self._dir / c.shard
-        if self.verify_checksums and k not in self._verified:
-            found = file_checksum(path)
+        verify = self.verify_checksums and k not in self._verified
+        if verify:
+            found, tensor_sum = shard_checksums(path)
             if found != c.checksum:
                 raise ChecksumError(f"{path}: checksum {found}, commit record says {c.checksum} "
                                     "(the shard's bytes changed after commit)")
         view = ShardView(path, self.schema, expect_nbytes=c.nbytes)
+        self._check_header(c, view.meta)
         if view.num_samples != c.num_samples:
             raise CorruptShardError(f"{path}: {view.num_samples} samples, commit record says {c.num_samples}")
         with self._lock:
+            if verify:
+                first = self._contents.setdefault(content_key(view, tensor_sum), k)
+                if first != k:
+                    view.close()
+                    raise CorruptShardError(
+                        f"{path}: same tensors as {self.commits[first].shard} (tensor bytes {tensor_sum}): the "
+                        "samples were committed twice; refusing to read them twice (remove one of the two)")
             self._verified.add(k)
             self._open[k] = view
             while len(self._open) > self._max_open:   # dropped, not closed: a caller may still use it;

@@ -1,7 +1,12 @@
 """Store inspection as data: ``inspect_store(root)`` -> ``Report`` (summary, per-shard rows, findings).
 
-Per commit record: parseable, schema hash = store's, shard present, byte size = commit's, header valid for
-the schema, sample/token counts and step range = commit's, and (``verify_checksums``) checksum = commit's.
+Per commit record: parseable and naming its own shard, schema hash = store's, shard present, byte size =
+commit's, header valid for the schema, header writer id and seq = commit's (``header_mismatch``: a shard
+copied or renamed under another name), sample/token counts and step range = commit's, and
+(``verify_checksums``) checksum = commit's. Across records (``duplicate_content``, reported on every shard
+but the first of a group, preferring one whose header agrees): the same checksum in two records (a
+byte-for-byte copy), and with ``verify_checksums`` the same tensors (provenance.py ``content_key``; found
+even when the copy's header and checksum were rewritten).
 Sampled samples (a deterministic spread, all when ``max_samples=0`` or the store is smaller): values
 finite, masks 0/1 and not empty, token ids in ``[0, vocab_size)``, at least one token.
 Files that are not committed (temporaries, shards without a commit record, unknown names) are
@@ -16,10 +21,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from feature_store.checksum import file_checksum
 from feature_store.errors import ChecksumError, CorruptShardError, SchemaDriftError
 from feature_store.order import permutation
-from feature_store.shard import ShardView
+from feature_store.provenance import content_key, header_mismatch
+from feature_store.shard import ShardView, shard_checksums
 from feature_store.store import (
     SHARDS_DIR,
     STORE_FORMAT,
@@ -72,7 +77,9 @@ class Report:
 
 
 def _check_shard(root: Path, rec: CommitRecord, meta: StoreMeta, verify: bool,
-                 report: Report) -> ShardView | None:
+                 report: Report) -> tuple[ShardView | None, str | None]:
+    """(the view when a reader would read the shard, else None; the shard's identity for the duplicate
+    check: its tensors' ``content_key`` when verified, its record's checksum otherwise; None if unreadable)."""
     path = root / SHARDS_DIR / rec.shard
     where = f"{SHARDS_DIR}/{rec.shard}"
 
@@ -80,30 +87,61 @@ def _check_shard(root: Path, rec: CommitRecord, meta: StoreMeta, verify: bool,
         report.findings.append(Finding("error", kind, where, msg))
     if rec.schema_hash != meta.schema_hash:
         err("schema_drift", f"committed with schema hash {rec.schema_hash}, store.json has {meta.schema_hash}")
-        return None
+        return None, None
     if not path.exists():
         err("missing_shard", "commit record present, shard file missing")
-        return None
+        return None, None
     try:
         view = ShardView(path, meta.schema, expect_nbytes=rec.nbytes)
     except SchemaDriftError as e:
         err("schema_drift", str(e))
-        return None
+        return None, None
     except CorruptShardError as e:
         err("truncated" if "bytes on disk" in str(e) else "bad_shard", str(e))
-        return None
+        return None, None
     lens = view.lengths
     steps = view.scalars["global_step"]
     found = (view.num_samples, int(lens.sum()), int(steps.min()), int(steps.max()))
     expect = (rec.num_samples, rec.num_tokens, rec.min_step, rec.max_step)
     if found != expect:
         err("commit_mismatch", f"(samples, tokens, min step, max step) = {found}, commit record says {expect}")
+    key = f"checksum {rec.checksum}"
     if verify:
-        got = file_checksum(path)
+        got, tensor_sum = shard_checksums(path)
         if got != rec.checksum:
             err("checksum", str(ChecksumError(f"checksum {got}, commit record says {rec.checksum}")))
-            return None
-    return view
+            return None, None
+        key = f"tensors {content_key(view, tensor_sum)}"
+    mismatch = header_mismatch(rec, view.meta)
+    if mismatch is not None:
+        err("header_mismatch", mismatch)
+        return None, key
+    return view, key
+
+
+def _duplicates(keyed: list[tuple[CommitRecord, str, bool]], report: Report) -> None:
+    """``duplicate_content`` on every shard of a group of equal keys but its first (a genuine one first)."""
+    groups: dict[str, list[tuple[CommitRecord, bool]]] = {}
+    for rec, key, genuine in keyed:
+        groups.setdefault(key, []).append((rec, genuine))
+    dropped: set[str] = set()
+    for key, members in groups.items():
+        if len(members) < 2:
+            continue
+        first = next((r for r, genuine in members if genuine), members[0][0])
+        what, value = key.split(" ", 1)
+        for rec, _ in members:
+            if rec is first:
+                continue
+            dropped.add(rec.shard)
+            same = (f"same tensors as {SHARDS_DIR}/{first.shard} (tensor bytes and table {value})" if what == "tensors"
+                    else f"same bytes as {SHARDS_DIR}/{first.shard} (both commit records say {what} {value})")
+            report.findings.append(Finding("error", "duplicate_content", f"{SHARDS_DIR}/{rec.shard}",
+                                           f"{same}: committed twice, a reader would read these samples twice "
+                                           "(the reader refuses the store)"))
+    for row in report.shards:
+        if row["shard"] in dropped:
+            row["ok"] = False
 
 
 def _leftovers(root: Path, report: Report) -> list[str]:
@@ -133,6 +171,7 @@ def inspect_store(root: str | os.PathLike[str], *, max_samples: int = 256, verif
     commit_names = _leftovers(root, report)
     good: list[tuple[CommitRecord, ShardView]] = []
     records: list[CommitRecord] = []
+    keyed: list[tuple[CommitRecord, str, bool]] = []
     for name in progress(commit_names, len(commit_names), "shards"):
         try:
             rec = CommitRecord.load(root / SHARDS_DIR / name)
@@ -140,11 +179,14 @@ def inspect_store(root: str | os.PathLike[str], *, max_samples: int = 256, verif
             report.findings.append(Finding("error", "bad_commit", f"{SHARDS_DIR}/{name}", str(e)))
             continue
         records.append(rec)
-        view = _check_shard(root, rec, meta, verify_checksums, report)
+        view, key = _check_shard(root, rec, meta, verify_checksums, report)
         report.shards.append({"shard": rec.shard, "samples": rec.num_samples, "tokens": rec.num_tokens,
                               "bytes": rec.nbytes, "steps": [rec.min_step, rec.max_step], "ok": view is not None})
         if view is not None:
             good.append((rec, view))
+        if key is not None:
+            keyed.append((rec, key, view is not None))
+    _duplicates(keyed, report)
     total = sum(v.num_samples for _, v in good)
     picks = sorted(permutation(total, 0, 0)[: max_samples or total].tolist())
     starts, k, acc = [], 0, 0

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from feature_store.buffer import clone
-from feature_store.checksum import SECTOR, SectorSumHasher, combine
+from feature_store.checksum import SECTOR, SectorSumHasher, combine, file_checksums
 from feature_store.errors import CorruptShardError, SchemaDriftError
 from feature_store.schema import DTYPES, STORE_SCALARS, Schema, offsets_name
 
@@ -300,6 +300,24 @@ def read_header(path: Path, fd: int, size: int) -> tuple[dict[str, TensorInfo], 
     return infos, meta
 
 
+def read_shard_meta(path: Path) -> dict[str, str]:
+    """The header metadata (``__metadata__``) of the shard at ``path``, its header checked by ``read_header``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return read_header(path, fd, os.fstat(fd).st_size)[1]
+    finally:
+        os.close(fd)
+
+
+def shard_checksums(path: Path) -> tuple[str, str]:
+    """(checksum of the file, checksum of its tensor bytes: those after the header), in one read. A file
+    whose header size does not fit counts as all header (``read_header`` rejects it anyway)."""
+    with open(path, "rb", buffering=0) as f:
+        head = f.read(8)
+    start = 8 + struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+    return file_checksums(path, start)
+
+
 class ShardView:
     """A memory-mapped shard. ``sample(i)`` returns views of sample i's rows (no copy, no other bytes read).
 
@@ -318,6 +336,7 @@ class ShardView:
                                         "(truncated or replaced shard)")
             infos, meta = read_header(path, fd, size)
             self._check(infos, meta)
+            self.meta = meta        # the writer's header metadata: format, schema_hash, writer_id, seq
             self._mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
         finally:
             os.close(fd)
@@ -329,6 +348,11 @@ class ShardView:
         self.num_samples = len(self.offsets["tokens"]) - 1
         self._views = {f.name: self._view(infos[f.name]) for f in schema.fields}
         self.validate_offsets()
+
+    @property
+    def infos(self) -> dict[str, TensorInfo]:
+        """Every tensor's dtype, shape and absolute byte range in the file."""
+        return dict(self._infos)
 
     def _array(self, t: TensorInfo) -> np.ndarray:
         return np.frombuffer(self._mm, dtype=np.int64, count=t.shape[0], offset=t.begin).copy()

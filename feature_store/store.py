@@ -163,11 +163,18 @@ class CommitRecord:
             d = json.loads(path.read_bytes())
             d.pop("format")
             rec = cls(**d)
+            writer_id, shard = f"r{rec.rank:05d}-{rec.run_id}", f"{rec.writer_id}-{rec.seq:08d}{SHARD_SUFFIX}"
         except (ValueError, KeyError, TypeError) as e:
             raise CorruptShardError(f"{path}: unreadable commit record ({type(e).__name__}: {e})") from e
         if rec.shard != path.name[: -len(COMMIT_SUFFIX)] + SHARD_SUFFIX:
             raise CorruptShardError(f"{path}: commit record names shard {rec.shard!r}, expected "
                                     f"{path.name[: -len(COMMIT_SUFFIX)] + SHARD_SUFFIX!r}")
+        if rec.writer_id != writer_id:
+            raise CorruptShardError(f"{path}: commit record writer_id {rec.writer_id!r}, expected {writer_id!r} "
+                                    f"(from rank {rec.rank} and run_id {rec.run_id!r})")
+        if rec.shard != shard:
+            raise CorruptShardError(f"{path}: commit record writer_id {rec.writer_id!r} and seq {rec.seq} give "
+                                    f"shard {shard!r}, the record is for {rec.shard!r}")
         return rec
 
 

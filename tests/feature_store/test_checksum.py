@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from feature_store.checksum import SectorSumHasher, file_checksum
+from feature_store.checksum import SectorSumHasher, file_checksum, file_checksums
 
 
 def reference(data: bytes) -> str:
@@ -60,3 +60,13 @@ def test_detects_flips_truncation_and_swapped_sectors() -> None:
     assert digest(bytes(swapped), []) != base
     zeroed = bytes(4096) + data[4096:]
     assert digest(bytes(zeroed), []) != base
+
+
+@pytest.mark.parametrize("size", [0, 100, 4096, 3 * 4096 + 17, (1 << 20) + 5])
+def test_checksum_of_the_tail_in_the_same_read(size: int, tmp_path: Path) -> None:
+    """``file_checksums(path, start)`` = (checksum of the file, checksum of its bytes from ``start`` on),
+    whether ``start`` falls on a sector boundary or not, past the end included (an empty tail)."""
+    data = os.urandom(size)
+    (tmp_path / "f").write_bytes(data)
+    for start in sorted({0, 1, 8, 4095, 4096, 8192, size // 2, size, size + 10}):
+        assert file_checksums(tmp_path / "f", start, chunk=4096 * 3 + 5) == (reference(data), reference(data[start:]))
