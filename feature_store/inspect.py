@@ -1,7 +1,9 @@
 """``verl-speco-inspect-features STORE [--max-samples N] [--json] [--strict] [--verify-checksums]``
 
 Prints a summary (samples, tokens, bytes, shards, steps, layout, schema, fields), then the problems found
-by the per-shard and sampled per-sample checks (see report.py) and the uncommitted leftovers.
+by the per-shard checks (a header whose writer id or seq is not its commit record's included), the
+duplicate-content check across shards, the sampled per-sample checks (see report.py) and the uncommitted
+leftovers.
 
 Exit status: 0 clean; 1 problems found (with ``--strict``, leftovers/warnings count as problems);
 2 the store cannot be used at all (no or invalid ``store.json``) or the arguments are wrong.
