@@ -134,11 +134,11 @@ def _duplicates(keyed: list[tuple[CommitRecord, str, bool]], report: Report) -> 
             if rec is first:
                 continue
             dropped.add(rec.shard)
-            same = (f"same tensors as {SHARDS_DIR}/{first.shard} (tensor bytes and table {value})" if what == "tensors"
-                    else f"same bytes as {SHARDS_DIR}/{first.shard} (both commit records say {what} {value})")
-            report.findings.append(Finding("error", "duplicate_content", f"{SHARDS_DIR}/{rec.shard}",
-                                           f"{same}: committed twice, a reader would read these samples twice "
-                                           "(the reader refuses the store)"))
+            same = (f"same tensors as {SHARDS_DIR}/{first.shard} (tensor bytes and table {value}): committed "
+                    "twice (a reader verifying checksums refuses the second one it opens)" if what == "tensors"
+                    else f"same checksum as {SHARDS_DIR}/{first.shard} in its commit record ({value}): a "
+                    "byte-for-byte copy (readers refuse it by its header) or a wrong checksum (--verify-checksums)")
+            report.findings.append(Finding("error", "duplicate_content", f"{SHARDS_DIR}/{rec.shard}", same))
     for row in report.shards:
         if row["shard"] in dropped:
             row["ok"] = False
