@@ -1,6 +1,9 @@
 """Checkpoints: engine-ready export + exact trainer state, written atomically, no pickle.
 
 Layout of `<out_dir>/ckpt/step_<N>/` (written as `step_<N>.tmp`, then renamed):
+  complete.json                the completion marker, written last: step, world size and the byte
+                               size of every other file; a `step_<N>` without it (or whose files
+                               differ from it) is incomplete and never resumed from
   export/                      engine-ready drafter export(s) (family.export; one sub-dir per format
                                when several are asked for)
   trainer/model.safetensors    full (unsharded) trainable weights + buffers, master dtype
@@ -10,6 +13,12 @@ Layout of `<out_dir>/ckpt/step_<N>/` (written as `step_<N>.tmp`, then renamed):
   trainer/reader_rank<r>.json  per-rank StoreReader.state_dict() (the data cursor)
   trainer/state.json           step, counters, world size, schedule, resolved config
 All ranks must see the same filesystem (multi-node: a shared `run.out_dir`).
+
+Crash safety: nothing under a final name `step_<N>` is ever written into or partially deleted.
+Saving over an existing `step_<N>` renames the old one to `step_<N>.old`, renames the new one in,
+then deletes the old one; pruning (`keep_last`) renames before deleting too. A kill between the two
+renames leaves no `step_<N>` (never a torn one): resume then takes the newest complete checkpoint,
+and the next save removes `*.tmp` / `*.old` leftovers.
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
@@ -37,11 +47,26 @@ from torch.distributed.checkpoint.state_dict import (
 from verl_speco.train.rng import capture_rng, restore_rng
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_LEFTOVER = re.compile(r"^step_\d+\.(tmp|old)$")
+MARKER = "complete.json"
+MARKER_FORMAT = "verl-speco-checkpoint"
 ExportFn = Callable[[dict[str, Tensor], Path], None]
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be used to resume this run."""
+
+
+class IncompleteCheckpointWarning(UserWarning):
+    """`run.resume=true` skipped a `step_<N>` directory that is not a complete checkpoint."""
+
+
+def _fsync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _fsync_tree(root: Path) -> None:
@@ -50,11 +75,47 @@ def _fsync_tree(root: Path) -> None:
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
     for d in [root, *[p for p in root.rglob("*") if p.is_dir()], root.parent]:
-        fd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_dir(d)
+
+
+def _write_marker(tmp: Path, step: int, world: int) -> None:
+    """The completion marker, written (and made durable) after every other file is."""
+    files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    marker = tmp / MARKER
+    _write_json(marker, {"format": MARKER_FORMAT, "step": step, "world_size": world, "files": files})
+    with open(marker, "rb") as f:
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint directory so that no partial state is ever left under its name."""
+    aside = path.with_name(path.name + ".old")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.replace(path, aside)
+    _fsync_dir(path.parent)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """None when `path` is a complete checkpoint, else why not (names the missing or short file)."""
+    marker = path / MARKER
+    if not marker.is_file():
+        return f"no {MARKER} (the save did not finish)"
+    try:
+        meta = json.loads(marker.read_text())
+        files = dict(meta["files"]) if meta.get("format") == MARKER_FORMAT else None
+    except (ValueError, KeyError, TypeError) as err:
+        return f"{MARKER} is unreadable ({err})"
+    if files is None:
+        return f"{MARKER} is not a {MARKER_FORMAT} marker"
+    for rel, size in sorted(files.items()):
+        f = path / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if f.stat().st_size != size:
+            return f"{rel} has {f.stat().st_size} bytes, {MARKER} says {size}"
+    return None
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -97,7 +158,9 @@ def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizer: tor
     rank, world = dist.get_rank(), dist.get_world_size()
     final, tmp = ckpt_root / f"step_{step}", ckpt_root / f"step_{step}.tmp"
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        for leftover in [p for p in ckpt_root.iterdir() if _LEFTOVER.match(p.name)]:  # of an interrupted save
+            shutil.rmtree(leftover, ignore_errors=True)
         (tmp / "trainer").mkdir(parents=True)
     dist.barrier()
     full = cast(dict[str, Tensor],
@@ -121,37 +184,77 @@ def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizer: tor
     dist.barrier()
     if rank == 0:
         _fsync_tree(tmp)
-        if final.exists():
-            shutil.rmtree(final)
+        _write_marker(tmp, step, world)
+        aside = ckpt_root / f"step_{step}.old"
+        if final.exists():  # the old checkpoint stays whole (under another name) until the new one is in
+            os.replace(final, aside)
         os.replace(tmp, final)
-        _fsync_tree(final)
+        _fsync_dir(ckpt_root)
+        shutil.rmtree(aside, ignore_errors=True)
         if keep_last > 0:
             for old in list_checkpoints(ckpt_root)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+                _remove(old)
     dist.barrier()
     return final
 
 
-def list_checkpoints(ckpt_root: Path) -> list[Path]:
-    """Complete checkpoints (renamed `step_<N>` dirs), oldest first; `.tmp` dirs are ignored."""
+def _step(path: Path) -> int:
+    return int(path.name.removeprefix("step_"))
+
+
+def _step_dirs(ckpt_root: Path) -> list[Path]:
     if not ckpt_root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in ckpt_root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name))]
     return [p for _, p in sorted(found)]
 
 
-def resolve_resume(resume: bool | str, ckpt_root: Path) -> Path | None:
-    """`run.resume`: false -> None; true -> latest complete checkpoint (None if none); path -> it."""
+def list_checkpoints(ckpt_root: Path) -> list[Path]:
+    """Complete checkpoints (`step_<N>` dirs whose marker matches their files), oldest first."""
+    return [p for p in _step_dirs(ckpt_root) if checkpoint_problem(p) is None]
+
+
+def incomplete_checkpoints(ckpt_root: Path) -> list[tuple[Path, str]]:
+    """`step_<N>` dirs that are not complete checkpoints, with the reason, oldest first."""
+    return [(p, problem) for p in _step_dirs(ckpt_root) if (problem := checkpoint_problem(p)) is not None]
+
+
+def resolve_resume(resume: bool | str, ckpt_root: Path, warn: bool = True) -> Path | None:
+    """`run.resume`: false -> None; true -> the newest complete checkpoint (None if none), warning
+    (`IncompleteCheckpointWarning`, when `warn`) about every newer incomplete `step_<N>` it skips;
+    a path -> it, when it is a complete checkpoint."""
     if resume is False:
         return None
     if resume is True:
         found = list_checkpoints(ckpt_root)
-        return found[-1] if found else None
+        newest = found[-1] if found else None
+        instead = f"resuming from {newest.name}" if newest else "no complete checkpoint: starting fresh"
+        for torn, why in incomplete_checkpoints(ckpt_root) if warn else []:
+            if newest is None or _step(torn) > _step(newest):
+                warnings.warn(f"run.resume=true: skipping {torn}: incomplete checkpoint ({why}); {instead}",
+                              IncompleteCheckpointWarning, stacklevel=2)
+        return newest
     path = Path(resume)
-    if not (path / "trainer" / "state.json").is_file():
-        raise CheckpointError(f"run.resume={resume!r}: not a complete checkpoint directory "
-                              "(expected trainer/state.json inside)")
+    problem = checkpoint_problem(path) if path.is_dir() else "no such directory"
+    if problem is not None:
+        raise CheckpointError(f"run.resume={resume!r}: not a complete checkpoint ({problem}); expected a "
+                              f"<run.out_dir>/ckpt/step_<N> directory, or true for the newest one")
     return path
+
+
+def check_fresh_out_dir(out_dir: Path, overwrite: bool) -> None:
+    """A fresh run must not mix with an earlier run's checkpoints (resume=true would pick them)."""
+    found = list_checkpoints(out_dir / "ckpt")
+    if found and not overwrite:
+        raise CheckpointError(f"run.out_dir={str(out_dir)!r} already holds checkpoints ({found[-1].name}); "
+                              "pass run.resume=true to continue, run.overwrite=true to start over, or "
+                              "another run.out_dir")
+
+
+def clear_checkpoints(ckpt_root: Path) -> None:
+    """Rank 0 of a fresh run with run.overwrite=true: the whole `ckpt/` goes, aside first."""
+    if ckpt_root.is_dir():
+        _remove(ckpt_root)
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -105,7 +105,7 @@ def _run(cfg: TrainerConfig, device: torch.device) -> dict[str, Any]:
 
     ckpt_root = out_dir / "ckpt"
     step, skipped, tokens_seen = 0, 0, 0
-    resume_from = ckpt.resolve_resume(cfg.run.resume, ckpt_root)
+    resume_from = ckpt.resolve_resume(cfg.run.resume, ckpt_root, warn=rank == 0)
     if resume_from is None:
         _fresh_out_dir(out_dir, ckpt_root, cfg.run.overwrite)
     if resume_from is not None:
@@ -155,14 +155,10 @@ def _run(cfg: TrainerConfig, device: torch.device) -> dict[str, Any]:
 
 def _fresh_out_dir(out_dir: Path, ckpt_root: Path, overwrite: bool) -> None:
     """A fresh run must not mix with an earlier run's checkpoints (resume=true would pick them)."""
-    found = ckpt.list_checkpoints(ckpt_root)
-    if found and not overwrite:
-        raise ckpt.CheckpointError(f"run.out_dir={str(out_dir)!r} already holds checkpoints ({found[-1].name}); "
-                                   "pass run.resume=true to continue, run.overwrite=true to start over, or "
-                                   "another run.out_dir")
+    ckpt.check_fresh_out_dir(out_dir, overwrite)
     dist.barrier()
-    if found and dist.get_rank() == 0:
-        shutil.rmtree(ckpt_root)
+    if overwrite and dist.get_rank() == 0:
+        ckpt.clear_checkpoints(ckpt_root)
         shutil.rmtree(out_dir / "tensorboard", ignore_errors=True)
     dist.barrier()
 

@@ -1,31 +1,59 @@
 """Rank-0 metric sinks: JSONL (one record per logged step), TensorBoard, a tqdm progress bar.
 
 JSONL records: {"step": N, "kind": "train"|"eval", <metric>: float, ...}. On resume from step K
-the file is rewritten to drop records with step > K, so it reads as one uninterrupted run.
+the file is rewritten to drop records with step > K, so it reads as one uninterrupted run. Only
+the last line may be torn (a kill, power loss or a full disk mid-write: a cut record, or a tail of
+zero bytes): it is dropped with a warning; any other unreadable line is an error naming file:line.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import warnings
 from pathlib import Path
 from typing import Any
+
+
+def _parse(path: Path) -> list[tuple[dict[str, Any], bytes]]:
+    """(record, its line) for every record of `path`; a torn last line is dropped (warning), any
+    other bad line raises."""
+    lines = path.read_bytes().split(b"\n")
+    records: list[tuple[dict[str, Any], bytes]] = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
+            if lineno == len(lines):  # after the last newline: a write that did not finish
+                warnings.warn(f"{path}:{lineno}: dropping a torn last line ({len(line)} bytes, {err}); "
+                              "the run was cut off while writing it", UserWarning, stacklevel=3)
+                break
+            raise ValueError(f"{path}:{lineno}: not a JSON record ({err}); only the last line of a metrics "
+                             "log may be torn: repair or move the file") from err
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise ValueError(f"{path}:{lineno}: {line[:80]!r}: expected a JSON object with an integer 'step'")
+        records.append((record, line))
+    return records
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:
     """Keep only records with step <= last_step (a resumed run rewrites what follows)."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= last_step]
+    kept = [line for record, line in _parse(path) if record["step"] <= last_step]
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+    with open(tmp, "wb") as f:
+        f.write(b"".join(line + b"\n" for line in kept))
+        f.flush()
+        os.fsync(f.fileno())
     tmp.replace(path)
 
 
 def read_jsonl(path: str | Path, kind: str | None = "train") -> list[dict[str, Any]]:
-    records = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [r for r in records if kind is None or r.get("kind") == kind]
+    return [r for r, _ in _parse(Path(path)) if kind is None or r.get("kind") == kind]
 
 
 class MetricsLogger:
