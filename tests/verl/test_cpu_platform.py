@@ -36,6 +36,7 @@ SOURCE_PINS: list[tuple[str, str, list[str]]] = [
         "model.load_weights(param_updates)"]),
     ("vllm.v1.sample.rejection_sampler", "apply_sampling_constraints", ["temperature = expand_batch_to_tokens("]),
     ("vllm.v1.sample.rejection_sampler", "expand_batch_to_tokens", ["_expand("]),
+    ("vllm.utils.cpu_triton_utils", "_expand_kernel_impl", ["_ensure_int64(output)"]),  # bug A
 ]
 
 PARAMS: list[tuple[str, str, list[str]]] = [

@@ -1,0 +1,78 @@
+"""The CPU run's pieces that need no Ray: the rule-reward dataset and reward, the preset, the launcher."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from speco_verl_helpers import ROOT, compose
+
+
+def test_rl_dataset_has_verls_columns_and_disjoint_splits(tmp_path: Path) -> None:
+    import pandas as pd
+
+    from verl_speco.target.rl_data import DATA_SOURCE, write_rl_dataset
+
+    paths = write_rl_dataset(tmp_path, n_train=6, n_val=3)
+    train, val = pd.read_parquet(paths["train"]), pd.read_parquet(paths["val"])
+    assert len(train) == 6 and len(val) == 3
+    assert {"data_source", "prompt", "ability", "reward_model", "extra_info"} <= set(train.columns)
+    row = train.iloc[0]
+    assert row["data_source"] == DATA_SOURCE and row["prompt"][0]["role"] == "user"
+    assert row["reward_model"]["style"] == "rule" and row["reward_model"]["ground_truth"]
+    prompts = {p[0]["content"] for p in train["prompt"]}
+    assert not prompts & {p[0]["content"] for p in val["prompt"]}
+
+
+def test_rule_reward() -> None:
+    from verl_speco.target.corpus import generate_examples
+    from verl_speco.target.rl_data import compute_score
+
+    ex = generate_examples(1, split="train")[0]
+    info = {"reference": ex.response}
+    assert compute_score("x", ex.response, ex.answer, info) == 1.0
+    lines = ex.response.splitlines()
+    half = compute_score("x", lines[0] + "\n" + lines[1], ex.answer, info)
+    assert half == 0.5 * 2 / len(lines)
+    assert compute_score("x", "The answer is 0.", ex.answer, info) == 0.0 or ex.answer == "0"
+    assert compute_score("x", "nonsense", ex.answer, None) == 0.0
+
+
+def test_the_cpu_preset_composes_the_measured_recipe() -> None:
+    cfg = compose(["+speco_cpu=grpo_embedded"])
+    a = cfg.actor_rollout_ref
+    assert a.actor.strategy == "fsdp2" and a.actor.fsdp_config.strategy == "fsdp2"
+    assert a.model.override_config.attn_implementation == "sdpa"
+    assert a.rollout.enable_sleep_mode is False and a.rollout.load_format == "auto"
+    assert a.rollout.engine_kwargs.vllm.worker_extension_cls == \
+        "verl_speco.verl_integration.cpu_vllm.CPUSpecoWorkerExtension"
+    assert a.rollout.drafter.enable and a.rollout.drafter.mode == "online"
+    assert cfg.ray_kwargs.ray_init.num_gpus == 1 and cfg.ray_kwargs.ray_init.num_cpus == 16
+    assert cfg.trainer.device == "cpu" and "file" in cfg.trainer.logger
+
+
+def test_the_launcher_finds_the_quickstart_drafter_and_builds_the_command(tmp_path: Path) -> None:
+    from verl_speco.verl_integration.cpu_launch import PRESET, launch_command, quickstart_drafter
+
+    assert quickstart_drafter(tmp_path) is None
+    export = tmp_path / "checkpoints" / "step_300" / "export"
+    export.mkdir(parents=True)
+    (export / "config.json").write_text("{}")
+    assert quickstart_drafter(tmp_path) == export
+    data = {"train": tmp_path / "t.parquet", "val": tmp_path / "v.parquet"}
+    cmd = launch_command(tmp_path / "target", data, tmp_path / "out", export, ["trainer.total_training_steps=5"])
+    assert cmd[1:4] == ["-m", "verl_speco.main", PRESET] and cmd[-1] == "trainer.total_training_steps=5"
+    assert f"actor_rollout_ref.rollout.drafter.model_path={export}" in cmd
+    assert any(c.startswith("reward.custom_reward_function.path=") and c.endswith("rl_data.py") for c in cmd)
+    assert not any("model_path" in c for c in launch_command(tmp_path, data, tmp_path, None, []))
+
+
+def test_the_launcher_refuses_a_drafter_directory_without_an_export(tmp_path: Path) -> None:
+    from verl_speco.verl_integration.cpu_launch import main
+
+    assert main(["--out", str(tmp_path / "out"), "--drafter", str(tmp_path)]) == 2
+    assert not (tmp_path / "out").exists()  # refused before anything was built or written
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "run_cpu_grpo.sh"), "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "usage: run_cpu_grpo" in out.stdout

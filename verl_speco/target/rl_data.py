@@ -1,0 +1,85 @@
+"""A tiny rule-reward RL dataset from the embedded corpus, in verl's parquet layout, and its reward.
+
+`write_rl_dataset(dir, n_train, n_val)` writes `train.parquet` and `val.parquet` (the corpus's
+disjoint train and test splits), one row per problem, the columns verl's `RLHFDataset` and reward
+loop read:
+
+    data_source  "verl_speco/embedded"
+    prompt       [{"role": "user", "content": "Add 941 and 545."}]
+    ability      the corpus task ("add", "sub", "mul", "count", "sort")
+    reward_model {"style": "rule", "ground_truth": "1486"}
+    extra_info   {"index": i, "split": "train", "reference": <the corpus's step-by-step answer>}
+
+`compute_score` is the rule reward (verl's `reward.custom_reward_function.path` = this file,
+`name=compute_score`): 1.0 when the response states the ground-truth answer the way the corpus
+does ("The answer is X." / "Sorted: X." / "Result: X."), else half the fraction of the reference's
+lines the response reproduces in order from the start, so short rollouts that follow the trace
+still get a graded signal.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+DATA_SOURCE = "verl_speco/embedded"
+_ANSWER_LEADS = ("The answer is ", "Sorted: ", "Result: ")
+
+
+def rl_rows(n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
+    """The rows of `n` problems of `split` (deterministic in `seed`)."""
+    from verl_speco.target.corpus import generate_examples
+
+    rows = []
+    for i, ex in enumerate(generate_examples(n, seed=seed, split=split)):
+        rows.append({"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": ex.prompt}],
+                     "ability": ex.task, "reward_model": {"style": "rule", "ground_truth": ex.answer},
+                     "extra_info": {"index": i, "split": split, "reference": ex.response}})
+    return rows
+
+
+def write_parquet(path: str | Path, rows: list[dict[str, Any]]) -> Path:
+    """`rows` as a parquet file, written to a temporary name and renamed."""
+    import pandas as pd
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pd.DataFrame(rows).to_parquet(tmp, index=False)
+    os.replace(tmp, path)
+    return path
+
+
+def write_rl_dataset(out_dir: str | Path, n_train: int = 64, n_val: int = 8, seed: int = 0) -> dict[str, Path]:
+    """`{"train": <dir>/train.parquet, "val": <dir>/val.parquet}`, written."""
+    if n_train < 1 or n_val < 1:
+        raise ValueError(f"n_train={n_train}, n_val={n_val}: expected both >= 1")
+    out = Path(out_dir)
+    return {"train": write_parquet(out / "train.parquet", rl_rows(n_train, "train", seed)),
+            "val": write_parquet(out / "val.parquet", rl_rows(n_val, "test", seed))}
+
+
+def _states_answer(text: str, answer: str) -> bool:
+    return any(f"{lead}{answer}." in text for lead in _ANSWER_LEADS)
+
+
+def _line_prefix_share(text: str, reference: str) -> float:
+    ref_lines = [line.strip() for line in reference.strip().splitlines() if line.strip()]
+    got_lines = [line.strip() for line in text.strip().splitlines()]
+    same = 0
+    for ref, got in zip(ref_lines, got_lines):
+        if ref != got:
+            break
+        same += 1
+    return same / len(ref_lines) if ref_lines else 0.0
+
+
+def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info: dict | None = None,
+                  **kwargs: Any) -> float:
+    """The rule reward of one response (see the module docstring)."""
+    answer = str(ground_truth).strip()
+    if _states_answer(solution_str, answer):
+        return 1.0
+    reference = str((extra_info or {}).get("reference", ""))
+    return 0.5 * _line_prefix_share(solution_str, reference)
