@@ -91,3 +91,17 @@ def run_cli(args: list[str], timeout: int = 240, env_extra: dict[str, str] | Non
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}"
     return proc
+
+
+def run_failing(args: list[str], timeout: int = 240, ranks: int = 1) -> str:
+    """Run the launcher expecting a user error: exit 2, no traceback, exactly one line
+    `verl-speco-draft-train: error: ...` on stderr (one per rank when `ranks` > 1), returned."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "verl_speco.train.launcher", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 2, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(lines) == ranks and all(line.startswith("verl-speco-draft-train: error: ") for line in lines), \
+        proc.stderr[-4000:]
+    return "\n".join(sorted(lines))

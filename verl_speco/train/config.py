@@ -44,7 +44,7 @@ class DataSection:
     micro_batch_size: int = 1  # samples per micro-batch per rank (when token_budget is null)
     token_budget: int | None = None  # pack micro-batches up to this many tokens instead
     max_seq_len: int = 2048  # longer samples are truncated
-    verify_checksums: bool = False
+    verify_checksums: bool = True  # each shard's checksum, once, when first read (false: skip)
 
 
 @dataclass

@@ -4,6 +4,8 @@
   a micro-batch is `data.micro_batch_size` consecutive samples of the rank's stream, or, with
   `data.token_budget`, the reader's token-budget packing. Samples longer than `max_seq_len` are
   cut to their first `max_seq_len` tokens (every per-token field alike).
+- Checksums: every shard is verified against its commit record when first opened (default
+  `data.verify_checksums=true`; a mismatch stops training naming the shard).
 - Held-out: `data.eval_store`, or with `data.eval_fraction` > 0 the last shards of every writer
   of `data.store` (whole shards, so the training reader can exclude them by pinning the prefix
   `shard_set`; a writer keeps at least one shard for training). Eval reads the first
@@ -14,16 +16,25 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
-from feature_store import StoreIndex, StoreReader
+from feature_store import ChecksumError, StoreIndex, StoreReader
 from feature_store.store import list_commits, load_store
-from verl_speco.train.config import DataSection
+from verl_speco.train.config import ConfigError, DataSection
 
 Sample = dict[str, Tensor]
+T = TypeVar("T")
+
+
+def _checksum_hint(batches: Iterator[T]) -> Iterator[T]:
+    """Re-raise a shard checksum mismatch with the setting that skips the check."""
+    try:
+        yield from batches
+    except ChecksumError as err:
+        raise ChecksumError(f"{err}; data.verify_checksums=false reads the store without this check") from err
 
 
 def truncate(sample: Sample, max_len: int) -> Sample:
@@ -58,7 +69,7 @@ def train_shard_set(cfg: DataSection) -> tuple[dict[str, int] | None, list[Any]]
                 progress = True
     held = [c for w, cs in by_writer.items() for c in cs[kept[w]:]]
     if not held:
-        raise ValueError(f"data.eval_fraction={cfg.eval_fraction}: {cfg.store} has one shard per writer "
+        raise ConfigError(f"data.eval_fraction={cfg.eval_fraction}: {cfg.store} has one shard per writer "
                          f"({len(by_writer)} writer(s)); whole shards are held out and every writer keeps "
                          "its first one, so nothing is left for evaluation: pass data.eval_store or write "
                          "the store in more shards")
@@ -86,6 +97,10 @@ def open_eval_index(cfg: DataSection, held: list[Any], layout: Any, fields: tupl
 
 def micro_batches(reader: StoreReader, cfg: DataSection) -> Iterator[list[Sample]]:
     """Endless stream of this rank's micro-batches (lists of truncated samples)."""
+    return _checksum_hint(_micro_batches(reader, cfg))
+
+
+def _micro_batches(reader: StoreReader, cfg: DataSection) -> Iterator[list[Sample]]:
     if cfg.token_budget is not None:
         for group in reader.iter_batches(cfg.token_budget):
             yield [truncate(s, cfg.max_seq_len) for s in group]
@@ -99,8 +114,9 @@ def eval_batches(index: StoreIndex, cfg: DataSection, rank: int, world_size: int
     """This rank's held-out micro-batches; every rank yields the same number of batches."""
     n = (min(cfg.eval_samples, index.num_samples) // world_size) * world_size
     mine = list(range(rank, n, world_size))
-    for i in range(0, len(mine), cfg.micro_batch_size):
-        yield [truncate(index.sample(g, copy=True), cfg.max_seq_len) for g in mine[i:i + cfg.micro_batch_size]]
+    batches = ([truncate(index.sample(g, copy=True), cfg.max_seq_len) for g in mine[i:i + cfg.micro_batch_size]]
+               for i in range(0, len(mine), cfg.micro_batch_size))
+    return _checksum_hint(batches)
 
 
 def to_device(batch: dict[str, Tensor], device: torch.device) -> dict[str, Tensor]:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from verl_speco.device import npu_device_count
-from verl_speco.train.config import TrainerConfig
+from verl_speco.train.config import ConfigError, TrainerConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,16 +37,18 @@ def resolve_device(name: str) -> torch.device:
         name = "cuda" if torch.cuda.is_available() else ("npu" if _npu_available() else "cpu")
     if name == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("run.device=cuda but torch.cuda.is_available() is False")
+            raise ConfigError("run.device='cuda': torch.cuda.is_available() is False; expected auto or cpu "
+                              "on this machine")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     if name == "npu":
         if not _npu_available():
-            raise RuntimeError("run.device=npu but torch_npu is not importable or no NPU is visible")
+            raise ConfigError("run.device='npu': torch_npu is not importable or no NPU is visible; expected "
+                              "auto or cpu on this machine")
         torch.npu.set_device(local_rank)  # type: ignore[attr-defined]
         return torch.device("npu", local_rank)
     if name != "cpu":
-        raise ValueError(f"run.device={name!r}: expected auto, cpu, cuda or npu")
+        raise ConfigError(f"run.device={name!r}: expected auto, cpu, cuda or npu")
     return torch.device("cpu")
 
 

@@ -4,7 +4,9 @@
         key=value ... [preset=quickstart_eagle3]
 
 Composes `configs/<config-name>.yaml` with the Hydra overrides against the typed schema
-(`verl_speco/train/config.py`), then trains (`verl_speco.train.loop.run`). Usually started by
+(`verl_speco/train/config.py`), checks the inputs (`verl_speco.train.preflight`), then trains
+(`verl_speco.train.loop.run`). A user error (config, store, target, resume path) is one line
+`verl-speco-draft-train: error: ...` on stderr and exit status 2. Usually started by
 `verl-speco-draft-train`, which adds torchrun for several processes or nodes.
 """
 
@@ -39,15 +41,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = config_parser("python -m verl_speco.train.entry",
                            "One trainer process (started by verl-speco-draft-train / torchrun).")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    cfg = load_config(args.overrides, args.config_name, args.config_dir)
-    if args.print_config:
-        from omegaconf import OmegaConf
+    from verl_speco.train.preflight import USER_ERRORS, check_inputs, report
 
-        print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
-        return 0
-    from verl_speco.train.loop import run
+    try:
+        cfg = load_config(args.overrides, args.config_name, args.config_dir)
+        if args.print_config:
+            from omegaconf import OmegaConf
 
-    summary = run(cfg)
+            print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
+            return 0
+        check_inputs(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        from verl_speco.train.loop import run
+
+        summary = run(cfg)
+    except USER_ERRORS as err:  # the user's input: one line, exit 2 (anything else is a bug: traceback)
+        return report(err, os.environ.get("RANK") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None)
     if os.environ.get("RANK", "0") == "0":
         print(f"verl-speco-draft-train: done {summary}")
     return 0

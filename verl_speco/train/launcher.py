@@ -6,8 +6,11 @@
   `MASTER_ADDR:MASTER_PORT`) under `--rdzv-id`; `--rdzv-backend static` uses `--node-rank` and
   `--master-addr/--master-port` instead.
 Arguments fall back to the environment: NNODES, NPROC_PER_NODE, NODE_RANK, MASTER_ADDR,
-MASTER_PORT, RDZV_ENDPOINT, RDZV_ID. `--dry-run` prints the exact command and exits 0.
-Everything else is passed to the trainer as Hydra overrides (key=value).
+MASTER_PORT, RDZV_ENDPOINT, RDZV_ID. `--dry-run` prints the exact command and exits 0 (the
+launcher runs that torchrun command in its own process).
+Everything else is passed to the trainer as Hydra overrides (key=value). The config and the
+inputs it names are checked here before torchrun starts: a user error is one line
+`verl-speco-draft-train: error: ...` on stderr and exit status 2, on both paths.
 """
 
 from __future__ import annotations
@@ -55,16 +58,22 @@ def _auto_nproc() -> int:
     return max(1, accelerator_count())
 
 
-def build_command(args: argparse.Namespace, env: Mapping[str, str] | None = None,
-                  python: str | None = None) -> tuple[list[str], bool]:
-    """(argv, uses_torchrun). Raises LaunchError naming a missing or bad argument."""
-    env = os.environ if env is None else env
-    python = python or sys.executable
+def node_sizes(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[int, int]:
+    """(nodes, processes per node) from the arguments, else the environment."""
     nnodes = args.nnodes if args.nnodes is not None else int(env.get("NNODES", "1"))
     raw = args.nproc_per_node if args.nproc_per_node is not None else env.get("NPROC_PER_NODE", "auto")
     nproc = _auto_nproc() if str(raw) == "auto" else int(raw)
     if nnodes < 1 or nproc < 1:
         raise LaunchError(f"--nnodes={nnodes} --nproc-per-node={nproc}: both must be >= 1")
+    return nnodes, nproc
+
+
+def build_command(args: argparse.Namespace, env: Mapping[str, str] | None = None,
+                  python: str | None = None) -> tuple[list[str], bool]:
+    """(argv, uses_torchrun). Raises LaunchError naming a missing or bad argument."""
+    env = os.environ if env is None else env
+    python = python or sys.executable
+    nnodes, nproc = node_sizes(args, env)
     entry = ["-m", ENTRY_MODULE]
     if args.config_dir:
         entry += ["--config-dir", os.path.abspath(args.config_dir)]
@@ -113,16 +122,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         from verl_speco.train import entry
 
         return entry.main(cmd[3:])
-    try:  # fail once, here, rather than in every rank
-        load_config(args.overrides, args.config_name, args.config_dir)
-    except Exception as err:  # noqa: BLE001 - any composition/validation error is reported the same way
-        cause = f" ({str(err.__cause__).splitlines()[0]})" if err.__cause__ else ""
-        print(f"verl-speco-draft-train: config error: {err}{cause}", file=sys.stderr)
-        return 2
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execv(cmd[0], cmd)
-    return 0  # unreachable: execv replaces this process
+    if not args.print_config:  # fail once, here, rather than in every rank
+        from verl_speco.train.preflight import USER_ERRORS, check_inputs, report
+
+        nnodes, nproc = node_sizes(args, os.environ)
+        try:
+            check_inputs(load_config(args.overrides, args.config_name, args.config_dir), nnodes * nproc)
+        except USER_ERRORS as err:
+            return report(err)
+    return _torchrun(cmd[3:])
+
+
+def _torchrun(argv: list[str]) -> int:
+    """`python -m torch.distributed.run ARGV`, in this process, without torchrun's own report of a
+    failed rank: a rank that stopped on a user error has printed its line and exited 2, so the
+    launcher exits 2 too; any other failure (a bug) raises with torchrun's summary."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(argv))
+    except ChildFailedError as err:
+        codes = [f.exitcode for f in err.failures.values()]
+        if 2 in codes and all(c == 2 or c < 0 for c in codes):  # < 0: stopped by torchrun after the failure
+            return 2
+        raise
+    return 0
 
 
 if __name__ == "__main__":
