@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -88,16 +90,17 @@ def test_published_versions_reach_sglang_draft_only(draft: tuple[torch.nn.Module
     assert call("speco_draft_version") == [-1] and call("speco_reapply_draft") == [-1]
     assert sglang.calls == []
     path3, state3 = _publish(tmp_path / "pub", model, cfg, 3, 1.0)
-    assert call("speco_load_draft", str(path3), 3) == [True]
+    assert call("speco_load_draft", str(path3), 3) == [{"status": "loaded", "version": 3, "reason": ""}]
     updates = [c.body for c in sglang.calls if c.route == UPDATE]
     assert updates and all(b["selector"] == "draft" for b in updates)
     assert all(len(b["serialized_named_tensors"]) == 2 for b in updates)  # tp=2: one entry per rank
     check_draft_update(sglang.tensor_updates(), draft_config(cfg), tp_size=2, deserialize=RawBucketCodec.decode,
                        expected=publishable_tensors(state3, cfg))
     n = len(sglang.calls)
-    assert call("speco_load_draft", str(path3), 3) == [False] and len(sglang.calls) == n  # stale: nothing sent
+    (stale,) = call("speco_load_draft", str(path3), 3)
+    assert stale["status"] == "stale" and stale["version"] == 3 and len(sglang.calls) == n  # nothing sent
     path4, state4 = _publish(tmp_path / "pub", model, cfg, 4, 2.0)
-    assert call("speco_load_draft", str(path4), 4) == [True] and call("speco_draft_version") == [4]
+    assert call("speco_load_draft", str(path4), 4)[0]["status"] == "loaded" and call("speco_draft_version") == [4]
     check_draft_update(sglang.tensor_updates(n), draft_config(cfg), tp_size=2, deserialize=RawBucketCodec.decode,
                        expected=publishable_tensors(state4, cfg))
     n = len(sglang.calls)
@@ -113,5 +116,72 @@ def test_published_versions_reach_sglang_draft_only(draft: tuple[torch.nn.Module
         call("speco_drop")
     bare, _ = _publish(tmp_path / "bare", model, cfg, 1, 1.0, meta=False)
     fresh = Server((str(host), int(port)))
-    with pytest.raises(ValueError, match="meta.export_config"):
-        asyncio.run(fresh.speco_call("speco_load_draft", (str(bare), 1)))
+    (answer,) = asyncio.run(fresh.speco_call("speco_load_draft", (str(bare), 1)))
+    assert answer["status"] == "rejected" and "meta.export_config" in answer["reason"]
+
+
+def test_a_bad_publish_sends_nothing_and_a_failed_send_restores_the_previous_draft(
+        draft: tuple[torch.nn.Module, Eagle3ExportConfig], sglang: FakeSGLang, tmp_path: Path) -> None:
+    """The SGLang path verifies a version exactly as the vLLM worker does (`publish.verify_version`,
+    against the draft SGLang started from: `engine_kwargs.sglang.speculative_draft_model_path`)
+    before any request; a refusal mid-send re-sends the previous version, bit for bit."""
+    from drafters.eagle3.export import export_eagle3
+
+    from .publish_faults import CORRUPTIONS
+
+    model, cfg = draft
+    start = export_eagle3(model.state_dict(), cfg, tmp_path / "start", "native")
+    host, port = sglang.httpd.server_address[:2]
+    Server, _ = speco_sglang_classes(VerlServerStandIn, VerlReplicaStandIn)
+    server = Server((str(host), int(port)))
+    server.config.engine_kwargs = SimpleNamespace(sglang=SimpleNamespace(speculative_draft_model_path=str(start)))
+    server.speco_serialize = RawBucketCodec.encode
+
+    def load(path: Path, version: int) -> dict[str, Any]:
+        (answer,) = asyncio.run(server.speco_call("speco_load_draft", (str(path), version)))
+        return answer
+
+    path3, state3 = _publish(tmp_path / "pub", model, cfg, 3, 1.0)
+    assert load(path3, 3)["status"] == "loaded"
+    version = 3
+    down = "midlayer.mlp.down_proj.weight"
+    bad: dict[str, tuple[Any, str]] = {name: (c[0], f"{c[1]}: ") for name, c in CORRUPTIONS.items()}
+    for name, (corrupt, want) in bad.items():
+        version += 1
+        path, _ = _publish(tmp_path / "pub", model, cfg, version, 2.0)
+        corrupt(path)
+        calls, seen = len(sglang.calls), len(sglang.seen)
+        answer = load(path, version)
+        assert answer["status"] == "rejected" and answer["version"] == 3, name
+        assert answer["reason"].startswith(want), (name, answer["reason"])
+        assert len(sglang.calls) == calls and len(sglang.seen) == seen, f"{name}: something was sent"
+    for name, edit, want in [
+            ("wrong shape", lambda s: s.update({down: s[down][:, :-1].contiguous()}), f"spec: .*{down}: "),
+            ("all NaN", lambda s: [t.fill_(float("nan")) for t in s.values() if t.is_floating_point()],
+             "non_finite: "),
+            ("missing tensor", lambda s: s.pop("midlayer.hidden_norm.weight"), "spec: .*missing")]:
+        version += 1
+        state = {k: v.clone() for k, v in state3.items()}
+        edit(state)
+        path = write_version(tmp_path / "pub", version, state, bucket_bytes=64 << 10,
+                             meta={"export_config": dataclasses.asdict(cfg)}).path
+        seen = len(sglang.seen)
+        answer = load(path, version)
+        assert answer["status"] == "rejected" and re.search(want, answer["reason"]), (name, answer)
+        assert len(sglang.seen) == seen, f"{name}: something was sent"
+    version += 1
+    answer = load(path, version)  # an older version's directory offered under a new number
+    assert answer["status"] == "rejected" and answer["reason"].startswith("version: ")
+
+    version += 1
+    path, _ = _publish(tmp_path / "pub", model, cfg, version, 3.0)
+    sglang.inject[(UPDATE, sum(1 for r in sglang.seen if r == UPDATE) + 1)] = (
+        400, json.dumps({"success": False, "message": "planted: out of memory"}).encode())
+    n = len(sglang.calls)
+    answer = load(path, version)
+    assert answer["status"] == "failed" and answer["version"] == 3
+    assert "planted: out of memory" in answer["reason"] and "previous version 3 re-sent" in answer["reason"]
+    resent = [i for i, c in enumerate(sglang.calls[n:]) if c.route == "/begin_weight_update"][-1]
+    check_draft_update(sglang.tensor_updates(n + resent), draft_config(cfg), tp_size=2,
+                       deserialize=RawBucketCodec.decode, expected=publishable_tensors(state3, cfg))
+    assert asyncio.run(server.speco_call("speco_draft_version", ())) == [3]

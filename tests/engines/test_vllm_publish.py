@@ -7,6 +7,7 @@ One engine for the whole module (vLLM keeps one metrics registry per process).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from .conftest import (
     random_draft,
     single_cycle,
 )
+from .publish_faults import CORRUPTIONS
 
 pytestmark = pytest.mark.vllm
 
@@ -62,7 +64,7 @@ def _run(live: dict[str, Any]) -> dict[str, Any]:
     return metrics
 
 
-def _publish(live: dict[str, Any], name: str, version: int) -> bool:
+def _publish(live: dict[str, Any], name: str, version: int) -> list[dict[str, Any]]:
     from verl_speco.engines.vllm_engine import publish_draft
 
     pub = write_version(live["root"] / "versions", version, live["tensors"][name], bucket_bytes=64 << 10)
@@ -75,24 +77,25 @@ def test_swaps_change_vllm_acceptance_exactly(live: dict[str, Any]) -> None:
 
     before = _run(live)
     assert before["mean_acceptance_length"] < 1.5
-    assert _publish(live, "oracle", 1)
+    assert _publish(live, "oracle", 1) == [{"status": "loaded", "version": 1, "reason": ""}]
     oracle = _run(live)
     # the oracle is right at draft position 1 only, on every round (conftest)
     assert oracle["accepted_per_pos"] == [oracle["num_drafts"], 0, 0]
     assert oracle["mean_acceptance_length"] == 2.0
     stats = draft_stats(live["llm"])[0]
     assert stats["version"] == 1 and stats["loads"] == 1
-    assert _publish(live, "random", 2)
+    assert _publish(live, "random", 2)[0]["status"] == "loaded"
     assert _run(live) == before  # back to the exact figures of the starting draft
 
 
 def test_stale_publish_is_dropped_and_counted(live: dict[str, Any]) -> None:
     from verl_speco.engines.vllm_engine import draft_stats, publish_draft
 
-    assert _publish(live, "oracle", 3)
+    assert _publish(live, "oracle", 3)[0]["status"] == "loaded"
     digest = draft_stats(live["llm"])[0]["digest"]
     stale = live["root"] / "versions" / "v000002"  # the random draft, an older version
-    assert not publish_draft(live["llm"], stale, 2)
+    assert publish_draft(live["llm"], stale, 2) == [{"status": "stale", "version": 3,
+                                                     "reason": "version 2 <= the loaded version 3"}]
     stats = draft_stats(live["llm"])[0]
     assert stats["version"] == 3 and stats["dropped"] >= 1 and stats["digest"] == digest
     assert _run(live)["mean_acceptance_length"] == 2.0
@@ -101,7 +104,7 @@ def test_stale_publish_is_dropped_and_counted(live: dict[str, Any]) -> None:
 def test_latest_draft_survives_the_target_weight_sync(live: dict[str, Any]) -> None:
     from verl_speco.engines.vllm_engine import draft_stats, reload_target
 
-    assert _publish(live, "oracle", 4)
+    assert _publish(live, "oracle", 4)[0]["status"] == "loaded"
     digest = draft_stats(live["llm"])[0]["digest"]
     reload_target(live["llm"], live["target"])  # the target's own in-place weight sync
     after = draft_stats(live["llm"])[0]
@@ -112,7 +115,7 @@ def test_latest_draft_survives_the_target_weight_sync(live: dict[str, Any]) -> N
 def test_reapply_restores_the_published_draft_after_its_memory_was_overwritten(live: dict[str, Any]) -> None:
     from verl_speco.engines.vllm_engine import draft_stats
 
-    assert _publish(live, "oracle", 5)
+    assert _publish(live, "oracle", 5)[0]["status"] == "loaded"
     digest = draft_stats(live["llm"])[0]["digest"]
 
     def clobber(worker: Any) -> None:  # what a sleep that discards weights leaves behind
@@ -137,8 +140,137 @@ def test_process_registry_counters_equal_the_engines(live: dict[str, Any]) -> No
     assert process_spec_counters().num_drafts > 0
 
 
-def test_publish_of_a_missing_version_fails_clearly(live: dict[str, Any], tmp_path: Path) -> None:
+def test_publish_of_a_missing_version_is_refused_clearly(live: dict[str, Any], tmp_path: Path) -> None:
     from verl_speco.engines.vllm_engine import publish_draft
 
-    with pytest.raises(Exception, match="manifest"):
-        publish_draft(live["llm"], tmp_path / "nothing", 99)
+    (answer,) = publish_draft(live["llm"], tmp_path / "v000099", 99)
+    assert answer["status"] == "rejected" and "no publish manifest" in answer["reason"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Faults: a publish that is torn, wrong or tampered with never reaches the engine, and a failure
+# once the reload has started puts the previous draft back. After each: generation works, greedy
+# outputs equal plain decoding (the cycle continuation), and what is served is the previous version
+# (its digest, and the oracle's exact acceptance figures: mean 2.0, right at position 1 only).
+
+_VERSIONS = iter(range(100, 10_000))
+
+
+def _serve_oracle(live: dict[str, Any]) -> tuple[int, str]:
+    from verl_speco.engines.vllm_engine import draft_stats
+
+    version = next(_VERSIONS)
+    (answer,) = _publish(live, "oracle", version)
+    assert answer == {"status": "loaded", "version": version, "reason": ""}
+    return version, draft_stats(live["llm"])[0]["digest"]
+
+
+def _assert_serving(live: dict[str, Any], version: int, digest: str) -> dict[str, Any]:
+    from verl_speco.engines.vllm_engine import draft_stats
+
+    stats = draft_stats(live["llm"])[0]
+    assert stats["version"] == version and stats["digest"] == digest
+    metrics = _run(live)  # generation works and is lossless
+    assert metrics["mean_acceptance_length"] == 2.0
+    assert metrics["accepted_per_pos"] == [metrics["num_drafts"], 0, 0]
+    return stats
+
+
+def _offer(live: dict[str, Any], path: Path, version: int) -> dict[str, Any]:
+    from verl_speco.engines.vllm_engine import publish_draft
+
+    (answer,) = publish_draft(live["llm"], path, version)
+    return answer
+
+
+@pytest.mark.parametrize("name", list(CORRUPTIONS))
+def test_a_corrupt_publish_is_refused_before_the_engine_is_touched(live: dict[str, Any], name: str) -> None:
+    corrupt, reason, message = CORRUPTIONS[name]
+    good, digest = _serve_oracle(live)
+    rejected_before = _assert_serving(live, good, digest)["rejected"]
+    bad = next(_VERSIONS)
+    pub = write_version(live["root"] / "versions", bad, live["tensors"]["random"], bucket_bytes=64 << 10)
+    assert pub.num_buckets >= 3
+    corrupt(pub.path)
+    answer = _offer(live, pub.path, bad)
+    assert answer["status"] == "rejected" and answer["version"] == good
+    assert answer["reason"].startswith(f"{reason}: ") and re.search(message, answer["reason"])
+    stats = _assert_serving(live, good, digest)
+    assert stats["rejected"] == rejected_before + 1 and stats["last_reason"] == answer["reason"]
+    assert live["llm"].collective_rpc("speco_reapply_draft") == [good]  # the previous version re-applies
+    _assert_serving(live, good, digest)
+
+
+def _variant(live: dict[str, Any], version: int, edit: Any) -> Path:
+    state = {k: v.clone() for k, v in live["tensors"]["random"].items()}
+    edit(state)
+    return write_version(live["root"] / "versions", version, state, bucket_bytes=64 << 10).path
+
+
+@pytest.mark.parametrize("case", ["wrong shape", "wrong dtype", "all NaN", "one inf", "missing tensor",
+                                  "extra tensor", "old directory under a new version"])
+def test_a_wrong_publish_is_refused_and_the_previous_draft_keeps_serving(live: dict[str, Any], case: str) -> None:
+    good, digest = _serve_oracle(live)
+    bad = next(_VERSIONS)
+    down = "midlayer.mlp.down_proj.weight"
+    if case == "wrong shape":
+        path = _variant(live, bad, lambda s: s.update({down: s[down][:, :-1].contiguous()}))
+        want = f"spec: .*{down}: \\(\\(64, 127\\), 'float32'\\), expected \\(\\(64, 128\\), 'float32'\\)"
+    elif case == "wrong dtype":
+        path = _variant(live, bad, lambda s: s.update({down: s[down].to(torch.bfloat16)}))
+        want = f"spec: .*{down}: .*'bfloat16'\\), expected .*'float32'\\)"
+    elif case == "all NaN":
+        path = _variant(live, bad, lambda s: [t.fill_(float("nan")) for t in s.values() if t.is_floating_point()])
+        want = "non_finite: .* has 4096 non-finite values of 4096|non_finite: "
+    elif case == "one inf":
+        path = _variant(live, bad, lambda s: s[down].view(-1).__setitem__(7, float("inf")))
+        want = f"non_finite: .*{down} has 1 non-finite values"
+    elif case == "missing tensor":
+        path = _variant(live, bad, lambda s: s.pop("midlayer.hidden_norm.weight"))
+        want = "spec: .*missing \\['midlayer.hidden_norm.weight'\\], unexpected \\[\\]"
+    elif case == "extra tensor":
+        path = _variant(live, bad, lambda s: s.update({"lm_head.bias": torch.zeros(VOCAB)}))
+        want = "spec: .*missing \\[\\], unexpected \\['lm_head.bias'\\]"
+    else:  # the directory of the version being served, offered again under a new number
+        path, want = live["root"] / "versions" / f"v{good:06d}", f"version: .*offered as version {bad}"
+    answer = _offer(live, path, bad)
+    assert answer["status"] == "rejected" and answer["version"] == good
+    assert re.search(want, answer["reason"]), answer["reason"]
+    _assert_serving(live, good, digest)
+    assert live["llm"].collective_rpc("speco_reapply_draft") == [good]
+    _assert_serving(live, good, digest)
+
+
+def test_a_failure_after_the_reload_started_restores_the_previous_draft(live: dict[str, Any]) -> None:
+    """The reload is interrupted after its first bucket (vLLM's layer-wise reload has moved the
+    draft's layers to meta tensors by then): the previous weights must come back, bit for bit."""
+    good, digest = _serve_oracle(live)
+    bad = next(_VERSIONS)
+    pub = write_version(live["root"] / "versions", bad, live["tensors"]["random"], bucket_bytes=64 << 10)
+
+    def break_second_bucket(worker: Any) -> None:
+        model = worker.model_runner.drafter.model
+        original, calls = model.load_weights, []
+
+        def load_weights(weights: Any) -> Any:
+            calls.append(1)
+            if len(calls) == 2:
+                raise OSError("planted: the disk went away mid-reload")
+            return original(weights)
+
+        model.load_weights = load_weights
+
+    def unbreak(worker: Any) -> None:
+        del worker.model_runner.drafter.model.load_weights
+
+    live["llm"].collective_rpc(break_second_bucket)
+    try:
+        answer = _offer(live, pub.path, bad)
+    finally:
+        live["llm"].collective_rpc(unbreak)
+    assert answer["status"] == "failed" and answer["version"] == good
+    assert "planted: the disk went away" in answer["reason"] and f"previous version {good} restored" in answer["reason"]
+    _assert_serving(live, good, digest)
+    # the same (intact) version loads once the fault is gone: the engine was left able to reload
+    assert _offer(live, pub.path, bad)["status"] == "loaded"
+    assert _run(live)["mean_acceptance_length"] < 1.5  # the random draft is what serves now

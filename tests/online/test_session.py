@@ -19,7 +19,7 @@ from drafters.eagle3.export import Eagle3ExportConfig, expected_shapes
 from drafters.eagle3.family import FAMILY
 from verl_speco.online.capture import CapturedRows, OnlineCapture
 from verl_speco.online.config import CaptureCaps, DrafterOptim, DrafterRunConfig
-from verl_speco.online.publish import iter_buckets, read_manifest
+from verl_speco.online.publish import load_version, read_manifest
 from verl_speco.online.session import DrafterSession, FeatureBuffer, TargetHeadSnapshot
 
 LAYER_IDS = (2, 4, 5)
@@ -252,7 +252,7 @@ def test_publish_writes_increasing_versions_equal_to_engine_state(tmp_path: Path
     assert all(p.path.parent == tmp_path / "pub" for p in pubs)
     assert sorted(p.name for p in (tmp_path / "pub").iterdir()) == ["v000002", "v000003"]  # keep=2
     for pub, state in zip(pubs[1:], states[1:]):
-        got = {name: t for bucket in iter_buckets(pub.path) for name, t in bucket}
+        got = load_version(pub.path, pub.version)
         assert list(got) == list(state)
         for name, t in got.items():
             assert t.dtype == state[name].dtype

@@ -184,10 +184,15 @@ class _Replica:
 
     async def speco_call(self, method: str, args: tuple = ()) -> list[Any]:
         self.calls.append((method, tuple(args)))
-        if method == "speco_load_draft":
-            ok = int(args[1]) > self.version
-            self.version = max(self.version, int(args[1]))
-            return [ok, ok]  # two engine workers (TP=2)
+        if method == "speco_load_draft":  # answered like DraftReloadMixin.speco_load_draft
+            if str(args[0]).endswith("torn"):
+                status = "rejected"
+            else:
+                status = "loaded" if int(args[1]) > self.version else "stale"
+            if status == "loaded":
+                self.version = int(args[1])
+            answer = {"status": status, "version": self.version, "reason": "" if status == "loaded" else status}
+            return [answer, answer]  # two engine workers (TP=2)
         return [self.version, self.version]
 
 
@@ -200,6 +205,7 @@ def test_checkpoint_manager_reloads_the_latest_draft_after_every_wake_up() -> No
 
     trainer: Any = object.__new__(speco_trainer_cls(get_trainer_cls("sync")))
     trainer._speco_latest, trainer._speco_loaded, trainer._speco_sync_metrics = None, {}, {}
+    trainer._speco_refused, trainer._speco_refusals = {}, {}
     replicas = [_Replica(), _Replica()]
     manager = SpecoCheckpointEngineManager.wrap(
         CheckpointEngineManager(CheckpointEngineConfig(backend="naive"), actor_wg=None, replicas=replicas),
@@ -219,10 +225,20 @@ def test_checkpoint_manager_reloads_the_latest_draft_after_every_wake_up() -> No
     trainer._speco_latest = {"version": 3, "path": "/shm/v000003"}
     wake()
     assert trainer._speco_sync_metrics["drafter/served_version_min"] == 3.0
-    replicas[1].version = 9  # a replica that already holds a newer draft refuses the stale one
-    trainer._speco_latest = {"version": 4, "path": "/shm/v000004"}
-    with pytest.raises(RuntimeError, match="v4: rollout workers answered"):
-        wake()
+    # a publish the servers refuse (torn): they keep serving v3, it is counted and never offered again
+    trainer._speco_latest = {"version": 4, "path": "/shm/v000004-torn"}
+    assert wake() == [["wake_up", "speco_load_draft", "speco_draft_version"]] * 2
+    assert trainer._speco_sync_metrics["drafter/publish_rejected_total"] == 1.0
+    assert trainer._speco_sync_metrics["drafter/served_version_min"] == 3.0
+    assert wake() == [["wake_up", "speco_reapply_draft", "speco_draft_version"]] * 2  # v3 re-applied
+    trainer._speco_latest = {"version": 5, "path": "/shm/v000005"}  # the next good publish loads
+    wake()
+    assert trainer._speco_sync_metrics["drafter/served_version_min"] == 5.0
+    assert trainer._speco_sync_metrics["drafter/publish_rejected_total"] == 1.0
+    replicas[1].version = 9  # a replica that already holds a newer draft: stale, counted, not fatal
+    trainer._speco_latest = {"version": 6, "path": "/shm/v000006"}
+    wake()
+    assert trainer._speco_sync_metrics["drafter/publish_stale_total"] == 1.0
 
 
 def test_draft_loads_before_generation_resumes_after_a_non_naive_sync() -> None:
@@ -242,6 +258,7 @@ def test_draft_loads_before_generation_resumes_after_a_non_naive_sync() -> None:
     assert naive < abort < finalize < resume
     trainer: Any = object.__new__(speco_trainer_cls(get_trainer_cls("sync")))
     trainer._speco_latest, trainer._speco_loaded, trainer._speco_sync_metrics = None, {}, {}
+    trainer._speco_refused, trainer._speco_refusals = {}, {}
     trainer._speco_latest = {"version": 2, "path": "/shm/v000002"}
     replicas = [_Replica(), _Replica()]
     manager = SpecoCheckpointEngineManager.wrap(

@@ -16,7 +16,7 @@ from speco_verl_helpers import tiny_qwen3
 
 from verl_speco.online.capture import CapturedRows, OnlineCapture
 from verl_speco.online.config import CaptureCaps, DrafterOptim, DrafterRunConfig
-from verl_speco.online.publish import iter_buckets
+from verl_speco.online.publish import load_version
 from verl_speco.online.session import DrafterSession, TargetHeadSnapshot
 
 LAYER_IDS = (2, 4, 5)
@@ -89,7 +89,7 @@ def test_two_rank_fsdp2_group_trains_like_one_process(local_ray: Any, tmp_path: 
 
     published = ray.get(group.publish.remote())
     assert published["version"] == 1 and published["path"] is not None
-    served = {name: t for bucket in iter_buckets(published["path"]) for name, t in bucket}
+    served = load_version(published["path"], published["version"])
     want = reference.engine_state()
     assert sorted(served) == sorted(want)
     for name, t in want.items():

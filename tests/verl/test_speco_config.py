@@ -103,8 +103,14 @@ def test_speculative_config_from_drafter_and_conflicts() -> None:
     cfg = compose(["actor_rollout_ref.rollout.drafter.enable=true",
                    "actor_rollout_ref.rollout.drafter.num_speculative_tokens=4"])
     drafter = extract_drafter(cfg)
+    assert cfg.actor_rollout_ref.rollout.load_format == "dummy"  # verl's default
     kwargs = apply_speculative_config(cfg, drafter, "/drafts/v0")
     assert kwargs["speculative_config"] == {"method": "eagle3", "model": "/drafts/v0", "num_speculative_tokens": 4}
+    # dummy weights would make vLLM share the target's LM head with the draft (issue 10, bug B)
+    assert cfg.actor_rollout_ref.rollout.load_format == "auto"
+    kept = compose(["actor_rollout_ref.rollout.drafter.enable=true", "actor_rollout_ref.rollout.load_format=safetensors"])
+    apply_speculative_config(kept, extract_drafter(kept), "/drafts/v0")
+    assert kept.actor_rollout_ref.rollout.load_format == "safetensors"  # a real load format is left alone
     clash = compose(["actor_rollout_ref.rollout.drafter.enable=true",
                      "+actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.num_speculative_tokens=2"])
     with pytest.raises(DrafterConfigError, match="speculative_config.num_speculative_tokens: got 2"):

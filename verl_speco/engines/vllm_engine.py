@@ -155,6 +155,22 @@ class DraftReloadMixin:
     that rewrote the draft's memory (a sleep/wake that discarded weights, a full engine reload):
     the engine never falls back to the draft checkpoint it started from.
 
+    A publish never takes the live draft down:
+      1. it is verified completely before the model is touched (`publish.verify_version`: manifest,
+         version and directory, every bucket's size and checksum, names, shapes and dtypes equal to
+         the checkpoint the engine started its draft from, finite weights; and no tensor of it lands
+         in a module the draft shares with the target, `_speco_target_owned`); a refused one changes
+         nothing and is answered with its reason;
+      2. the verified tensors are held in host memory (one copy of the draft, checkpoint names);
+         any failure once the reload has started ends the reload and reloads the version held
+         before (or the start-up checkpoint): the previous version keeps serving, bit for bit.
+         A plain copy of the old parameters would not do: on CPU the linear layers serve from
+         weights repacked while loading, which only a reload rebuilds.
+    `speco_reapply_draft` reloads the held copy too, so it never depends on a version directory
+    that the publisher may have pruned since.
+    Every answer is `{"status": "loaded" | "stale" | "rejected" | "failed", "version": <held after>,
+    "reason": <why, "" when loaded>}`; the counts are in `speco_draft_stats()`.
+
     Reload: vLLM's layer-wise reload (`initialize_layerwise_reload`, `load_weights` bucket by
     bucket, `finalize_layerwise_reload` under the engine's config). A plain `load_weights` is not
     enough on CPU, where linear layers repack their weights after loading.
@@ -164,7 +180,8 @@ class DraftReloadMixin:
 
     def _speco_state(self) -> dict[str, Any]:
         state: dict[str, Any] = self.__dict__.setdefault(
-            "_speco", {"version": -1, "path": None, "loads": 0, "dropped": 0})
+            "_speco", {"version": -1, "path": None, "loads": 0, "dropped": 0, "rejected": 0, "failed": 0,
+                       "last_reason": "", "held": None})
         return state
 
     def _speco_draft_model(self) -> Any:
@@ -175,61 +192,179 @@ class DraftReloadMixin:
                                "speculative_config whose method is eagle/eagle3)")
         return model
 
-    def _speco_apply(self, path: str) -> None:
+    def _speco_start_dir(self) -> Path | None:
+        """The draft checkpoint directory the engine started from (None: not a local directory)."""
+        draft = Path(str(getattr(self.model_runner.vllm_config.speculative_config, "model", "") or ""))
+        return draft if draft.is_dir() else None
+
+    def _speco_expected(self) -> dict[str, Any] | None:
+        """(shape, dtype) per checkpoint name of the start-up draft checkpoint (None when that is not
+        a local directory: then only the version's own consistency is checked)."""
+        state = self._speco_state()
+        if "expected" not in state:
+            from verl_speco.online.publish import checkpoint_spec
+
+            start = self._speco_start_dir()
+            state["expected"] = checkpoint_spec(start) if start is not None else None
+        expected: dict[str, Any] | None = state["expected"]
+        return expected
+
+    def _speco_target_owned(self) -> dict[str, str]:
+        """Checkpoint-name prefixes of the draft's modules that ARE the target's modules -> the
+        target's name for them. vLLM shares the target's embedding with an EAGLE draft that has
+        none, and its LM head when the draft checkpoint gave no `lm_head` of its own (e.g. the
+        engine started with `load_format=dummy`) or one equal to the target's. A reload must never
+        write into those: it would overwrite the policy's own weights.
+
+        Example: the draft's `lm_head` is the target's `lm_head` -> {"lm_head": "lm_head"}; its
+        `model.embed_tokens` is the target's `model.embed_tokens` -> {"embed_tokens": "model.embed_tokens"}."""
+        target = getattr(self.model_runner, "model", None)
+        if target is None:
+            return {}
+        target_modules = {id(m): name for name, m in target.named_modules()}
+        owned: dict[str, str] = {}
+        for name, module in self._speco_draft_model().named_modules():
+            if name and id(module) in target_modules:
+                owned[name.removeprefix("model.")] = target_modules[id(module)]
+        return owned
+
+    def _speco_check_not_target_owned(self, names: list[str]) -> None:
+        from verl_speco.online.publish import PublishRejected
+
+        owned = self._speco_target_owned()
+        hits = sorted(f"{n} -> target {owned[p]}" for n in names for p in owned if n.startswith(p + "."))
+        if hits:
+            raise PublishRejected(
+                "shared", f"the publish would write into tensors the target owns ({', '.join(hits)}): vLLM shares "
+                          "them with the draft because its start-up checkpoint gave it none of its own "
+                          "(load_format=dummy, or a draft head equal to the target's). Start the rollout with "
+                          "load_format=auto and a draft checkpoint with its own lm_head")
+
+    def _speco_held(self) -> list[list[tuple[str, torch.Tensor]]] | None:
+        """The tensors of what serves now: the held version, else the start-up checkpoint."""
+        state = self._speco_state()
+        if state["held"] is not None:
+            held: list[list[tuple[str, torch.Tensor]]] = state["held"]
+            return held
+        start = self._speco_start_dir()
+        if start is None:
+            return None
+        from safetensors.torch import load_file
+
+        return [list(load_file(str(f)).items()) for f in sorted(start.glob("*.safetensors"))]
+
+    def _speco_reload(self, buckets: Any) -> None:
+        """vLLM's layer-wise reload of the draft from `buckets` (lists of (name, tensor))."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
 
-        from verl_speco.online.publish import iter_buckets
-
         model = self._speco_draft_model()
         config = self.model_runner.vllm_config
         with set_current_vllm_config(config), torch.no_grad():
             initialize_layerwise_reload(model)
-            for bucket in iter_buckets(path):
-                model.load_weights(bucket)
+            try:
+                for bucket in buckets:
+                    model.load_weights(bucket)
+            except BaseException:
+                _end_reload(model, config.speculative_config.draft_model_config)
+                raise
             finalize_layerwise_reload(model, config.speculative_config.draft_model_config)
 
-    def speco_load_draft(self, path: str, version: int) -> bool:
-        """Load version `version` from `path`; False (and counted) when it is not newer."""
+    def _speco_apply(self, buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
+        """Reload from verified `buckets`; on any failure, reload what served before, then re-raise."""
+        try:
+            self._speco_reload(buckets)
+        except BaseException:
+            previous = self._speco_held()
+            if previous is not None:
+                self._speco_reload(previous)
+            raise
+
+    def _speco_answer(self, status: str, reason: str = "") -> dict[str, Any]:
+        state = self._speco_state()
+        if status != "loaded":
+            state["last_reason"] = reason
+        return {"status": status, "version": int(state["version"]), "reason": reason}
+
+    def speco_load_draft(self, path: str, version: int) -> dict[str, Any]:
+        """Load version `version` from `path` when it is newer and verifies (class docstring)."""
+        from verl_speco.online.publish import PublishRejected, verified_buckets, verify_version
+
         state = self._speco_state()
         if int(version) <= state["version"]:
             state["dropped"] += 1
-            return False
-        self._speco_apply(str(path))
-        state.update(version=int(version), path=str(path), loads=state["loads"] + 1)
-        return True
+            return self._speco_answer("stale", f"version {version} <= the loaded version {state['version']}")
+        try:
+            manifest = verify_version(path, int(version), self._speco_expected())
+            self._speco_check_not_target_owned([n for b in manifest["buckets"] for n in b["names"]])
+            buckets = list(verified_buckets(path, manifest))
+        except PublishRejected as e:
+            state["rejected"] += 1
+            return self._speco_answer("rejected", f"{e.reason}: {e}")
+        try:
+            self._speco_apply(buckets)
+        except Exception as e:  # what served before is back (_speco_apply)
+            state["failed"] += 1
+            return self._speco_answer("failed", f"{type(e).__name__}: {e} (previous version {state['version']} "
+                                                "restored)")
+        state.update(version=int(version), path=str(path), loads=state["loads"] + 1, held=buckets)
+        return self._speco_answer("loaded")
 
     def speco_reapply_draft(self) -> int:
-        """Re-load the latest published version (no-op before the first publish); its version."""
+        """Re-load the held version from host memory (no-op before the first publish); its version."""
         state = self._speco_state()
-        if state["path"] is not None:
-            self._speco_apply(state["path"])
+        if state["held"] is not None:
+            self._speco_check_not_target_owned([n for b in state["held"] for n, _ in b])
+            self._speco_reload(state["held"])
         return int(state["version"])
 
     def speco_draft_version(self) -> int:
         return int(self._speco_state()["version"])
 
     def speco_draft_stats(self) -> dict[str, Any]:
-        """Version, path, loads, dropped stale publishes, and a digest of the live draft tensors."""
+        """Version, path, loads, dropped stale / rejected / failed publishes, the last reason, and a
+        digest of the live draft tensors."""
         import hashlib
 
         digest = hashlib.sha256()
         for name, tensor in sorted(self._speco_draft_model().state_dict().items()):
             digest.update(name.encode())
             digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-        return {**self._speco_state(), "digest": digest.hexdigest()}
+        stats = {k: v for k, v in self._speco_state().items() if k not in ("expected", "held")}
+        return {**stats, "digest": digest.hexdigest()}
 
 
-def publish_draft(llm: LLM, path: str | Path, version: int) -> bool:
-    """Send a published version to every worker of `llm` (started with `DRAFT_EXTENSION`).
+def _end_reload(model: Any, draft_config: Any) -> None:
+    """Leave vLLM's layer-wise reload after a failure: every layer back on its own (kernel) tensors,
+    loaders unwrapped. `finalize_layerwise_reload` does exactly that for layers that loaded nothing
+    or all; if it fails on a half-loaded layer, put the saved kernel tensors back directly."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, layerwise
+
+    try:
+        finalize_layerwise_reload(model, draft_config)
+        return
+    except Exception:
+        pass
+    for layer in model.modules():
+        info = layerwise.get_layerwise_info(layer)
+        if info.kernel_tensors is not None:
+            for tensor in layerwise.get_layer_tensors(layer).values():
+                setattr(tensor, "weight_loader", layerwise._get_original_loader(tensor))  # noqa: B010
+            layerwise._place_kernel_tensors(layer, info)
+        info.reset()
+    layerwise.LOADING_LAYERS.clear()
+
+
+def publish_draft(llm: LLM, path: str | Path, version: int) -> list[dict[str, Any]]:
+    """Send a published version to every worker of `llm` (started with `DRAFT_EXTENSION`); the
+    workers' answers (`DraftReloadMixin`: status, version held after, reason).
 
     `LLM.generate` is synchronous, so calling this between generate calls swaps the draft with
-    no request in flight. True when every worker loaded it; False when it was stale."""
-    results = llm.collective_rpc("speco_load_draft", args=(str(path), int(version)))
-    return all(bool(r) for r in results)
+    no request in flight."""
+    return list(llm.collective_rpc("speco_load_draft", args=(str(path), int(version))))
 
 
 def draft_stats(llm: LLM) -> list[dict[str, Any]]:

@@ -40,7 +40,7 @@ import torch
 from drafters.common.tokens import cut_at_end
 from verl_speco.online.capture import CapturedRows, OnlineCapture
 from verl_speco.online.config import CAPTURE_PASSES, SCHEDULES, CaptureCaps, DrafterOptim, DrafterRunConfig
-from verl_speco.online.publish import write_version
+from verl_speco.online.publish import load_outcome, write_version
 from verl_speco.online.session import DrafterSession, TargetHeadSnapshot
 
 STEP_PARTS = ("finetune_seconds", "target_sync_seconds", "rollout_seconds", "capture_seconds", "train_seconds",
@@ -134,8 +134,9 @@ class DriftHarness:
         t0 = time.perf_counter()
         pub = write_version(self.out / "publish", self.engine_version, state)
         t1 = time.perf_counter()
-        if not vllm_engine.publish_draft(llm, pub.path, pub.version):
-            raise RuntimeError(f"engine dropped publish version {pub.version} (stale)")
+        status, reasons = load_outcome(vllm_engine.publish_draft(llm, pub.path, pub.version))
+        if status != "loaded":
+            raise RuntimeError(f"engine did not load publish version {pub.version}: {status} {reasons}")
         return t1 - t0, time.perf_counter() - t1
 
     def _publish_round(self, llm: Any, session: DrafterSession, rec: dict[str, Any]) -> dict[str, torch.Tensor]:

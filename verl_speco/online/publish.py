@@ -3,16 +3,24 @@
 A published version is a directory, written atomically (temp dir + rename):
 
     <publish_dir>/v000042/
-        manifest.json        {"version": 42, "format": "verl_speco.draft_publish/1",
+        manifest.json        {"version": 42, "format": "verl_speco.draft_publish/2",
                               "buckets": [{"file": "bucket_000.safetensors", "bytes": N,
+                                           "file_bytes": F, "checksum": "s64x4k:...",
                                            "names": [...]}, ...], "total_bytes": ..., "meta": {...}}
         bucket_000.safetensors   tensors in checkpoint names (the engine's `load_weights` input)
         bucket_001.safetensors   ...
 
-Buckets bound the memory a receiver holds at once (each is memory-mapped and loaded in turn).
+Buckets bound the memory a receiver holds at once (each is read and loaded in turn).
 Tensors never travel pickled: the engine worker opens the files (a file handle on /dev/shm,
 i.e. shared memory, when `publish_dir` is under it) and reads the tensors with safetensors.
 Older versions are deleted once a newer one is written (`keep` newest are kept).
+
+Receivers never trust a version: `verify_version` checks it completely before an engine is
+touched (manifest parses and names this version and directory, every bucket present with its
+recorded size and checksum, names unique and as the manifest lists them, names/shapes/dtypes
+equal to the live draft's, every floating tensor finite) and raises `PublishRejected` with the
+reason; `verified_buckets` then yields the tensors from bytes whose checksum it checked again, so
+what an engine loads is exactly what was verified.
 """
 
 from __future__ import annotations
@@ -21,16 +29,19 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 
-FORMAT = "verl_speco.draft_publish/1"
+from feature_store.checksum import SectorSumHasher
+
+FORMAT = "verl_speco.draft_publish/2"
 MANIFEST = "manifest.json"
 DEFAULT_BUCKET_BYTES = 256 << 20
 
@@ -96,7 +107,9 @@ def write_version(publish_dir: str | Path, version: int, state: Mapping[str, tor
         save_file(tensors, str(tmp / file))
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         total += nbytes
-        buckets.append({"file": file, "bytes": nbytes, "names": names})
+        data = (tmp / file).read_bytes()
+        buckets.append({"file": file, "bytes": nbytes, "file_bytes": len(data), "checksum": bytes_checksum(data),
+                        "names": names})
     manifest = {"format": FORMAT, "version": version, "buckets": buckets, "total_bytes": total,
                 "meta": meta or {}}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -115,22 +128,176 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(root / f"v{old:06d}", ignore_errors=True)
 
 
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    file = Path(path) / MANIFEST
+def bytes_checksum(data: bytes) -> str:
+    """The Feature Store's ``s64x4k`` checksum of a bucket file's bytes (several GB/s)."""
+    hasher = SectorSumHasher()
+    hasher.update(data)
+    return hasher.hexdigest()
+
+
+TensorSpec = tuple[tuple[int, ...], str]  # (shape, dtype name as torch prints it without "torch.")
+
+
+def tensor_spec(tensor: torch.Tensor) -> TensorSpec:
+    return tuple(int(d) for d in tensor.shape), str(tensor.dtype).removeprefix("torch.")
+
+
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                       "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+                       "BOOL": "bool"}
+
+
+def checkpoint_spec(checkpoint_dir: str | Path) -> dict[str, TensorSpec]:
+    """Names, shapes and dtypes of the tensors in a checkpoint directory's `*.safetensors` files,
+    read from the headers only (what an engine loaded its draft from at start-up)."""
+    files = sorted(Path(checkpoint_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{checkpoint_dir}: no *.safetensors files (expected a draft checkpoint)")
+    spec: dict[str, TensorSpec] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                sl = f.get_slice(name)
+                dtype = sl.get_dtype()
+                spec[name] = (tuple(int(d) for d in sl.get_shape()), _SAFETENSORS_DTYPES.get(dtype, dtype))
+    return spec
+
+
+class PublishRejected(ValueError):
+    """A published version that must not reach an engine; `reason` is a short code for metrics
+    (manifest, version, bucket, checksum, tensors, spec, non_finite), the message says what and where."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def _manifest_file(path: Path) -> dict[str, Any]:
+    file = path / MANIFEST
     if not file.is_file():
-        raise FileNotFoundError(f"{file}: no publish manifest (expected a directory written by write_version)")
-    manifest: dict[str, Any] = json.loads(file.read_text())
+        raise PublishRejected("manifest", f"{file}: no publish manifest (expected a directory written by "
+                                          "write_version)")
+    try:
+        manifest = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise PublishRejected("manifest", f"{file}: not a JSON manifest ({e})") from None
+    if not isinstance(manifest, dict):
+        raise PublishRejected("manifest", f"{file}: got a JSON {type(manifest).__name__}, expected an object")
     if manifest.get("format") != FORMAT:
-        raise ValueError(f"{file}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+        raise PublishRejected("manifest", f"{file}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    buckets = manifest.get("buckets")
+    if not isinstance(buckets, list) or not buckets:
+        raise PublishRejected("manifest", f"{file}: buckets {buckets!r}, expected a non-empty list")
+    for i, b in enumerate(buckets):
+        ok = (isinstance(b, dict) and isinstance(b.get("file"), str) and isinstance(b.get("checksum"), str)
+              and isinstance(b.get("file_bytes"), int) and isinstance(b.get("names"), list)
+              and all(isinstance(n, str) for n in b["names"]) and "/" not in b["file"])
+        if not ok:
+            raise PublishRejected("manifest", f"{file}: buckets[{i}] = {b!r}, expected {{file, file_bytes, "
+                                              "checksum, names}} with a plain file name")
     return manifest
 
 
-def iter_buckets(path: str | Path) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Each bucket's (name, tensor) pairs, memory-mapped, in publish order."""
-    manifest = read_manifest(path)
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The parsed manifest of a version directory (structure checked; `PublishRejected` otherwise)."""
+    return _manifest_file(Path(path))
+
+
+def _bucket_bytes(path: Path, bucket: dict[str, Any]) -> bytes:
+    file = path / bucket["file"]
+    try:
+        data = file.read_bytes()
+    except FileNotFoundError:
+        raise PublishRejected("bucket", f"{file}: bucket missing (listed in the manifest)") from None
+    if len(data) != bucket["file_bytes"]:
+        raise PublishRejected("bucket", f"{file}: {len(data)} bytes, the manifest records {bucket['file_bytes']} "
+                                        "(truncated or torn)")
+    got = bytes_checksum(data)
+    if got != bucket["checksum"]:
+        raise PublishRejected("checksum", f"{file}: checksum {got}, the manifest records {bucket['checksum']}")
+    return data
+
+
+def _bucket_tensors(path: Path, bucket: dict[str, Any], data: bytes) -> dict[str, torch.Tensor]:
+    try:
+        tensors = load_safetensors(data)
+    except Exception as e:  # safetensors raises its own error types for a bad header
+        raise PublishRejected("bucket", f"{path / bucket['file']}: not a safetensors file ({e})") from None
+    if sorted(tensors) != sorted(bucket["names"]):
+        raise PublishRejected("tensors", f"{path / bucket['file']}: tensors {sorted(tensors)}, the manifest "
+                                         f"lists {sorted(bucket['names'])}")
+    return tensors
+
+
+def verify_version(path: str | Path, version: int,
+                   expected: Mapping[str, TensorSpec] | None = None) -> dict[str, Any]:
+    """Check a published version completely, touching nothing; its manifest, or `PublishRejected`.
+
+    `expected`: the live draft's checkpoint names -> (shape, dtype) (`checkpoint_spec` of the
+    checkpoint the engine started from); the version must hold exactly these. Reads every bucket
+    once (checksum at several GB/s, then a finiteness pass over the floating tensors)."""
+    path = Path(path)
+    manifest = _manifest_file(path)
+    if manifest.get("version") != int(version) or path.name != f"v{int(version):06d}":
+        raise PublishRejected("version", f"{path}: offered as version {version}, but the manifest says "
+                                         f"{manifest.get('version')!r} and the directory is {path.name!r} "
+                                         f"(expected v{int(version):06d} holding version {version})")
+    seen: dict[str, TensorSpec] = {}
     for bucket in manifest["buckets"]:
-        with safe_open(str(Path(path) / bucket["file"]), framework="pt") as f:
-            found = sorted(f.keys())
-            if found != sorted(bucket["names"]):
-                raise ValueError(f"{path}/{bucket['file']}: tensors {found}, manifest says {sorted(bucket['names'])}")
-            yield [(name, f.get_tensor(name)) for name in bucket["names"]]
+        tensors = _bucket_tensors(path, bucket, _bucket_bytes(path, bucket))
+        for name, tensor in tensors.items():
+            if name in seen:
+                raise PublishRejected("tensors", f"{path / bucket['file']}: {name} appears in two buckets")
+            seen[name] = tensor_spec(tensor)
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                bad = int((~torch.isfinite(tensor)).sum())
+                raise PublishRejected("non_finite", f"{path / bucket['file']}: {name} has {bad} non-finite "
+                                                    f"values of {tensor.numel()}")
+    if expected is not None:
+        missing, extra = sorted(set(expected) - set(seen)), sorted(set(seen) - set(expected))
+        if missing or extra:
+            raise PublishRejected("spec", f"{path}: tensors missing {missing}, unexpected {extra} "
+                                          "(expected exactly the live draft's)")
+        wrong = [f"{n}: {seen[n]}, expected {tuple(expected[n])}" for n in sorted(seen)
+                 if seen[n] != (tuple(expected[n][0]), expected[n][1])]
+        if wrong:
+            raise PublishRejected("spec", f"{path}: (shape, dtype) differ from the live draft's: " + "; ".join(wrong))
+    return manifest
+
+
+def verified_buckets(path: str | Path, manifest: dict[str, Any]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Each bucket's (name, tensor) pairs in publish order, from bytes whose size and checksum are
+    checked again (what `verify_version` accepted); `PublishRejected` if a file changed since."""
+    path = Path(path)
+    for bucket in manifest["buckets"]:
+        tensors = _bucket_tensors(path, bucket, _bucket_bytes(path, bucket))
+        yield [(name, tensors[name]) for name in bucket["names"]]
+
+
+def load_version(path: str | Path, version: int,
+                 expected: Mapping[str, TensorSpec] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of a verified version (`verify_version`, then `verified_buckets`), in publish order."""
+    manifest = verify_version(path, version, expected)
+    return {name: tensor for bucket in verified_buckets(path, manifest) for name, tensor in bucket}
+
+
+LOAD_STATUSES = ("loaded", "stale", "rejected", "failed")
+
+
+def load_outcome(answers: Sequence[Mapping[str, Any]]) -> tuple[str, list[str]]:
+    """One status for the answers of every engine worker to a load (`loaded` only when all loaded;
+    else the first other status, in the order rejected, failed, stale) and their distinct reasons.
+
+    Example: [{"status": "loaded", ...}, {"status": "rejected", "reason": "checksum: ..."}]
+    -> ("rejected", ["checksum: ..."])."""
+    if not answers:
+        return "failed", ["no engine worker answered"]
+    statuses = [str(a.get("status")) for a in answers]
+    unknown = sorted(set(statuses) - set(LOAD_STATUSES))
+    if unknown:
+        raise ValueError(f"answers: statuses {unknown}, expected one of {LOAD_STATUSES}")
+    reasons = list(dict.fromkeys(str(a.get("reason", "")) for a in answers if a.get("status") != "loaded"))
+    for status in ("rejected", "failed", "stale"):
+        if status in statuses:
+            return status, reasons
+    return "loaded", []

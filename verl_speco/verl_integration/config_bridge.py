@@ -108,9 +108,23 @@ def apply_speculative_config(config: DictConfig, drafter: DrafterRunConfig, draf
                     continue
                 have_c = OmegaConf.to_container(have, resolve=True) if isinstance(have, DictConfig) else have
                 _check_consistent(engine, key, have_c, value)
+    if engine == "vllm":
+        draft_gets_own_head(config)
     out = OmegaConf.to_container(config.actor_rollout_ref.rollout.engine_kwargs[engine], resolve=True)
     assert isinstance(out, dict)
     return {str(k): v for k, v in out.items()}
+
+
+def draft_gets_own_head(config: DictConfig) -> None:
+    """`actor_rollout_ref.rollout.load_format`: "dummy" (verl's default) becomes "auto" when vLLM serves
+    a drafter. With dummy weights vLLM sees no `lm_head` in the EAGLE draft's checkpoint and hands the
+    draft the TARGET's LM head (`llm_base_proposer._maybe_share_lm_head`), so every draft publish
+    would overwrite the policy's head; with "auto" the draft loads its own. The engine side refuses
+    such a publish anyway (`DraftReloadMixin._speco_target_owned`)."""
+    rollout = config.actor_rollout_ref.rollout
+    if str(rollout.get("load_format", "dummy")) == "dummy":
+        with open_dict(rollout):
+            rollout.load_format = "auto"
 
 
 def _check_consistent(engine: str, key: str, have: Any, want: Any) -> None:

@@ -2,7 +2,9 @@
 
 The trainer (`trainer.py`) talks to every rollout replica through two calls:
 `replica.speco_call(method, args)` with `method` in `DRAFT_METHODS`
-(`speco_load_draft(path, version)` -> True, or False for a stale version; `speco_reapply_draft()` ->
+(`speco_load_draft(path, version)` -> `{"status": "loaded" | "stale" | "rejected" | "failed", "version":
+<held after>, "reason": ...}`: a version is verified completely before anything reaches the engine
+and a refused or failed one leaves the previous draft serving; `speco_reapply_draft()` ->
 the version re-applied, -1 before the first; `speco_draft_version()` -> the version held, -1 before
 the first), answered by every engine worker of every server of the replica, and
 `replica.speco_spec_counters()`, the replica's cumulative spec-decode counters.
@@ -64,15 +66,20 @@ class SpecoReplicaMixin:
 
 
 def publish_export_config(path: str | Path) -> Any:
-    """The `Eagle3ExportConfig` a published version was written for (its manifest's meta)."""
+    """The `Eagle3ExportConfig` a published version was written for (its manifest's meta);
+    `PublishRejected` when the manifest is unusable or has none."""
     from drafters.eagle3.export import Eagle3ExportConfig
-    from verl_speco.online.publish import read_manifest
+    from verl_speco.online.publish import PublishRejected, read_manifest
 
     meta = read_manifest(path).get("meta", {})
-    if "export_config" not in meta:
-        raise ValueError(f"{path}: the publish manifest has no meta.export_config (written by "
-                         "DrafterSession.publish); an SGLang server cannot build its update without it")
-    return Eagle3ExportConfig(**meta["export_config"])
+    if not isinstance(meta, dict) or not isinstance(meta.get("export_config"), dict):
+        raise PublishRejected("manifest", f"{path}: the publish manifest has no meta.export_config (written by "
+                                          "DrafterSession.publish); an SGLang server cannot build its update "
+                                          "without it")
+    try:
+        return Eagle3ExportConfig(**meta["export_config"])
+    except TypeError as e:
+        raise PublishRejected("manifest", f"{path}: meta.export_config: {e}") from None
 
 
 class SGLangDraftServerMixin:
@@ -86,6 +93,7 @@ class SGLangDraftServerMixin:
     get_server_address: Callable[[], tuple[str, int]]  # verl's (annotation only: the server class has it)
     speco_serialize: Any = None  # None: SGLang's own serializer (engines/sglang_engine.py)
     _speco_publisher: Any = None
+    _speco_spec: dict[str, Any] | None = None
 
     def _speco_client(self) -> Any:
         from verl_speco.engines.sglang_http import SGLangHTTPClient
@@ -94,21 +102,58 @@ class SGLangDraftServerMixin:
         host = f"[{host}]" if ":" in host else host  # IPv6
         return SGLangHTTPClient(f"http://{host}:{port}", timeout_s=SGLANG_REQUEST_TIMEOUT_S)
 
-    def _speco_run(self, method: str, args: tuple) -> Any:
-        from verl_speco.engines.sglang_publish import SGLangDraftPublisher
-        from verl_speco.online.publish import iter_buckets
+    def _speco_expected(self) -> dict[str, Any] | None:
+        """(shape, dtype) per checkpoint name of the draft SGLang started from
+        (`engine_kwargs.sglang.speculative_draft_model_path`, as `apply_speculative_config` sets it),
+        else those of the first version this server accepted; None before either is known."""
+        if self._speco_spec is None:
+            from verl_speco.online.publish import checkpoint_spec
 
-        if method == "speco_load_draft":
-            path, version = str(args[0]), int(args[1])
+            kwargs = getattr(getattr(self.config, "engine_kwargs", None), "sglang", None)
+            draft = getattr(kwargs, "speculative_draft_model_path", None) if kwargs is not None else None
+            if draft and Path(str(draft)).is_dir():
+                self._speco_spec = checkpoint_spec(str(draft))
+        return self._speco_spec
+
+    def _speco_answer(self, status: str, reason: str = "") -> dict[str, Any]:
+        latest = None if self._speco_publisher is None else self._speco_publisher.latest_version
+        return {"status": status, "version": -1 if latest is None else int(latest), "reason": reason}
+
+    def _speco_load(self, path: str, version: int) -> dict[str, Any]:
+        """Verify the version completely (`publish.verify_version`) before anything is sent; a
+        failure while sending re-sends the previous version (the draft SGLang held before)."""
+        from verl_speco.engines.sglang_publish import SGLangDraftPublisher
+        from verl_speco.online.publish import PublishRejected, load_version, tensor_spec
+
+        if self._speco_publisher is not None and self._speco_publisher.latest_version is not None \
+                and version <= self._speco_publisher.latest_version:
+            self._speco_publisher.dropped += 1
+            return self._speco_answer("stale", f"version {version} <= the loaded version "
+                                               f"{self._speco_publisher.latest_version}")
+        try:
             cfg = publish_export_config(path)
-            if self._speco_publisher is None:
-                tp = int(getattr(self.config, "tensor_model_parallel_size", 1) or 1)
-                self._speco_publisher = SGLangDraftPublisher(self._speco_client(), cfg, tp_size=tp,
-                                                             serialize=self.speco_serialize)
-            elif self._speco_publisher.cfg != cfg:
-                raise ValueError(f"{path}: export config differs from the draft this server was publishing")
-            state = {name: t for bucket in iter_buckets(path) for name, t in bucket}
-            return bool(self._speco_publisher.publish(state, version))
+            if self._speco_publisher is not None and self._speco_publisher.cfg != cfg:
+                raise PublishRejected("manifest", f"{path}: export config differs from the draft this server "
+                                                  "was publishing")
+            state = load_version(path, version, self._speco_expected())
+        except PublishRejected as e:
+            return self._speco_answer("rejected", f"{e.reason}: {e}")
+        if self._speco_publisher is None:
+            tp = int(getattr(self.config, "tensor_model_parallel_size", 1) or 1)
+            self._speco_publisher = SGLangDraftPublisher(self._speco_client(), cfg, tp_size=tp,
+                                                         serialize=self.speco_serialize)
+        try:
+            self._speco_publisher.publish(state, version)
+        except Exception as e:
+            restored = self._speco_publisher.reapply()  # the previous update (-1: there was none)
+            return self._speco_answer("failed", f"{type(e).__name__}: {e} (previous version {restored} re-sent)")
+        if self._speco_spec is None:
+            self._speco_spec = {name: tensor_spec(t) for name, t in state.items()}
+        return self._speco_answer("loaded")
+
+    def _speco_run(self, method: str, args: tuple) -> Any:
+        if method == "speco_load_draft":
+            return self._speco_load(str(args[0]), int(args[1]))
         if self._speco_publisher is None:
             return -1
         if method == "speco_reapply_draft":

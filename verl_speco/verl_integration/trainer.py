@@ -25,6 +25,7 @@ disabled (or in `offline` mode) every override falls through to verl. Otherwise:
 from __future__ import annotations
 
 import asyncio
+import logging
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -38,6 +39,7 @@ from verl.utils.ray_utils import auto_await
 
 from verl_speco.engines.spec_metrics import SpecCounters, acceptance_summary
 from verl_speco.online.config import DrafterConfigError, DrafterRunConfig
+from verl_speco.online.publish import load_outcome
 from verl_speco.verl_integration.config_bridge import (
     apply_speculative_config,
     extract_drafter,
@@ -51,6 +53,7 @@ from verl_speco.verl_integration.worker import (
 )
 
 ACTOR_ROLES = (Role.Actor, Role.ActorRollout, Role.ActorRolloutRef)
+logger = logging.getLogger(__name__)
 
 
 class SpecoCheckpointEngineManager(CheckpointEngineManager):
@@ -116,6 +119,8 @@ class SpecoTrainerMixin:
         self._speco_rounds = 0
         self._speco_latest: dict[str, Any] | None = None  # the newest publish {"version", "path", ...}
         self._speco_loaded: dict[int, int] = {}  # id(checkpoint manager) -> version its replicas hold
+        self._speco_refused: dict[int, int] = {}  # id(checkpoint manager) -> newest version they refused
+        self._speco_refusals: dict[str, int] = {}  # drafter/publish_{rejected,failed,stale}_total
         self._speco_sync_metrics: dict[str, float] = {}
         self._speco_warned: set[str] = set()
         self._speco_counters = SpecCounters()  # the rollout servers' cumulative counters at the last step
@@ -208,19 +213,26 @@ class SpecoTrainerMixin:
         replicas = list(manager.replicas)
         held = self._speco_loaded.get(id(manager), -1)
         pub = self._speco_latest
-        if pub is not None and int(pub["version"]) > held:
+        refused = self._speco_refused.get(id(manager), -1)
+        if pub is not None and int(pub["version"]) > max(held, refused):
             answers = await self._speco_replica_call(replicas, "speco_load_draft", (pub["path"], int(pub["version"])))
-            if not all(bool(a) for a in answers):
-                raise RuntimeError(f"drafter publish v{pub['version']}: rollout workers answered {answers} "
-                                   "(False = they already hold a newer version)")
-            self._speco_loaded[id(manager)] = int(pub["version"])
-            self._speco_sync_metrics["drafter/publish_load_seconds"] = time.perf_counter() - started
+            status, reasons = load_outcome(answers)
+            if status == "loaded":
+                self._speco_loaded[id(manager)] = int(pub["version"])
+                self._speco_sync_metrics["drafter/publish_load_seconds"] = time.perf_counter() - started
+            else:  # the servers keep serving the draft they held; this version is not offered again
+                self._speco_refused[id(manager)] = int(pub["version"])
+                key = f"drafter/publish_{status}_total"
+                self._speco_refusals[key] = self._speco_refusals.get(key, 0) + 1
+                logger.warning("drafter publish v%s not loaded by the rollout servers (%s): %s; they keep "
+                               "serving v%s", pub["version"], status, "; ".join(reasons), held)
         elif held >= 0:
             await self._speco_replica_call(replicas, "speco_reapply_draft")
             self._speco_sync_metrics["drafter/reapply_seconds"] = time.perf_counter() - started
         versions = await self._speco_replica_call(replicas, "speco_draft_version")
         if versions:
             self._speco_sync_metrics["drafter/served_version_min"] = float(min(int(v) for v in versions))
+        self._speco_sync_metrics.update({k: float(v) for k, v in self._speco_refusals.items()})
 
     # ------------------------------------------------------------- the step
 
