@@ -36,19 +36,38 @@ class TokenizedChat:
         return int(self.loss_mask.sum())
 
 
+def _objects(value: Any, where: str, key: str, fields: str) -> list[dict[str, Any]]:
+    """`value` must be a list of JSON objects (one per message)."""
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: {key!r} is {_short(value)} ({type(value).__name__}): expected a list of "
+                         f"objects with {fields}")
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}: {key}[{i}] is {_short(m)} ({type(m).__name__}): expected a list of "
+                             f"objects with {fields}")
+    return value
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def normalize_record(record: Any, where: str) -> list[Message]:
     """One JSONL row -> a list of chat messages. Accepted rows: ``{"messages": [...]}`` (OpenAI
     style), ``{"conversations": [{"from", "value"}]}`` (ShareGPT), or ``{"prompt": str | messages,
-    "response": str (optional)}``."""
+    "response": str (optional)}``. ``where`` (``file:line``) starts every error message."""
     if not isinstance(record, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
     if "messages" in record:
-        raw = record["messages"]
+        raw = _objects(record["messages"], where, "messages", "'role' and 'content'")
     elif "conversations" in record:
-        raw = [{"role": m.get("from"), "content": m.get("value")} for m in record["conversations"]]
+        raw = [{"role": m.get("from"), "content": m.get("value")}
+               for m in _objects(record["conversations"], where, "conversations", "'from' and 'value'")]
     elif "prompt" in record:
         prompt = record["prompt"]
-        raw = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        raw = ([{"role": "user", "content": prompt}] if isinstance(prompt, str)
+               else list(_objects(prompt, where, "prompt", "'role' and 'content' (or a string)")))
         if record.get("response") is not None:
             raw.append({"role": "assistant", "content": record["response"]})
     else:
@@ -67,15 +86,25 @@ def normalize_record(record: Any, where: str) -> list[Message]:
 
 
 def load_chats(path: str | Path, max_samples: int | None = None) -> list[list[Message]]:
-    """Read a JSONL chat dataset (blank lines skipped); the first ``max_samples`` rows."""
+    """Read a JSONL chat dataset (blank lines skipped); the first ``max_samples`` rows. Errors name
+    ``file:line`` (bad UTF-8, bad JSON, a row of the wrong shape); a missing file names the path."""
     chats: list[list[Message]] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the chat dataset ({e.strerror}); expected a JSONL file") from e
+    with f:
+        for lineno, raw_line in enumerate(f, 1):
             if max_samples is not None and len(chats) >= max_samples:
                 break
+            where = f"{path}:{lineno}"
+            try:
+                line = raw_line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{where}: not valid UTF-8 (byte {raw_line[e.start]:#04x} at column "
+                                 f"{e.start + 1}); expected UTF-8 JSON lines") from e
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:

@@ -3,10 +3,11 @@
     verl-speco-collect --target DIR --data chats.jsonl --store STORE --algorithm eagle3 --generate
 
 Steps per process (rank/world size from ``RANK``/``WORLD_SIZE``; rank r takes rows r, r+n, ...):
-load the target (float32) and its tokenizer, optionally generate the assistant responses with the
-target, tokenize with the chat template (loss mask on response tokens), run batched forwards
-(right padding + attention mask; length-sorted so batches pad little) with capture hooks, and
-write one record per sample through one ``StoreWriter``.
+read and check the dataset (errors name ``file:line``), check and load the target (float32) and its
+tokenizer, optionally generate the assistant responses with the target, tokenize with the chat
+template (loss mask on response tokens), run batched forwards (right padding + attention mask;
+length-sorted so batches pad little) with capture hooks, and write one record per sample through
+one ``StoreWriter``. Bad input is one line ``verl-speco-collect: error: ...`` and exit status 2.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,36 @@ def forward_records(model: nn.Module, chats: Sequence[TokenizedChat], layer_ids:
     return batch_records(chats, feats)
 
 
+_EXPECTED_TARGET = "expected an HF model directory (config.json, weights, tokenizer) or a hub id"
+
+
+def check_target(target: str | Path) -> bool:
+    """True for a local model directory, False for a hub id (``org/name``); anything else (a path
+    that does not exist, a directory without config.json) raises naming it."""
+    path = Path(target)
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--target {str(target)!r}: not a model directory (no config.json); "
+                             f"{_EXPECTED_TARGET}")
+        return True
+    text = str(target)
+    if text.startswith(("/", ".", "~")) or text.count("/") != 1:
+        raise ValueError(f"--target {text!r}: no such directory; {_EXPECTED_TARGET}")
+    return False
+
+
+def _load(target: str | Path, what: str, load: Callable[[], Any]) -> Any:
+    """``load()``, with a failure reported against ``--target`` (a bad or partial model directory)."""
+    from safetensors import SafetensorError
+
+    try:
+        return load()
+    except (OSError, ValueError, SafetensorError) as e:
+        detail = " ".join(str(e).split())
+        raise ValueError(f"--target {str(target)!r}: cannot load the {what} ({type(e).__name__}: {detail[:300]}); "
+                         f"{_EXPECTED_TARGET}") from e
+
+
 def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
@@ -113,11 +144,15 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: expected >= 1")
     rank, world_size = _rank_world(rank, world_size)
+    chats = load_chats(data, max_samples)[rank::world_size]  # first: the data fails fast, the model loads slowly
     torch.manual_seed(seed)
+    if tokenizer is None or model is None:
+        check_target(target)
     if tokenizer is None:
-        tokenizer = AutoTokenizer.from_pretrained(target)
+        tokenizer = _load(target, "tokenizer", lambda: AutoTokenizer.from_pretrained(target))
     if model is None:
-        loaded: Any = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+        loaded: Any = _load(target, "model",
+                            lambda: AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32))
         model = loaded.to(device)
     model.eval()
     hf_config: Any = model.config
@@ -127,7 +162,6 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
     end_ids = end_token_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
 
-    chats = load_chats(data, max_samples)[rank::world_size]
     unfinished = 0
     if generate:
         prompts = [encode_prompt(tokenizer, prompt_messages(c)) for c in chats]
@@ -199,7 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         layers = [int(x) for x in args.layers.split(",") if x.strip()] if args.layers else None
     except ValueError:
-        print(f"verl-speco-collect: --layers {args.layers!r}: expected comma-separated integers", file=sys.stderr)
+        print(f"verl-speco-collect: error: --layers {args.layers!r}: expected comma-separated integers",
+              file=sys.stderr)
         return 2
     from feature_store import StoreError
 
@@ -211,7 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_length=args.max_length, min_response_tokens=args.min_response_tokens, seed=args.seed,
             last_hidden=False if args.no_last_hidden else None, target_model_id=args.target_model_id, device=args.device)
     except (ValueError, OSError, StoreError) as e:
-        print(f"verl-speco-collect: error: {e}", file=sys.stderr)
+        print(f"verl-speco-collect: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     if summary.rows and summary.dropped_short == summary.rows and not args.generate:
         print("verl-speco-collect: warning: every row was dropped for a short response; prompt-only rows "
