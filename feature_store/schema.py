@@ -15,11 +15,14 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dc_field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from feature_store.errors import LayoutMismatchError, SchemaError
+
+if TYPE_CHECKING:
+    from feature_store.layout_select import LayoutSelection
 
 SCHEMA_VERSION = 1
 # dtype name -> (torch dtype, safetensors dtype code)
@@ -137,6 +140,13 @@ class Layout:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Layout:
         return cls(tuple(d["layer_ids"]), d["convention"], d["last_hidden"], d.get("tag", ""))
+
+    def select(self, wanted: Layout) -> LayoutSelection:
+        """How a store of this layout serves ``wanted`` (a subset of its layer ids, any order): see
+        ``feature_store/layout_select.py``. Raises ``LayoutMismatchError`` naming the missing ids."""
+        from feature_store.layout_select import select_layout
+
+        return select_layout(self, wanted)
 
     def check_matches(self, expected: Layout) -> None:
         """Raise ``LayoutMismatchError`` naming every differing entry (store vs expected)."""
@@ -258,10 +268,12 @@ class Schema:
 def standard_schema(layout: Layout, *, hidden_size: int, vocab_size: int, target_model_id: str,
                     hidden_dtype: str = "bfloat16", ids_dtype: str = "int64", topk: int | None = None,
                     extra: Sequence[FieldSpec] = ()) -> Schema:
-    """The docs/internals.md fields: input_ids, loss_mask, aux_hidden, last_hidden (unless the layout's
-    ``last_hidden`` is ``"none"``), optional target top-k ids/logprobs ``[T, topk]``. bf16 by default."""
-    fields = [FieldSpec("input_ids", ids_dtype), FieldSpec("loss_mask", "uint8"),
-              FieldSpec("aux_hidden", hidden_dtype, (len(layout.layer_ids) * hidden_size,))]
+    """The docs/internals.md fields: input_ids, loss_mask, aux_hidden (unless the layout has no layer
+    ids), last_hidden (unless the layout's ``last_hidden`` is ``"none"``), optional target top-k
+    ids/logprobs ``[T, topk]``. bf16 by default."""
+    fields = [FieldSpec("input_ids", ids_dtype), FieldSpec("loss_mask", "uint8")]
+    if layout.layer_ids:
+        fields.append(FieldSpec("aux_hidden", hidden_dtype, (len(layout.layer_ids) * hidden_size,)))
     if layout.last_hidden != "none":
         fields.append(FieldSpec("last_hidden", hidden_dtype, (hidden_size,)))
     if topk:
