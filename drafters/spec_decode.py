@@ -13,6 +13,15 @@ Greedy mode (temperature 0) reproduces plain greedy decoding exactly; sampling m
 target's distribution exactly (lossless). Drafting is greedy by default (vLLM's default); with
 draft_sampling="probabilistic" the proposer samples with the same sampling params and returns q.
 Stats follow vLLM's counters (common/metrics.py).
+
+EAGLE-2 dynamic tree (`tree_speculative_generate`, drafter: any `TreeProposer`, common/tree.py):
+    tree = build_draft_tree(proposer, ctx, TreeConfig(top_k, depth, total_tokens))
+    ONE target pass over [x_0..x_n; tree nodes] with the tree attention mask and positions
+    (C = n + 1; the target must accept a 4-D additive `attention_mask` and `position_ids`, as HF
+    Qwen3 / Llama do); row n scores the root's children, row n + 1 + i node i's children;
+    verify_tree_greedy / verify_tree_sampling (drafters/verify.py) walk the accepted path; commit
+    it plus one target token, and keep the target's hidden states of x_0..x_n and of the path
+    (each node's row equals a causal pass over its path, so they are the committed states).
 """
 
 from __future__ import annotations
@@ -27,7 +36,15 @@ from drafters.common.contract import DraftContext, Proposer
 from drafters.common.metrics import AcceptanceStats
 from drafters.common.sampling import SamplingParams, logits_to_probs, sample
 from drafters.common.tokens import cut_at_end
-from drafters.verify import verify_greedy, verify_sampling
+from drafters.common.tree import (
+    TreeConfig,
+    TreeProposer,
+    additive_mask,
+    build_draft_tree,
+    tree_attention_mask,
+    tree_position_ids,
+)
+from drafters.verify import verify_greedy, verify_sampling, verify_tree_greedy, verify_tree_sampling
 
 
 @dataclass
@@ -113,6 +130,62 @@ def speculative_generate(target: nn.Module, proposer: Proposer, prompt_ids: Tens
             accepted, nxt = verify_sampling(drafts, q, logits_to_probs(rows, sampling), generator)
         stats.record(k, accepted)
         emitted = [*drafts[:accepted].tolist(), nxt]
+        new.extend(emitted)
+        committed = torch.cat([committed, committed.new_tensor(emitted)])
+    return SpecDecodeResult(_finish(new, max_new_tokens, eos_token_id), stats)
+
+
+@torch.no_grad()
+def target_tree_forward(target: nn.Module, token_ids: Tensor, mask: Tensor,
+                        position_ids: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
+    """token_ids [T], mask bool [T, T] (True = may attend), position_ids [T] -> (logits [T, V]
+    float32, hidden_states: L + 1 tensors [T, H]). The mask goes in as a 4-D additive float mask
+    [1, 1, T, T] in the target's dtype (HF uses a 4-D mask unchanged)."""
+    param = next(target.parameters(), None)
+    dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
+    device = param.device if param is not None else torch.device("cpu")
+    out = target(input_ids=token_ids[None].to(device), attention_mask=additive_mask(mask, dtype).to(device),
+                 position_ids=position_ids[None].to(device), output_hidden_states=True)
+    if out.hidden_states is None:
+        raise ValueError("target: returned no hidden_states for output_hidden_states=True")
+    return out.logits[0].float().cpu(), tuple(h[0].cpu() for h in out.hidden_states)
+
+
+@torch.no_grad()
+def tree_speculative_generate(target: nn.Module, tree_proposer: TreeProposer, prompt_ids: Tensor, *,
+                              top_k: int, depth: int, total_tokens: int, max_new_tokens: int,
+                              sampling: SamplingParams | None = None, eos_token_id: int | None = None,
+                              generator: torch.Generator | None = None) -> SpecDecodeResult:
+    """Generate up to `max_new_tokens` after `prompt_ids` [T0] with EAGLE-2 dynamic-tree drafts
+    (module docstring; TreeConfig documents top_k / depth / total_tokens). Stats: one draft per
+    round, num_draft_tokens += tree nodes, accepted = accepted path length, per-depth counts."""
+    cfg = TreeConfig(top_k, depth, total_tokens)
+    if max_new_tokens < 1 or prompt_ids.numel() < 1:
+        raise ValueError(f"need max_new_tokens >= 1 and a non-empty prompt; got {max_new_tokens}, "
+                         f"{prompt_ids.numel()} prompt tokens")
+    sampling = sampling or SamplingParams()
+    committed = prompt_ids.long().cpu().clone()
+    logits, hidden = target_forward(target, committed)
+    hidden = tuple(h.cpu() for h in hidden)
+    new = [_next_token(logits[-1].cpu(), sampling, generator)]
+    committed = torch.cat([committed, committed.new_tensor(new)])
+    stats = AcceptanceStats()
+    while not _done(new, max_new_tokens, eos_token_id):
+        n = committed.numel() - 1
+        tree = build_draft_tree(tree_proposer, DraftContext(committed, tuple(h[:n] for h in hidden)), cfg)
+        c = n + 1
+        logits, hidden = target_tree_forward(target, torch.cat([committed, tree.token_ids]),
+                                             tree_attention_mask(tree.parents, c), tree_position_ids(tree.depths, c))
+        rows = logits[n:]  # [N + 1, V]: row 0 at the root x_n, row 1 + i at node i
+        if sampling.greedy:
+            path, nxt = verify_tree_greedy(tree.token_ids, tree.parents, rows)
+        else:
+            path, nxt = verify_tree_sampling(tree.token_ids, tree.parents, logits_to_probs(rows, sampling),
+                                             generator)
+        stats.record(tree.num_nodes, len(path), num_positions=cfg.depth)
+        keep = torch.cat([torch.arange(c), c + torch.tensor(path, dtype=torch.int64)])  # committed rows
+        hidden = tuple(h[keep] for h in hidden)
+        emitted = [*tree.token_ids[path].tolist(), nxt]
         new.extend(emitted)
         committed = torch.cat([committed, committed.new_tensor(emitted)])
     return SpecDecodeResult(_finish(new, max_new_tokens, eos_token_id), stats)

@@ -5,6 +5,23 @@ q is one-hot at the draft token, as vLLM does with draft_probs=None); target row
 where row i scores draft token i (0-based) and row k is the bonus position.
 Each function returns (num_accepted in 0..k, next_token): the first num_accepted draft tokens
 are kept, then next_token (recovered at the first rejection, else the bonus) is emitted.
+
+Trees (EAGLE-2, drafters/common/tree.py): token_ids / parents int64 [N]; target rows [N + 1, V],
+row 0 at the root x_n (scores the root's children), row 1 + i at node i (scores its children,
+or is the bonus row when the walk ends at node i). The walk starts at the root; it returns
+(path: accepted node indices root-to-node, next_token). Sampling scheme, multi-candidate
+speculative sampling with DETERMINISTIC candidates (EAGLE-2's top-k children; SafeAILab
+`evaluate_posterior`): at a node with target distribution p, try its children c_1, c_2, ... in
+node order (rank order); q is one-hot at the child being tried, so child token x is accepted with
+probability min(1, p(x)/1) = p(x); after a rejection p <- norm(max(p - onehot(x), 0)), i.e. p
+with x zeroed and renormalised (`recovered_distribution` with q one-hot); accepting a child moves the walk there (its own row);
+when every child is rejected (or the node is a leaf) next_token is drawn from the current p.
+Lossless: by induction over the children, token x_j is emitted with probability
+prod_{i<j}(1 - p_i(x_i)) * p_j(x_j) = p(x_j) (p_j is p with x_1..x_{j-1} removed), and any
+other token y with prod_i (1 - p_i(x_i)) * p_m(y) = p(y); so each step emits exactly the
+target's distribution at that position, and the next step conditions on what was emitted.
+(Candidates SAMPLED from q with or without replacement would need SpecInfer's / the recursive
+rejection scheme with the real q; this decoder drafts trees by top-k only.)
 """
 
 from __future__ import annotations
@@ -13,6 +30,7 @@ import torch
 from torch import Tensor
 
 from drafters.common.sampling import sample
+from drafters.common.tree import tree_children
 
 
 def _check(draft_ids: Tensor, target_rows: Tensor) -> int:
@@ -61,3 +79,48 @@ def verify_sampling(draft_ids: Tensor, draft_probs: Tensor | None, target_probs:
         q_row = None if draft_probs is None else draft_probs[i]
         return i, int(sample(recovered_distribution(target_probs[i], q_row, x), generator))
     return k, int(sample(target_probs[k], generator))
+
+
+def _check_tree(token_ids: Tensor, parents: Tensor, rows: Tensor) -> list[list[int]]:
+    n = token_ids.numel()
+    if parents.numel() != n or rows.dim() != 2 or rows.shape[0] != n + 1:
+        raise ValueError(f"tree verify: {n} tokens, {parents.numel()} parents, target rows "
+                         f"{tuple(rows.shape)}; expected ({n + 1}, V)")
+    return tree_children(parents)
+
+
+def verify_tree_greedy(token_ids: Tensor, parents: Tensor, target_logits: Tensor) -> tuple[list[int], int]:
+    """Temperature 0: from the root, move to the child whose token is the target argmax of the
+    current row while there is one; emit the target argmax of the row where the walk stops."""
+    children = _check_tree(token_ids, parents, target_logits)
+    target_ids = target_logits.argmax(-1)  # [N + 1]
+    path: list[int] = []
+    row = 0
+    while True:
+        want = int(target_ids[row])
+        nxt = next((c for c in children[row] if int(token_ids[c]) == want), None)
+        if nxt is None:
+            return path, want
+        path.append(nxt)
+        row = 1 + nxt
+
+
+def verify_tree_sampling(token_ids: Tensor, parents: Tensor, target_probs: Tensor,
+                         generator: torch.Generator | None = None) -> tuple[list[int], int]:
+    """Multi-candidate speculative sampling over a tree of deterministic candidates (module
+    docstring). target_probs [N + 1, V] are after temperature / top-k / top-p."""
+    children = _check_tree(token_ids, parents, target_probs)
+    path: list[int] = []
+    row = 0
+    while True:
+        p = target_probs[row].double()
+        moved = False
+        for c in children[row]:
+            x = int(token_ids[c])
+            if float(torch.rand((), generator=generator, dtype=torch.float64)) < float(p[x]):
+                path.append(c)
+                row, moved = 1 + c, True
+                break
+            p = recovered_distribution(p, None, x)
+        if not moved:
+            return path, int(sample(p, generator))

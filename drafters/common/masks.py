@@ -26,6 +26,12 @@ other query; every query keeps its own position (the diagonal of each block), so
 row (it carries no loss) is never empty (no NaN). With key_valid = [1, 1, 0, 0] the step-0
 blocks of rows 2 and 3 above become `1 1 1 0` and `1 1 0 1`; real rows are unchanged under right
 padding.
+
+Precomputed masks
+-----------------
+`dense_attention_mask(mask)` wraps a bool [Tq, Tk] matrix (e.g. the EAGLE-2 tree mask of
+`drafters.common.tree`) as a mask function `mask[q_idx, kv_idx]`, the same for every batch row
+and head. Worked example: mask = [[1, 0], [1, 1]] is the causal mask for T = 2.
 """
 
 from __future__ import annotations
@@ -56,6 +62,18 @@ class AttentionMask:
         kv = torch.arange(self.kv_len, device=device).view(1, 1, 1, -1)
         out = self.mask_mod(b, h, q, kv)
         return out.expand(self.batch, 1, self.q_len, self.kv_len).to(torch.bool)
+
+
+def dense_attention_mask(mask: Tensor, batch: int = 1) -> AttentionMask:
+    """A precomputed bool mask [Tq, Tk] (True = may attend) as an `AttentionMask` for `batch` rows."""
+    if mask.dim() != 2:
+        raise ValueError(f"mask: got shape {tuple(mask.shape)}, expected [Tq, Tk]")
+    table = mask.to(torch.bool)
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return table.to(q_idx.device)[q_idx, kv_idx]
+
+    return AttentionMask(mask_mod, batch, table.shape[0], table.shape[1])
 
 
 def ttt_mask_mod(key_valid: Tensor, q_offset: int = 0) -> MaskMod:

@@ -10,6 +10,14 @@ num_accepted_tokens, num_accepted_tokens_per_pos[i] (rounds whose draft token i 
 
 Worked example: 2 rounds with k = 3; round 1 accepts 3 (all), round 2 accepts 1 ->
 accepted 4, per_pos [2, 1, 1], mean acceptance length 1 + 4/2 = 3.0, rate 4/6.
+
+Trees (EAGLE-2, drafters/common/tree.py), the same counters: a round (one draft) proposes a tree
+of N nodes (num_draft_tokens += N) and accepts one root-to-node path of L nodes (num_accepted
++= L); accepted_per_pos[d] counts the rounds whose accepted path reached depth d + 1, with one
+entry per tree depth (`record(N, L, num_positions=depth)`). Mean acceptance length is still
+1 + accepted / num_drafts; the draft acceptance rate accepted / N is low by construction (a tree
+spends N nodes on one path). Worked example: depth 3, 8 nodes; rounds accept paths of 3 and 0
+nodes -> accepted 3, per_pos [1, 1, 1], mean acceptance length 1 + 3/2 = 2.5, rate 3/16.
 """
 
 from __future__ import annotations
@@ -27,15 +35,20 @@ class AcceptanceStats:
     num_accepted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
 
-    def record(self, num_proposed: int, num_accepted: int) -> None:
-        """One verification round: `num_proposed` draft tokens, the first `num_accepted` accepted."""
-        if not 0 <= num_accepted <= num_proposed:
-            raise ValueError(f"num_accepted: got {num_accepted}, expected 0..{num_proposed}")
+    def record(self, num_proposed: int, num_accepted: int, num_positions: int | None = None) -> None:
+        """One verification round: `num_proposed` draft tokens, the first `num_accepted` accepted.
+
+        num_positions: positions a draft can reach (default num_proposed: a chain); a tree passes
+        its depth, and num_accepted is then the length of the accepted root-to-node path.
+        """
+        positions = num_proposed if num_positions is None else num_positions
+        if not 0 <= num_accepted <= min(num_proposed, positions):
+            raise ValueError(f"num_accepted: got {num_accepted}, expected 0..{min(num_proposed, positions)}")
         self.num_drafts += 1
         self.num_draft_tokens += num_proposed
         self.num_accepted += num_accepted
-        if len(self.accepted_per_pos) < num_proposed:
-            self.accepted_per_pos.extend([0] * (num_proposed - len(self.accepted_per_pos)))
+        if len(self.accepted_per_pos) < positions:
+            self.accepted_per_pos.extend([0] * (positions - len(self.accepted_per_pos)))
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
 

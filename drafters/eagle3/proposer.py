@@ -6,6 +6,11 @@ Round with committed tokens x_0..x_n and target features at positions 0..n-1:
   2. step i >= 2: embed(d_{i-1}) with the previous step's PRE-norm hidden (no fc) at the next
      position, attending to every earlier key (prefix rows + earlier steps of this row).
 Recomputed from scratch each round (no draft KV cache across rounds): same numbers, simpler.
+
+Tree drafting (`expand`, the `TreeProposer` protocol of drafters/common/tree.py, EAGLE-2): one
+forward over [prefix rows 0..n-1; tree nodes], each node row pairing embed(token) with its
+parent's PRE-norm hidden (no fc), at position n + depth - 1, attending to the prefix rows, its
+ancestors and itself: the chain step above, with the earlier steps replaced by the ancestors.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ from __future__ import annotations
 import torch
 
 from drafters.common.contract import DraftContext, Proposal
+from drafters.common.masks import dense_attention_mask
 from drafters.common.sampling import SamplingParams, logits_to_probs, sample
+from drafters.common.tree import TreeExpansion, TreeNodes, tree_attention_mask, tree_position_ids
 from drafters.common.vocab import draft_logits_to_target
 from drafters.eagle3.model import Eagle3Model
 
@@ -59,3 +66,28 @@ class Eagle3Proposer:
             if i + 1 < num_tokens:
                 state = model.step(state, token.view(1))
         return Proposal(torch.stack(tokens).long().cpu(), torch.stack(probs).cpu() if probs else None)
+
+    @torch.no_grad()
+    def expand(self, ctx: DraftContext, nodes: TreeNodes) -> TreeExpansion:
+        """Draft log-probs [N + 1, V] (target vocab) and pre-norm hidden [N + 1, H] of the root
+        (row 0: the prefix's last row, which predicts the token after x_n) and of every node."""
+        ids = ctx.token_ids
+        n = ids.numel() - 1
+        if n < 1:
+            raise ValueError(f"expand: need >= 2 committed tokens, got {n + 1}")
+        aux = aux_features(ctx, self.aux_layer_ids)
+        if aux.shape[0] != n:
+            raise ValueError(f"target_hidden_states: {aux.shape[0]} positions, expected {n} (tokens 0..n-1)")
+        model = self.model
+        device = model.fc.weight.device
+        h = model.fc(aux.to(device, model.fc.weight.dtype))  # [n, H]
+        tokens = ids[1:].to(device)
+        if nodes.num_nodes:
+            h = torch.cat([h, nodes.parent_hidden.to(device, h.dtype)])  # [n + N, H]
+            tokens = torch.cat([tokens, nodes.token_ids.to(device)])
+        mask = dense_attention_mask(tree_attention_mask(nodes.parents, n))
+        pos = tree_position_ids(nodes.depths, n).to(device)
+        out, _ = model._layers(model.embed_tokens(tokens)[None], h[None], pos[None], mask, None)
+        rows = out[0, n - 1:]  # [N + 1, H]
+        logits = draft_logits_to_target(model.lm_head(model.norm(rows)).float(), model.d2t, model.spec.vocab_size)
+        return TreeExpansion(torch.log_softmax(logits, -1).cpu(), rows.cpu())
