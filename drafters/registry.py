@@ -57,7 +57,8 @@ def _m(engine: str, method: str, note: str = "", **extra: Any) -> EngineMethod:
 
 
 CATALOG: Mapping[str, CatalogEntry] = MappingProxyType({e.name: e for e in (
-    CatalogEntry("eagle1", "EAGLE-1: feature-level autoregressive draft over the target's last hidden state", None,
+    CatalogEntry("eagle1", "EAGLE-1: feature-level autoregressive draft over the target's last hidden state",
+                 "drafters.eagle1.family:FAMILY",
                  (_m("vllm", "eagle"), _m("sglang", "EAGLE"))),
     CatalogEntry("eagle2", "EAGLE-2: EAGLE-1 weights with dynamic-tree drafting", None,
                  (_m("vllm", "eagle", note="vLLM drafts a chain; the dynamic tree is not realised"),

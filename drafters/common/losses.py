@@ -69,3 +69,18 @@ def masked_match_count(pred: Tensor, target: Tensor, mask: Tensor) -> tuple[Tens
     """(number of masked rows with pred == target, number of masked rows); pred/target/mask [...]."""
     m = mask.to(torch.bool)
     return ((pred == target) & m).sum().float(), m.sum().float()
+
+
+def smooth_l1_rows(pred: Tensor, target: Tensor, mask: Tensor, beta: float = 1.0) -> tuple[Tensor, Tensor]:
+    """sum over rows of mask * mean_h SmoothL1(pred, target), and sum(mask) (EAGLE-1's v-loss).
+
+    SmoothL1(d) = 0.5 d^2 / beta if |d| < beta else |d| - 0.5 beta (torch.nn.SmoothL1Loss).
+    pred, target [..., H] (target no grad), mask [...] (0/1 or bool). Returns (numerator scalar,
+    denominator scalar float). Worked example: pred [[0, 3]], target [[0.5, 0]], mask [1] ->
+    per-element (0.125, 2.5), mean 1.3125 -> (1.3125, 1.0).
+    """
+    if pred.shape != target.shape:
+        raise ValueError(f"pred {tuple(pred.shape)} vs target {tuple(target.shape)}")
+    per_row = torch.nn.functional.smooth_l1_loss(pred.float(), target.float(), reduction="none", beta=beta).mean(-1)
+    m = mask.to(per_row.dtype)
+    return (per_row * m).sum(), m.sum().detach()

@@ -1,0 +1,114 @@
+"""EAGLE-1 batch preparation and training objective (algorithms.md section 1; SafeAILab
+`eagle/train/main.py`).
+
+Data layout (one right-padded batch, positions p = 0..T-1, f_p = post-norm last hidden at p):
+    row t: input token x_{t+1} (ids shifted left by 1, 0-filled), input feature f_t,
+           regression target f_{t+1} (features shifted left by 1, 0-filled),
+           row mask = loss_mask[t] & real(t) & real(t + 1)  (the last real row is always 0).
+The mask is SafeAILab's: loss_mask at the row itself (x_t is an assistant token), with the last
+entry set to 0 because f_{t+1} does not exist there. (EAGLE-3 here reads the mask one position
+later, at the input token; see drafters/eagle3/objective.py.)
+
+Worked example, T = 5, one sample of length 4 plus 1 padding, tokens [x0, x1, x2, x3, pad],
+loss_mask [0, 1, 1, 1, 0]:
+    input ids      [x1, x2, x3, 0,  0]
+    input features [f0, f1, f2, f3, 0]
+    targets        [f1, f2, f3, 0,  0]
+    row mask       [0,  1,  1,  0,  0]   (row 0: prompt token; row 3: no f4)
+so row 1 pairs (x2, f1) and must reproduce f2, whose target-head distribution predicts x3.
+
+Loss over masked rows r (N = their count):
+    L = value_weight * sum_r mean_h SmoothL1(f^_r, f_r) / N
+      + prob_weight * sum_r CE_soft(softmax(head(f_r)), log_softmax(head(f^_r))) / N,
+head = the frozen target LM head. Returned as ObjectiveOutput with S = 2 terms (value, prob).
+Training mode adds (U[0,1) - 0.5) * feature_noise * 512 / len to the INPUT features (len = the
+sample's own length), drawn from the caller's generator (default: torch's global RNG).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from drafters.common.losses import ObjectiveOutput, masked_match_count, smooth_l1_rows, soft_cross_entropy
+from drafters.common.masks import shift_left
+from drafters.common.metrics import simulated_acceptance_length
+from drafters.eagle1.model import Eagle1Model
+
+REQUIRED_FIELDS = ("input_ids", "loss_mask", "last_hidden")
+NOISE_REFERENCE_LEN = 512  # SafeAILab scales the noise by 512 / seq_len
+
+
+@dataclass
+class Eagle1Rows:
+    """The shifted training rows of a batch: input_ids [B, T] (row t = x_{t+1}), input_features
+    [B, T, H] (row t = f_t), target_features [B, T, H] (row t = f_{t+1}), row_mask bool [B, T]."""
+
+    input_ids: Tensor
+    input_features: Tensor
+    target_features: Tensor
+    row_mask: Tensor
+
+
+def check_batch(batch: dict[str, Tensor]) -> None:
+    missing = [k for k in (*REQUIRED_FIELDS, "attention_mask") if k not in batch]
+    if missing:
+        raise KeyError(f"EAGLE-1 batch: missing fields {missing} (has {sorted(batch)})")
+    b, t = batch["input_ids"].shape
+    for key in ("loss_mask", "attention_mask"):
+        if tuple(batch[key].shape) != (b, t):
+            raise ValueError(f"EAGLE-1 batch: {key} is {tuple(batch[key].shape)}, expected {(b, t)}")
+    if batch["last_hidden"].dim() != 3 or tuple(batch["last_hidden"].shape[:2]) != (b, t):
+        raise ValueError(f"EAGLE-1 batch: last_hidden is {tuple(batch['last_hidden'].shape)}, expected ({b}, {t}, H)")
+
+
+def shift_rows(batch: dict[str, Tensor]) -> Eagle1Rows:
+    """The data layout of the module docstring (no noise)."""
+    real = batch["attention_mask"].to(torch.bool)  # [B, T]
+    features = batch["last_hidden"]  # [B, T, H]
+    row_mask = batch["loss_mask"].to(torch.bool) & real & shift_left(real, 1, fill=False)
+    return Eagle1Rows(shift_left(batch["input_ids"].long(), 1), features, shift_left(features, 1), row_mask)
+
+
+def feature_noise(features: Tensor, lengths: Tensor, scale: float,
+                  generator: torch.Generator | None = None) -> Tensor:
+    """(U[0,1) - 0.5) * scale * 512 / lengths[b], float32 [B, T, H] on the features' device."""
+    u = torch.rand(features.shape, generator=generator, device=features.device, dtype=torch.float32)
+    per_sample = scale * NOISE_REFERENCE_LEN / lengths.to(features.device, torch.float32).clamp(min=1)
+    return (u - 0.5) * per_sample[:, None, None]
+
+
+def eagle1_objective(model: Eagle1Model, batch: dict[str, Tensor],
+                     generator: torch.Generator | None = None) -> ObjectiveOutput:
+    """One micro-batch: terms (SmoothL1 value loss, soft-CE prob loss), weights (v_w, p_w).
+
+    Metrics (sum, count) over masked rows: acc_step0 (argmax head(f^) == argmax head(f)),
+    sim_accept_len (1 + acc with k = 1: a teacher-forced single step), vloss, ploss.
+    """
+    check_batch(batch)
+    rows = shift_rows(batch)
+    inputs = rows.input_features
+    if model.training and model.cfg.feature_noise > 0:
+        lengths = batch.get("lengths", batch["attention_mask"].sum(1))
+        inputs = inputs + feature_noise(inputs, lengths, model.cfg.feature_noise, generator).to(inputs.dtype)
+    predicted = model(rows.input_ids, inputs, batch["attention_mask"].to(torch.bool))  # [B, T, H]
+    b, t = rows.row_mask.nonzero(as_tuple=True)  # the head runs on the N loss rows only
+    pred_rows, target_rows = predicted[b, t], rows.target_features[b, t].to(predicted.dtype)  # [N, H]
+    ones = torch.ones(b.shape[0], dtype=torch.bool, device=predicted.device)
+    vnum, den = smooth_l1_rows(pred_rows, target_rows.detach(), ones)
+    with torch.no_grad():
+        target_logits = model.head_logits(target_rows)  # [N, V]
+        target_probs = torch.softmax(target_logits.float(), dim=-1)
+    draft_logits = model.head_logits(pred_rows)  # [N, V]
+    pnum, _ = soft_cross_entropy(target_probs, draft_logits, ones)
+    cfg = model.cfg
+    hits, count = masked_match_count(draft_logits.detach().argmax(-1), target_logits.argmax(-1), ones)
+    correct = torch.zeros_like(rows.row_mask)
+    correct[b, t] = draft_logits.detach().argmax(-1) == target_logits.argmax(-1)
+    metrics = {"acc_step0": (hits, count),
+               "sim_accept_len": simulated_acceptance_length(correct[None], rows.row_mask[None]),
+               "vloss": (vnum.detach(), den), "ploss": (pnum.detach(), den)}
+    weights = torch.tensor([cfg.value_weight, cfg.prob_weight], dtype=torch.float32, device=predicted.device)
+    return ObjectiveOutput(torch.stack([vnum, pnum]), torch.stack([den, den]).detach(), weights, metrics)

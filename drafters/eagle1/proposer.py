@@ -1,0 +1,51 @@
+"""EAGLE-1 chain drafting for the reference decoder, as vLLM's EAGLE proposer does it (`method="eagle"`).
+
+Round with committed tokens x_0..x_n and target features f_0..f_{n-1} (post-norm last hidden):
+  1. prefill: rows t = 0..n-1 pair embed(x_{t+1}) with f_t at RoPE position t; the last row's
+     predicted feature f^_n gives draft token d_1 = pick(target_lm_head(f^_n));
+  2. step i >= 2: embed(d_{i-1}) with the previous step's OWN predicted feature (hidden + residual,
+     no norm) at the next position, attending to every earlier key.
+Worked example, n = 3: prefill rows (x1, f0), (x2, f1), (x3, f2) -> f^_3 -> d_1; step 2 pairs
+(d_1, f^_3) at position 3 -> f^_4 -> d_2; step 3 pairs (d_2, f^_4) at position 4 -> d_3.
+Recomputed from scratch each round (no draft KV cache across rounds): same numbers, simpler.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drafters.common.contract import DraftContext, Proposal
+from drafters.common.sampling import SamplingParams, logits_to_probs, sample
+from drafters.eagle1.model import Eagle1Model
+
+
+class Eagle1Proposer:
+    def __init__(self, model: Eagle1Model):
+        self.model = model
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext, num_tokens: int, sampling: SamplingParams,
+                generator: torch.Generator | None = None) -> Proposal:
+        ids = ctx.token_ids
+        n = ids.numel() - 1
+        if n < 1 or num_tokens < 1:
+            raise ValueError(f"propose: need >= 2 committed tokens and num_tokens >= 1, got {n + 1} and {num_tokens}")
+        features = ctx.target_hidden_states[-1]  # [n, H] post-final-norm (HF hidden_states[L])
+        if features.shape[0] != n:
+            raise ValueError(f"target_hidden_states[-1]: {features.shape[0]} positions, expected {n} (tokens 0..n-1)")
+        model = self.model
+        device = model.fc.weight.device
+        state = model.prefill(ids[1:].to(device)[None], features.to(device)[None])
+        tokens, probs = [], []
+        for i in range(num_tokens):
+            logits = state.logits[0].float()  # [V], the target vocab
+            if sampling.greedy:
+                token = logits.argmax()
+            else:
+                q = logits_to_probs(logits, sampling)
+                token = sample(q, generator)
+                probs.append(q)
+            tokens.append(token)
+            if i + 1 < num_tokens:
+                state = model.step(state, token.view(1))
+        return Proposal(torch.stack(tokens).long().cpu(), torch.stack(probs).cpu() if probs else None)
