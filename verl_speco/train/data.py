@@ -4,6 +4,10 @@
   a micro-batch is `data.micro_batch_size` consecutive samples of the rank's stream, or, with
   `data.token_budget`, the reader's token-budget packing. Samples longer than `max_seq_len` are
   cut to their first `max_seq_len` tokens (every per-token field alike).
+- Layout: the store may hold more layers than the family reads (one store collected with the
+  union of several families' layers, `verl-speco-collect --layout-of eagle1,eagle3`): every sample's
+  `aux_hidden` is cut to the family's layer ids, in the family's order (`Layout.select`); a store
+  without some of them fails naming the missing ids. An exact-layout store is read unchanged.
 - Checksums: every shard is verified against its commit record when first opened (default
   `data.verify_checksums=true`; a mismatch stops training naming the shard).
 - Held-out: `data.eval_store`, or with `data.eval_fraction` > 0 the last shards of every writer
@@ -15,13 +19,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
-from feature_store import ChecksumError, StoreIndex, StoreReader
+from feature_store import ChecksumError, Layout, LayoutMismatchError, StoreIndex, StoreReader
+from feature_store.layout_select import LayoutSelection
 from feature_store.store import list_commits, load_store
 from verl_speco.train.config import ConfigError, DataSection
 
@@ -76,45 +81,78 @@ def train_shard_set(cfg: DataSection) -> tuple[dict[str, int] | None, list[Any]]
     return {w: cs[kept[w] - 1].seq + 1 for w, cs in by_writer.items()}, held
 
 
-def open_train_reader(cfg: DataSection, rank: int, world_size: int, layout: Any,
+def layout_selection(store: object, store_layout: Layout, layout: Layout) -> LayoutSelection:
+    """How the store at `store` (layout `store_layout`) serves `layout`; `LayoutMismatchError`
+    naming the store, the missing layer ids and both layouts when it cannot."""
+    try:
+        return store_layout.select(layout)
+    except LayoutMismatchError as err:
+        raise LayoutMismatchError(f"{store}: {err}") from err
+
+
+def _selector(source: StoreReader | StoreIndex, layout: Layout | None) -> Callable[[Sample], Sample]:
+    if layout is None:
+        return lambda s: s
+    sel = layout_selection(source.root, source.schema.layout, layout)
+    return (lambda s: s) if sel.identity else sel.apply
+
+
+def open_train_reader(cfg: DataSection, rank: int, world_size: int, layout: Layout,
                       fields: tuple[str, ...], shard_set: dict[str, int] | None) -> StoreReader:
-    return StoreReader(cfg.store, seed=cfg.seed, rank=rank, world_size=world_size, shuffle=cfg.shuffle,
-                       expect_layout=layout, expect_fields=fields, prefetch=cfg.prefetch,
-                       verify_checksums=cfg.verify_checksums, shard_set=shard_set)
+    """This rank's reader of `data.store`, which must serve `layout` (its layers or more) and hold
+    `fields` (`aux_hidden` is not asked of a store when `layout` has no layer ids)."""
+    reader = StoreReader(cfg.store, seed=cfg.seed, rank=rank, world_size=world_size, shuffle=cfg.shuffle,
+                         expect_fields=store_fields(fields, layout), prefetch=cfg.prefetch,
+                         verify_checksums=cfg.verify_checksums, shard_set=shard_set)
+    try:
+        layout_selection(cfg.store, reader.schema.layout, layout)
+    except LayoutMismatchError:
+        reader.close()
+        raise
+    return reader
 
 
-def open_eval_index(cfg: DataSection, held: list[Any], layout: Any, fields: tuple[str, ...]) -> StoreIndex | None:
+def store_fields(fields: tuple[str, ...], layout: Layout) -> tuple[str, ...]:
+    """The fields a store must hold for a family: `aux_hidden` only when `layout` has layer ids."""
+    return fields if layout.layer_ids else tuple(f for f in fields if f != "aux_hidden")
+
+
+def open_eval_index(cfg: DataSection, held: list[Any], layout: Layout, fields: tuple[str, ...]) -> StoreIndex | None:
     if cfg.eval_store is not None:
         index = StoreIndex.open(cfg.eval_store, verify_checksums=cfg.verify_checksums)
     elif held:
         index = StoreIndex(cfg.store, load_store(cfg.store), held, verify_checksums=cfg.verify_checksums)
     else:
         return None
-    index.schema.layout.check_matches(layout)
-    index.schema.check_fields(fields)
+    layout_selection(index.root, index.schema.layout, layout)
+    index.schema.check_fields(store_fields(fields, layout))
     return index
 
 
-def micro_batches(reader: StoreReader, cfg: DataSection) -> Iterator[list[Sample]]:
-    """Endless stream of this rank's micro-batches (lists of truncated samples)."""
-    return _checksum_hint(_micro_batches(reader, cfg))
+def micro_batches(reader: StoreReader, cfg: DataSection, layout: Layout | None = None) -> Iterator[list[Sample]]:
+    """Endless stream of this rank's micro-batches (lists of truncated samples), `aux_hidden` cut to
+    `layout`'s layer ids when given (None: as stored)."""
+    return _checksum_hint(_micro_batches(reader, cfg, _selector(reader, layout)))
 
 
-def _micro_batches(reader: StoreReader, cfg: DataSection) -> Iterator[list[Sample]]:
+def _micro_batches(reader: StoreReader, cfg: DataSection, select: Callable[[Sample], Sample]) -> Iterator[list[Sample]]:
     if cfg.token_budget is not None:
         for group in reader.iter_batches(cfg.token_budget):
-            yield [truncate(s, cfg.max_seq_len) for s in group]
+            yield [truncate(select(s), cfg.max_seq_len) for s in group]
         return
     stream = reader.iter_samples()
     while True:
-        yield [truncate(next(stream), cfg.max_seq_len) for _ in range(cfg.micro_batch_size)]
+        yield [truncate(select(next(stream)), cfg.max_seq_len) for _ in range(cfg.micro_batch_size)]
 
 
-def eval_batches(index: StoreIndex, cfg: DataSection, rank: int, world_size: int) -> Iterator[list[Sample]]:
-    """This rank's held-out micro-batches; every rank yields the same number of batches."""
+def eval_batches(index: StoreIndex, cfg: DataSection, rank: int, world_size: int,
+                 layout: Layout | None = None) -> Iterator[list[Sample]]:
+    """This rank's held-out micro-batches (`aux_hidden` cut to `layout` as in `micro_batches`);
+    every rank yields the same number of batches."""
+    select = _selector(index, layout)
     n = (min(cfg.eval_samples, index.num_samples) // world_size) * world_size
     mine = list(range(rank, n, world_size))
-    batches = ([truncate(index.sample(g, copy=True), cfg.max_seq_len) for g in mine[i:i + cfg.micro_batch_size]]
+    batches = ([truncate(select(index.sample(g, copy=True)), cfg.max_seq_len) for g in mine[i:i + cfg.micro_batch_size]]
                for i in range(0, len(mine), cfg.micro_batch_size))
     return _checksum_hint(batches)
 

@@ -118,7 +118,7 @@ def _run(cfg: TrainerConfig, device: torch.device) -> dict[str, Any]:
     logger = MetricsLogger(out_dir, rank == 0, step, total, cfg.run.tensorboard, cfg.run.progress_bar)
     export_fn = _make_export_fn(cfg, family, fam_cfg, target, stats)
     resolved = OmegaConf.to_container(OmegaConf.structured(cfg))
-    stream = micro_batches(reader, cfg.data)
+    stream = micro_batches(reader, cfg.data, layout)
     last: dict[str, Any] = {"resumed_from": str(resume_from) if resume_from else None, "step": step}
     model.train()
     while step < stop_at:
@@ -137,7 +137,7 @@ def _run(cfg: TrainerConfig, device: torch.device) -> dict[str, Any]:
         logger.advance()
         last.update(step=step, loss=res.loss, skipped_steps=skipped)
         if eval_index is not None and ((cfg.run.eval_every and step % cfg.run.eval_every == 0) or step == total):
-            ev = evaluate(model, family, eval_batches(eval_index, cfg.data, rank, world), device)
+            ev = evaluate(model, family, eval_batches(eval_index, cfg.data, rank, world, layout), device)
             if ev:
                 logger.log(step, "eval", ev)
                 last["eval"] = ev

@@ -24,7 +24,7 @@ from feature_store import StoreError
 from feature_store.store import list_commits, load_store
 from verl_speco.train import checkpoint as ckpt
 from verl_speco.train.config import ConfigError, TrainerConfig, build_family_config
-from verl_speco.train.data import train_shard_set
+from verl_speco.train.data import store_fields, train_shard_set
 
 PROG = "verl-speco-draft-train"
 USER_ERRORS: tuple[type[BaseException], ...] = (ConfigError, ckpt.CheckpointError, TargetLoadError, StoreError)
@@ -75,11 +75,12 @@ def check_target(path: str) -> TargetSpec:
 
 
 def check_store(key: str, path: str, layout: Any, fields: tuple[str, ...]) -> None:
-    """`path` is a Feature Store with committed shards, of `layout`, holding `fields`."""
+    """`path` is a Feature Store with committed shards, whose layout serves `layout` (the same layer
+    ids or more, `Layout.select`), holding `fields`."""
     try:
         meta = load_store(path)
-        meta.schema.layout.check_matches(layout)
-        meta.schema.check_fields(fields)
+        meta.schema.layout.select(layout)
+        meta.schema.check_fields(store_fields(fields, layout))
     except StoreError as err:
         raise ConfigError(f"{key}={path!r}: {err}") from err
     if not list_commits(path):
