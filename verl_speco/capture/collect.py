@@ -1,6 +1,11 @@
 """``verl-speco-collect``: fill a Feature Store from a JSONL chat dataset with an HF target.
 
-    verl-speco-collect --target DIR --data chats.jsonl --store STORE --algorithm eagle3 --generate
+    verl-speco-collect --target DIR --data chats.jsonl --store STORE --layout-of eagle3 --generate
+
+What is captured: ``--layout-of eagle1,eagle3`` (alias ``--algorithm``) the union of the named drafter
+families' required layouts (their layer ids, and the post-norm last hidden when one needs it), so one
+store trains each of them; or ``--layer-ids 1,2,4,5`` (alias ``--layers``) explicit internal ids. The
+store's schema records that layout; the trainer reads each family's layers out of it.
 
 Steps per process (rank/world size from ``RANK``/``WORLD_SIZE``; rank r takes rows r, r+n, ...):
 read and check the dataset (errors name ``file:line``), check and load the target (float32) and its
@@ -35,7 +40,15 @@ from verl_speco.capture.chat import (
 )
 from verl_speco.capture.generate import generate_responses
 from verl_speco.capture.hooks import FeatureCapture
-from verl_speco.capture.records import LengthFilter, batch_records, build_schema, pad_batch, resolve_layout
+from verl_speco.capture.records import (
+    LengthFilter,
+    batch_records,
+    build_schema,
+    family_names,
+    load_families,
+    pad_batch,
+    resolve_layout,
+)
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -121,7 +134,7 @@ def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 
 def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
-                     layer_ids: Sequence[int] | None = None, algorithm: str | None = None,
+                     layer_ids: Sequence[int] | None = None, algorithm: str | Sequence[str] | None = None,
                      generate: bool = False, max_new_tokens: int = 256, temperature: float = 0.0,
                      dtype: str = "bfloat16", batch_size: int = 8, max_samples: int | None = None,
                      max_length: int | None = None, min_response_tokens: int = 1, seed: int = 0,
@@ -130,7 +143,9 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
                      model: nn.Module | None = None, tokenizer: Any = None) -> CollectSummary:
     """Fill ``store`` from the JSONL chats in ``data`` (see the module docstring).
 
-    ``last_hidden``: store it (default: yes, or as the algorithm's layout says).
+    ``algorithm``: one drafter family or several (``"eagle1,eagle3"`` or a list): the union of their
+    layouts is captured (``records.resolve_layout``); explicit ``layer_ids`` win.
+    ``last_hidden``: store it (default: yes, or as the families' layouts say).
     ``model``/``tokenizer`` may be passed already loaded (used on their device); otherwise they come
     from ``target`` (float32, moved to ``device``).
     """
@@ -145,6 +160,8 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
         raise ValueError(f"batch_size={batch_size}: expected >= 1")
     rank, world_size = _rank_world(rank, world_size)
     chats = load_chats(data, max_samples)[rank::world_size]  # first: the data fails fast, the model loads slowly
+    if not layer_ids:
+        load_families(algorithm)                            # an unknown family fails before the model loads
     torch.manual_seed(seed)
     if tokenizer is None or model is None:
         check_target(target)
@@ -182,10 +199,12 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
     schema = build_schema(layout, config.hidden_size, config.vocab_size, model_id, DTYPES[dtype])
     missing = [f for f in required if f not in schema.names]
     if missing:
-        raise ValueError(f"algorithm {algorithm!r} needs fields {missing} that capture does not produce "
+        raise ValueError(f"--layout-of {','.join(family_names(algorithm))}: the families need fields {missing} "
+                         f"that capture does not produce "
                          f"(it writes {list(schema.names)})")
     producer = {"tool": "verl-speco-collect", "target_model_id": model_id, "layer_ids": list(layers),
-                "target": str(Path(target).resolve()) if local else str(target), "algorithm": algorithm,
+                "target": str(Path(target).resolve()) if local else str(target),
+                "algorithm": ",".join(family_names(algorithm)) or None,
                 "generated": generate, "max_new_tokens": max_new_tokens, "temperature": temperature,
                 "seed": seed, "data": str(data)}
     tokens = response_tokens = 0
@@ -213,8 +232,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     group = p.add_mutually_exclusive_group()
-    group.add_argument("--layers", help="internal layer ids (HF hidden_states index), e.g. 2,4,5")
-    group.add_argument("--algorithm", help="drafter family whose default layout to capture (eagle3: 2, L//2, L-3)")
+    group.add_argument("--layer-ids", "--layers", dest="layers",
+                       help="internal layer ids (HF hidden_states index) to capture, e.g. 1,2,4,5")
+    group.add_argument("--layout-of", "--algorithm", dest="algorithm",
+                       help="drafter families whose layouts to capture, their union when several, e.g. eagle3 "
+                            "(2, L//2, L-3) or eagle1,eagle3 (one store for both)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="stored hidden-state dtype")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-samples", type=int, default=None, help="first N rows of the dataset (all ranks)")
@@ -233,7 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         layers = [int(x) for x in args.layers.split(",") if x.strip()] if args.layers else None
     except ValueError:
-        print(f"verl-speco-collect: error: --layers {args.layers!r}: expected comma-separated integers",
+        print(f"verl-speco-collect: error: --layer-ids {args.layers!r}: expected comma-separated integers",
               file=sys.stderr)
         return 2
     from feature_store import StoreError

@@ -5,7 +5,7 @@ Per sample of length ``T`` (padding removed):
 - ``input_ids``   int64 ``[T]``
 - ``loss_mask``   uint8 ``[T]``, 1 on assistant response tokens
 - ``aux_hidden``  ``[T, k*H]`` hidden states at ``layer_ids`` (internal = HF ``hidden_states``
-  indexing), concatenated in that order along the last axis
+  indexing), concatenated in that order along the last axis (absent when there are no layer ids)
 - ``last_hidden`` ``[T, H]`` post-final-norm last hidden state (optional)
 """
 
@@ -44,38 +44,75 @@ def build_schema(layout: Layout, hidden_size: int, vocab_size: int, target_model
                            target_model_id=target_model_id, hidden_dtype=dtype_name(dtype))
 
 
-def resolve_layout(layer_ids: Sequence[int] | None, algorithm: str | None, hf_config: dict[str, Any],
-                   last_hidden: bool | None = None) -> tuple[Layout, tuple[str, ...]]:
-    """The layout to capture + the fields the algorithm needs.
+def family_names(algorithm: str | Sequence[str] | None) -> tuple[str, ...]:
+    """``"eagle1,eagle3"`` or ``["eagle1", "eagle3"]`` -> ``("eagle1", "eagle3")`` (order kept, repeats dropped)."""
+    if algorithm is None:
+        return ()
+    names = algorithm.split(",") if isinstance(algorithm, str) else list(algorithm)
+    return tuple(dict.fromkeys(n.strip() for n in names if n.strip()))
 
-    Explicit ``layer_ids`` (internal ids) win; otherwise the drafter family's own
-    ``required_layout(default config, target)`` (e.g. eagle3: (2, L//2, L-3), post-norm last hidden).
+
+def load_families(algorithm: str | Sequence[str] | None) -> list[Any]:
+    """The drafter family objects named by ``algorithm`` (``family_names``); an unknown or not yet
+    implemented name fails listing the valid / implemented ones."""
+    from drafters.registry import get_family
+
+    out = []
+    for name in family_names(algorithm):
+        try:
+            out.append(get_family(name))
+        except LookupError as e:            # unknown or not implemented: the message lists the valid ones
+            raise ValueError(f"--layout-of {name!r}: {e}") from e
+    return out
+
+
+def union_layout(layouts: Sequence[tuple[str, Layout]]) -> Layout:
+    """The layout serving every ``(family name, layout)``: the union of their layer ids (increasing)
+    and a post-norm last hidden when any of them reads one. Capture produces HF ``hidden_states``
+    ids and a post-norm (or no) last hidden; any other request fails naming the family."""
+    for name, lay in layouts:
+        if lay.convention != "hf_hidden_states" or lay.last_hidden not in ("post_norm", "none"):
+            raise ValueError(f"--layout-of {name!r}: the family needs layout {lay.to_dict()}; capture produces "
+                             f"convention 'hf_hidden_states' and a 'post_norm' (or no) last hidden")
+    ids = sorted({i for _, lay in layouts for i in lay.layer_ids})
+    last = "post_norm" if any(lay.last_hidden == "post_norm" for _, lay in layouts) else "none"
+    return Layout(layer_ids=tuple(ids), convention="hf_hidden_states", last_hidden=last)
+
+
+def resolve_layout(layer_ids: Sequence[int] | None, algorithm: str | Sequence[str] | None,
+                   hf_config: dict[str, Any], last_hidden: bool | None = None) -> tuple[Layout, tuple[str, ...]]:
+    """The layout to capture + the fields the named families need.
+
+    Explicit ``layer_ids`` (internal ids) win; otherwise the union (``union_layout``) of each drafter
+    family's own ``required_layout(default config, target)`` (e.g. eagle3: (2, L//2, L-3) with a
+    post-norm last hidden; eagle1: no layer, the post-norm last hidden). ``algorithm`` names one
+    family or several (``"eagle1,eagle3"``); one store then serves each of them.
     """
     from drafters.common.target import TargetSpec
 
     spec = TargetSpec.from_hf_config(hf_config)
+    families = family_names(algorithm)
     if layer_ids:
         layout = capture_layout(layer_ids, True if last_hidden is None else last_hidden)
         required: tuple[str, ...] = ()
-    elif algorithm:
-        from drafters.registry import get_family
-
-        try:
-            family = get_family(algorithm)
-        except LookupError as e:            # unknown or not implemented: the message lists the valid ones
-            raise ValueError(f"algorithm: {e}") from e
-        cfg = family.config_cls()
-        layout, required = family.required_layout(cfg, spec), tuple(family.required_fields(cfg))
+    elif families:
+        layouts, fields = [], []
+        for name, family in zip(families, load_families(families)):
+            cfg = family.config_cls()
+            layouts.append((name, family.required_layout(cfg, spec)))
+            fields += family.required_fields(cfg)
+        layout, required = union_layout(layouts), tuple(dict.fromkeys(fields))
         if last_hidden is not None and last_hidden != (layout.last_hidden != "none"):
-            raise ValueError(f"last_hidden={last_hidden}: algorithm {algorithm!r} needs layout {layout.to_dict()}")
+            raise ValueError(f"last_hidden={last_hidden}: --layout-of {','.join(families)} needs layout "
+                             f"{layout.to_dict()}")
     else:
-        raise ValueError("layer_ids: none given and no algorithm; pass --layers (internal HF hidden_states ids, "
-                         "e.g. 2,4,5) or --algorithm (e.g. eagle3)")
+        raise ValueError("layer_ids: none given and no drafter family; pass --layer-ids/--layers (internal HF "
+                         "hidden_states ids, e.g. 2,4,5) or --layout-of/--algorithm (e.g. eagle3 or eagle1,eagle3)")
     bad = [i for i in layout.layer_ids if not 0 <= i <= spec.num_hidden_layers]
-    if not layout.layer_ids or bad:
-        raise ValueError(f"layer_ids={list(layout.layer_ids)}: expected a non-empty list in "
-                         f"[0, {spec.num_hidden_layers}] (HF hidden_states indexing for a "
-                         f"{spec.num_hidden_layers}-layer target)")
+    if bad or not (layout.layer_ids or layout.last_hidden != "none"):
+        raise ValueError(f"layer_ids={list(layout.layer_ids)}: expected ids in [0, {spec.num_hidden_layers}] "
+                         f"(HF hidden_states indexing for a {spec.num_hidden_layers}-layer target), at least "
+                         f"one unless the last hidden state is stored")
     return layout, required
 
 
@@ -133,15 +170,17 @@ def pad_batch(chats: Sequence[TokenizedChat], pad_id: int) -> tuple[torch.Tensor
 
 def batch_records(chats: Sequence[TokenizedChat], feats: CapturedFeatures) -> list[dict[str, torch.Tensor]]:
     """Split a right-padded batch's features ``[B, T_pad, ...]`` into per-sample records ``[T, ...]``."""
-    aux = feats.aux_hidden                                   # [B, T_pad, k*H]
-    if aux.dim() != 3 or aux.shape[0] != len(chats):
-        raise ValueError(f"batch_records: aux_hidden shape {tuple(aux.shape)}, expected "
-                         f"[{len(chats)}, T_pad, k*H] (one row per chat)")
+    aux = feats.aux_hidden if feats.layer_ids else None    # [B, T_pad, k*H]; none without layer ids
+    for name, t in (("aux_hidden", aux), ("last_hidden", feats.last_hidden)):
+        if t is not None and (t.dim() != 3 or t.shape[0] != len(chats)):
+            raise ValueError(f"batch_records: {name} shape {tuple(t.shape)}, expected "
+                             f"[{len(chats)}, T_pad, *] (one row per chat)")
     records = []
     for b, chat in enumerate(chats):
         n = len(chat.input_ids)
-        record = {"input_ids": chat.input_ids.to(torch.int64), "loss_mask": chat.loss_mask.to(torch.uint8),
-                  "aux_hidden": aux[b, :n].contiguous()}
+        record = {"input_ids": chat.input_ids.to(torch.int64), "loss_mask": chat.loss_mask.to(torch.uint8)}
+        if aux is not None:
+            record["aux_hidden"] = aux[b, :n].contiguous()
         if feats.last_hidden is not None:
             record["last_hidden"] = feats.last_hidden[b, :n].contiguous()   # [T, H]
         records.append(record)
