@@ -166,6 +166,19 @@ class TreeProposer(Protocol):
     embed(x_{t+1}) with the target feature f_t; node rows pair embed(token) with parent_hidden).
     Node i must compute what chain drafting computes at the end of its root-to-node path, so a
     tree with top_k = 1 is the chain. Stateless (recomputed per call); deterministic.
+
+    Contract: `nodes` is closed under parents (`build_draft_tree` passes every node expanded so
+    far: the frontiers of depths 1..d-1, each node's parent before it); return a TreeExpansion
+    with N + 1 rows, row 0 the root = the last context row. log_probs are over the TARGET vocab
+    (-inf for tokens the draft cannot emit); hidden is whatever the drafter feeds a child (its
+    width H_d is the drafter's business). Examples:
+      EAGLE-3 (drafters/eagle3/proposer.py `expand`): context rows h = fc(cat aux f_t); node rows
+        h = parent_hidden (the parent's pre-norm output); log_probs = log_softmax(lm_head(norm)).
+      EAGLE-1/2: context rows pair embed(x_{t+1}) with f_t = the target's last (post-norm)
+        hidden; node rows pair embed(token) with parent_hidden = the parent's predicted feature;
+        log_probs = log_softmax(target lm_head(predicted feature)); hidden = the predicted feature.
+    Check an implementation like tests/drafters/test_tree_decode.py does for EAGLE-3: each node
+    row of `expand` equals the chain drafter's state after stepping along that node's path.
     """
 
     def expand(self, ctx: DraftContext, nodes: TreeNodes) -> TreeExpansion: ...

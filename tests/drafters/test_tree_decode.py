@@ -3,13 +3,19 @@ path-by-path causal pass (HF Qwen3), greedy and sampling losslessness, chain equ
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
+
 import pytest
 import torch
 from drafter_targets import tiny_spec
-from tree_targets import MaskedTinyTarget, TableTreeDrafter, hf_qwen3
+from tree_targets import MaskedTinyTarget, PrevTokenTarget, TableTreeDrafter, TargetTreeDrafter, hf_qwen3
 
+import drafters.spec_decode as spec_decode
+import drafters.verify as verify
 from drafters.common.contract import DraftContext
 from drafters.common.metrics import AcceptanceStats
+from drafters.common.sampling import SamplingParams
 from drafters.common.tree import (
     DraftTree,
     TreeConfig,
@@ -21,8 +27,11 @@ from drafters.common.tree import (
 from drafters.eagle3 import FAMILY, Eagle3Config
 from drafters.eagle3.proposer import Eagle3Proposer
 from drafters.spec_decode import (
+    autoregressive_generate,
+    speculative_generate,
     target_forward,
     target_tree_forward,
+    tree_speculative_generate,
 )
 from drafters.verify import verify_tree_greedy, verify_tree_sampling
 
@@ -172,3 +181,148 @@ def test_eagle3_expand_equals_chain_along_each_path() -> None:
     for i, (lp, h) in enumerate(chain):
         torch.testing.assert_close(out.log_probs[1 + i], lp, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(out.hidden[1 + i], h, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- greedy: lossless
+
+
+@pytest.mark.parametrize("top_k,depth,total", [(1, 3, 3), (2, 3, 6), (3, 4, 15)])
+def test_greedy_lossless_hf_qwen3_random_eagle3(top_k: int, depth: int, total: int) -> None:
+    target, head = hf_qwen3(seed=1)
+    torch.manual_seed(0)
+    proposer = FAMILY.proposer(FAMILY.build(Eagle3Config(aux_layer_ids=AUX, attn_backend="sdpa"), head), head.spec)
+    prompt = torch.tensor([4, 9, 2, 11])
+    res = tree_speculative_generate(target, proposer, prompt, top_k=top_k, depth=depth, total_tokens=total,
+                                    max_new_tokens=16)
+    assert torch.equal(res.token_ids, autoregressive_generate(target, prompt, 16))
+    s = res.stats
+    assert s.num_draft_tokens == total * s.num_drafts and len(s.accepted_per_pos) == depth
+    assert s.num_accepted + s.num_drafts + 1 >= 16  # each round commits accepted + 1 after the prefill token
+
+
+def test_greedy_oracle_tree_accepts_every_depth() -> None:
+    target, _ = hf_qwen3(seed=2, peak=200.0)  # near one-hot: the greedy path outranks every other node
+    prompt = torch.tensor([3, 1, 4, 1, 5])
+    res = tree_speculative_generate(target, TargetTreeDrafter(target), prompt, top_k=2, depth=3, total_tokens=6,
+                                    max_new_tokens=13)
+    ref = autoregressive_generate(target, prompt, 13)
+    assert torch.equal(res.token_ids, ref)
+    assert res.stats.mean_acceptance_length == 4.0 and res.stats.per_position_acceptance == [1.0, 1.0, 1.0]
+    eos = int(ref[6])  # stops at the first eos, exactly like plain decoding
+    res = tree_speculative_generate(target, TargetTreeDrafter(target), prompt, top_k=2, depth=3, total_tokens=6,
+                                    max_new_tokens=13, eos_token_id=eos)
+    assert torch.equal(res.token_ids, autoregressive_generate(target, prompt, 13, eos_token_id=eos))
+
+
+@pytest.fixture(scope="module")
+def trained() -> Iterator[tuple[MaskedTinyTarget, Eagle3Proposer]]:
+    """EAGLE-3 trained briefly (60 steps, 24 random sequences of 32 tokens) on a tiny target."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    target = MaskedTinyTarget(tiny_spec(), seed=3)
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for _ in range(24):
+        ids = torch.randint(0, 32, (32,), generator=g)
+        samples.append(target.features(ids, AUX, torch.ones(32, dtype=torch.uint8)))
+    torch.manual_seed(0)
+    model = FAMILY.build(Eagle3Config(aux_layer_ids=AUX, ttt_steps=3, attn_backend="sdpa"), target.head())
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
+    batch = FAMILY.collate(samples)
+    for _ in range(60):
+        loss = FAMILY.objective(model, batch).loss()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    torch.set_num_threads(threads)
+    yield target, Eagle3Proposer(model)
+
+
+PROMPTS = [torch.tensor([4, 9, 2, 11]), torch.tensor([30, 1, 17, 5]), torch.tensor([8, 8, 21, 3])]
+
+
+def test_top_k_1_tree_is_the_chain(trained: tuple[MaskedTinyTarget, Eagle3Proposer]) -> None:
+    target, proposer = trained
+    for prompt in PROMPTS:
+        chain = speculative_generate(target, proposer, prompt, num_speculative_tokens=4, max_new_tokens=32)
+        tree = tree_speculative_generate(target, proposer, prompt, top_k=1, depth=4, total_tokens=4,
+                                         max_new_tokens=32)
+        assert torch.equal(tree.token_ids, chain.token_ids)
+        assert tree.stats == chain.stats  # same rounds, same accepted counts per round position
+        assert tree.stats.num_accepted > 0
+
+
+def test_trained_eagle3_tree_accepts_more_than_chain(trained: tuple[MaskedTinyTarget, Eagle3Proposer]) -> None:
+    target, proposer = trained
+    chain, tree = AcceptanceStats(), AcceptanceStats()
+    for prompt in PROMPTS:
+        ref = autoregressive_generate(target, prompt, 32)
+        c = speculative_generate(target, proposer, prompt, num_speculative_tokens=4, max_new_tokens=32)
+        t = tree_speculative_generate(target, proposer, prompt, top_k=4, depth=4, total_tokens=20,
+                                      max_new_tokens=32)
+        assert torch.equal(t.token_ids, ref) and torch.equal(c.token_ids, ref)
+        chain, tree = chain.merge(c.stats), tree.merge(t.stats)
+    print(f"mean acceptance length: chain k=4 {chain.mean_acceptance_length:.3f}, "
+          f"tree (4, 4, 20) {tree.mean_acceptance_length:.3f}; per depth {tree.per_position_acceptance}")
+    assert tree.mean_acceptance_length > chain.mean_acceptance_length + 0.5
+    g = torch.Generator().manual_seed(0)  # sampling mode runs end to end with the same drafter
+    res = tree_speculative_generate(target, proposer, PROMPTS[0], top_k=4, depth=4, total_tokens=20,
+                                    max_new_tokens=20, sampling=SamplingParams(temperature=0.7), generator=g)
+    assert res.token_ids.numel() == 20 and res.stats.num_accepted > 0
+
+
+# ----------------------------------------------------------------------------- sampling: lossless (statistical)
+
+
+def _trigram(seed: int = 0) -> tuple[torch.Tensor, dict[tuple[int, ...], float]]:
+    """3-token vocab; table [4, 3, 3] logits; the exact law of 3 tokens generated after [0, 1]."""
+    table = torch.randn(4, 3, 3, generator=torch.Generator().manual_seed(seed))
+    p = torch.softmax(table, -1).tolist()
+    law = {x: p[0][1][x[0]] * p[1][x[0]][x[1]] * p[x[0]][x[1]][x[2]] for x in itertools.product(range(3), repeat=3)}
+    return table, law
+
+
+def _sample_law(table: torch.Tensor, n: int, seed: int) -> tuple[dict[tuple[int, ...], int], list[int]]:
+    draft = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6], [0.45, 0.1, 0.45]])  # unrelated to the target
+    counts: dict[tuple[int, ...], int] = {}
+    lengths = [0, 0, 0]
+    g = torch.Generator().manual_seed(seed)
+    target = PrevTokenTarget(table)
+    for _ in range(n):
+        res = tree_speculative_generate(target, TableTreeDrafter(draft), torch.tensor([0, 1]), top_k=2, depth=2,
+                                        total_tokens=4, max_new_tokens=3, sampling=SamplingParams(temperature=1.0),
+                                        generator=g)
+        key = tuple(res.token_ids.tolist())
+        counts[key] = counts.get(key, 0) + 1
+        lengths[res.stats.accepted_per_pos[0] + res.stats.accepted_per_pos[1]] += 1  # first round's path length
+    return counts, lengths
+
+
+def _chi_square(counts: dict[tuple[int, ...], int], law: dict[tuple[int, ...], float], n: int) -> float:
+    return sum((counts.get(c, 0) - n * p) ** 2 / (n * p) for c, p in law.items())
+
+
+CHI2_26_DOF_P001 = 54.05  # 27 cells, 26 degrees of freedom: P(chi2 > 54.05) = 0.001 under the null
+
+
+def test_sampling_is_lossless_statistically() -> None:
+    table, law = _trigram()
+    n = 3000
+    assert min(law.values()) * n > 5  # chi-square's expected-count rule (min 8.0)
+    counts, lengths = _sample_law(table, n, seed=1)
+    assert min(lengths) > 100  # rounds accepting 0, 1 and 2 nodes all occurred
+    assert _chi_square(counts, law, n) < CHI2_26_DOF_P001  # observed 35.9 at seed 1 (mean 26 under the null)
+
+
+def test_sampling_test_detects_wrong_residual_or_wrong_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same criterion rejects two broken decoders (observed chi2 393 and 145 at these n, seed 1)."""
+    table, law = _trigram()
+    with monkeypatch.context() as m:  # no residual after a rejection: the rejected token can come back
+        m.setattr(verify, "recovered_distribution", lambda p, q, x: p)
+        counts, _ = _sample_law(table, 1000, seed=1)
+    assert _chi_square(counts, law, 1000) > CHI2_26_DOF_P001
+    with monkeypatch.context() as m:  # a node that sees its earlier sibling
+        m.setattr(spec_decode, "tree_attention_mask", _sibling_mask)
+        counts, _ = _sample_law(table, 2000, seed=1)
+    assert _chi_square(counts, law, 2000) > CHI2_26_DOF_P001

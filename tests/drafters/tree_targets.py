@@ -8,6 +8,8 @@
   law is known in closed form (a trigram): x_{t+1} ~ softmax(table[x_{t-1}, x_t]).
 - `TableTreeDrafter`: a `TreeProposer` whose next-token log-probs depend on the node's token
   only (log table[token]); hidden states are zeros.
+- `TargetTreeDrafter`: an oracle `TreeProposer`: the target itself, run over [context; nodes]
+  with the tree mask (greedy decoding must accept every depth).
 - `hf_qwen3`: a tiny random transformers Qwen3ForCausalLM and its TargetHead.
 """
 
@@ -22,7 +24,8 @@ from torch import Tensor, nn
 from drafters.common.contract import DraftContext
 from drafters.common.masks import dense_attention_mask, ttt_attention_mask
 from drafters.common.target import TargetHead, TargetSpec
-from drafters.common.tree import TreeExpansion, TreeNodes
+from drafters.common.tree import TreeExpansion, TreeNodes, tree_attention_mask, tree_position_ids
+from drafters.spec_decode import target_tree_forward
 
 
 def _visible(attention_mask: Tensor | None, t: int) -> Tensor:
@@ -82,16 +85,32 @@ class TableTreeDrafter:
         return TreeExpansion(self.log_table[tokens].float(), torch.zeros(tokens.numel(), 1))
 
 
-def hf_qwen3(vocab: int = 32, layers: int = 4, attn: str = "sdpa", seed: int = 0) -> tuple[nn.Module, TargetHead]:
+class TargetTreeDrafter:
+    def __init__(self, target: nn.Module):
+        self.target = target
+
+    def expand(self, ctx: DraftContext, nodes: TreeNodes) -> TreeExpansion:
+        c = ctx.token_ids.numel()
+        logits, _ = target_tree_forward(self.target, torch.cat([ctx.token_ids, nodes.token_ids]),
+                                        tree_attention_mask(nodes.parents, c), tree_position_ids(nodes.depths, c))
+        rows = logits[c - 1:]  # [N + 1, V]: x_n (the root), then the nodes
+        return TreeExpansion(torch.log_softmax(rows, -1), torch.zeros(rows.shape[0], 1))
+
+
+def hf_qwen3(vocab: int = 32, layers: int = 4, attn: str = "sdpa", seed: int = 0,
+             peak: float = 8.0) -> tuple[nn.Module, TargetHead]:
+    """peak scales the LM head (HF's init gives near-flat distributions: greedy near-ties)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     cfg = Qwen3Config(vocab_size=vocab, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=256,
-                      tie_word_embeddings=False, attn_implementation=attn)
+                      tie_word_embeddings=False)
+    cfg._attn_implementation = attn  # "sdpa" or "eager": both must take the 4-D additive tree mask
     model = Qwen3ForCausalLM(cfg).eval()
+    assert model.config._attn_implementation == attn
     with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)  # peaked distributions: greedy runs are not near-ties
+        model.lm_head.weight.mul_(peak)
     raw: dict[str, Any] = cfg.to_dict()
     spec = TargetSpec.from_hf_config(raw)
     head = TargetHead(spec, model.model.embed_tokens.weight, model.lm_head.weight, model.model.norm.weight)
