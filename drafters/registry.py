@@ -8,12 +8,14 @@ are catalog data and are available for every family, implemented or not (algorit
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from drafters.common.contract import DrafterFamily
+from drafters.common.contract import EXPORT_META_FILE, DrafterFamily, EngineFormat
 
 ENGINES = ("vllm", "sglang")
 
@@ -116,3 +118,30 @@ def engine_method(name: str, engine: str) -> EngineMethod:
             return m
     raise UnknownEngineMethodError(f"drafter family {name!r} has no known {engine} method "
                                    f"(engines with one: {[m.engine for m in catalog_entry(name).engine_methods]})")
+
+
+def engine_format_from_dict(data: Mapping[str, Any]) -> EngineFormat:
+    """Rebuild a family's engine format from its `to_dict()` (e.g. a publish manifest's meta)."""
+    name = data.get("family")
+    if not isinstance(name, str):
+        raise ValueError(f"engine format: family {name!r}, expected a family name ({', '.join(available_families())})")
+    return get_family(name).format_from_dict(data)
+
+
+def export_family(export_dir: str | Path) -> str:
+    """The family that wrote an export directory (its `verl_speco_meta.json`)."""
+    meta = Path(export_dir) / EXPORT_META_FILE
+    if not meta.is_file():
+        raise FileNotFoundError(f"{meta}: missing; expected an export written by verl-speco (its family is "
+                                "recorded there)")
+    family = json.loads(meta.read_text()).get("family")
+    if not isinstance(family, str):
+        raise ValueError(f"{meta}: family {family!r}, expected one of {', '.join(known_families())}")
+    catalog_entry(family)
+    return family
+
+
+def vllm_methods() -> tuple[str, ...]:
+    """Every vLLM speculative method the catalog uses, plus the target-free ones (ngram, draft_model)."""
+    names = {m.method for e in CATALOG.values() for m in e.engine_methods if m.engine == "vllm"}
+    return tuple(sorted(names | {"ngram", "draft_model"}))

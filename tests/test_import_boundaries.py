@@ -20,7 +20,8 @@ OURS = {"feature_store", "drafters", "verl_speco"}
 
 # Modules of verl_speco allowed to import each engine (one integration place per engine).
 ENGINE_HOMES = {
-    "vllm": ("verl_speco/engines/vllm_engine.py",),
+    "vllm": ("verl_speco/engines/vllm_engine.py",
+             "verl_speco/verl_integration/cpu_vllm.py"),  # the CPU platform's vLLM worker extension + patch
     "sglang": ("verl_speco/engines/sglang_engine.py",),
     "verl": ("verl_speco/verl_integration/",),
     "ray": ("verl_speco/verl_integration/",),
@@ -78,3 +79,34 @@ def test_runtime_import_loads_no_engine_and_no_cuda() -> None:
     )
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report == {"heavy": [], "cuda": False}
+
+
+def _full_imports(path: Path) -> set[str]:
+    """Every absolute module an import statement names (imports inside functions included)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def _family_imports(path: Path, families: set[str]) -> list[str]:
+    return sorted(m for m in _full_imports(path) if m.split(".")[:2][-1] in families and m.startswith("drafters."))
+
+
+def test_verl_speco_reaches_families_only_through_the_catalog() -> None:
+    """A family is its own folder plus one catalog line: no module of verl_speco/ imports a family
+    package (`drafters.<family>`); they go through `drafters.registry` and the family protocol."""
+    families = {p.name for p in (ROOT / "drafters").iterdir() if (p / "family.py").is_file()}
+    assert "eagle3" in families  # the scan sees the families
+    offenders = {p.relative_to(ROOT).as_posix(): _family_imports(p, families) for p in _py_files("verl_speco")}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_family_import_scan_can_fail(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from drafters.eagle3.export import engine_tensors\n    import drafters.eagle1\n")
+    assert _family_imports(bad, {"eagle1", "eagle3"}) == ["drafters.eagle1", "drafters.eagle3.export"]

@@ -1,4 +1,5 @@
-"""Acceptance of an exported EAGLE-3 drafter: our reference decoder and real vLLM, same prompts.
+"""Acceptance of an exported drafter (any family of the catalog): our reference decoder and real
+vLLM, same prompts. The family comes from the export's `verl_speco_meta.json`.
 
 Both report vLLM's convention (drafters.common.metrics): mean acceptance length
 = 1 + accepted / drafts, per-position acceptance = accepted at position i / drafts.
@@ -11,18 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-from drafters.common.contract import StoreStats
+from drafters.common.contract import DrafterFamily, EngineFormat, StoreStats
 from drafters.common.metrics import AcceptanceStats
 from drafters.common.target import TargetHead
 from drafters.common.tokens import cut_at_end
-from drafters.eagle3 import FAMILY, Eagle3Config
-from drafters.eagle3.export import load_export
-from drafters.eagle3.model import Eagle3Model
+from drafters.registry import export_family, get_family
 from verl_speco.engines.spec_metrics import SpecCounters, acceptance_summary
-
-# Model entries an export does not carry: the frozen copy of the target embedding.
-NOT_EXPORTED = ("embed_tokens.weight",)
 
 
 @dataclass
@@ -44,20 +41,15 @@ class EvalPrompts:
         return cls(token_ids=ids, eos_token_id=int(tokenizer.eos_token_id))
 
 
-def load_eagle3_drafter(export_dir: str | Path, target: TargetHead) -> Eagle3Model:
-    """Rebuild the trainable EAGLE-3 model from an export (native or speculators) of `target`."""
-    state, cfg = load_export(export_dir, target.spec.num_hidden_layers)
-    draft_cfg = Eagle3Config(draft_vocab_size=cfg.draft_vocab_size, num_layers=cfg.num_layers,
-                             aux_layer_ids=tuple(cfg.aux_layer_ids), norm_before_residual=cfg.norm_before_residual)
-    # The vocab map comes from the export; selecting by t2d only gives the model the right shapes.
-    stats = StoreStats(token_counts=state["t2d"].to(torch.float32))
-    model = FAMILY.build(draft_cfg, target, stats)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    missing = [k for k in missing if k not in NOT_EXPORTED]
-    if missing or unexpected:
-        raise ValueError(f"{export_dir}: export does not match the EAGLE-3 model: missing {missing}, "
-                         f"unexpected {unexpected}")
-    return model.eval()
+def load_drafter(export_dir: str | Path, target: TargetHead) -> tuple[DrafterFamily, nn.Module]:
+    """The family an export was written by, and its trainable model rebuilt from the export."""
+    family = get_family(export_family(export_dir))
+    return family, family.load_export(export_dir, target)
+
+
+def engine_format_of(export_dir: str | Path, target: TargetHead) -> EngineFormat:
+    family, model = load_drafter(export_dir, target)
+    return family.engine_format(family.config_of(model), target.spec)
 
 
 def _summary(stats: AcceptanceStats) -> dict[str, Any]:
@@ -75,7 +67,8 @@ def reference_acceptance(target_dir: str | Path, export_dir: str | Path, prompts
 
     target_model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     head = TargetHead.from_pretrained(target_dir)
-    proposer = FAMILY.proposer(load_eagle3_drafter(export_dir, head), head.spec)
+    family, model = load_drafter(export_dir, head)
+    proposer = family.proposer(model, head.spec)
     total, outputs = AcceptanceStats(), []
     for ids in prompts.token_ids:
         res = speculative_generate(target_model, proposer, torch.tensor(ids), num_speculative_tokens=k,
@@ -90,12 +83,16 @@ def export_untrained_like(export_dir: str | Path, target_dir: str | Path, out_di
     """A freshly initialised drafter with the same shapes and vocab map as `export_dir`, exported
     the same way: the baseline a trained drafter must beat."""
     head = TargetHead.from_pretrained(target_dir)
-    trained = load_eagle3_drafter(export_dir, head)
+    family, trained = load_drafter(export_dir, head)
+    cfg = family.config_of(trained)
+    t2d = getattr(trained, "t2d", None)  # a reduced draft vocab: keep the trained one's map
+    stats = StoreStats(token_counts=t2d.to(torch.float32)) if isinstance(t2d, torch.Tensor) else None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        fresh = FAMILY.build(trained.cfg, head, StoreStats(token_counts=trained.t2d.to(torch.float32)))
-    fresh.load_state_dict({"d2t": trained.d2t, "t2d": trained.t2d}, strict=False)
-    return FAMILY.export(fresh, trained.cfg, head.spec, out_dir)
+        fresh = family.build(cfg, head, stats)
+    buffers = {n: b for n, b in trained.named_buffers() if n in dict(fresh.named_buffers())}
+    fresh.load_state_dict(buffers, strict=False)
+    return family.export(fresh, cfg, head.spec, out_dir)
 
 
 def vllm_acceptance(target_dir: str | Path, drafts: dict[str, Path], prompts: EvalPrompts, k: int,
@@ -116,14 +113,18 @@ def vllm_acceptance(target_dir: str | Path, drafts: dict[str, Path], prompts: Ev
     finally:
         vllm_engine.shutdown(llm)
     report: dict[str, Any] = {}
+    head = TargetHead.from_pretrained(target_dir)
     for name, draft_dir in drafts.items():
-        llm = vllm_engine.build_llm(target_dir, draft_dir, method="eagle3", num_speculative_tokens=k)
+        spec = engine_format_of(draft_dir, head).vllm_speculative_config(draft_dir, k)
+        llm = vllm_engine.build_llm(target_dir, draft_dir, method=spec.pop("method"),
+                                    num_speculative_tokens=spec.pop("num_speculative_tokens"),
+                                    speculative_extra={k_: v for k_, v in spec.items() if k_ != "model"})
         try:
             out, metrics = vllm_engine.generate_with_metrics(llm, prompts.token_ids, max_new_tokens,
                                                              ignore_eos=False)
         finally:
             vllm_engine.shutdown(llm)
-        spec = _cut(out)
-        report[name] = {**metrics, "lossless": plain == spec,
-                        "matches_reference_outputs": None if reference_outputs is None else reference_outputs == spec}
+        spec_out = _cut(out)
+        report[name] = {**metrics, "lossless": plain == spec_out,
+                        "matches_reference_outputs": None if reference_outputs is None else reference_outputs == spec_out}
     return report

@@ -1,12 +1,12 @@
 """The README's main job: build target -> collect -> train -> export -> serve in vLLM -> compare.
 
-    verl-speco-quickstart [--out runs/quickstart] [--train-prompts N] [--steps N] ...
+    verl-speco-quickstart [--algorithm eagle3] [--out runs/quickstart] [--train-prompts N] [--steps N] ...
 
 1. the embedded tiny Qwen3 target (built once, cached: `verl_speco.target`);
 2. a Feature Store of the target's own greedy answers to generated prompts (`verl_speco.capture`),
    plus a held-out store for evaluation;
-3. an EAGLE-3 drafter trained by the standalone trainer (`verl_speco.train`, preset
-   `quickstart_eagle3`), exported in vLLM's native format at the end;
+3. a drafter of family `--algorithm` (default eagle3) trained by the standalone trainer
+   (`verl_speco.train`, preset `quickstart_<algorithm>`), exported in vLLM's native format at the end;
 4. real vLLM (CPU) serving the target with and without the drafter on held-out prompts: greedy
    outputs must be identical (lossless), and vLLM's own spec-decode counters give the acceptance;
 5. our reference speculative decoder on the same prompts, for the same figures side by side.
@@ -28,9 +28,20 @@ from typing import Any
 from verl_speco.evaluation import EvalPrompts, export_untrained_like, reference_acceptance, vllm_acceptance
 
 
+def quickstart_families() -> list[str]:
+    """Implemented families that ship a `quickstart_<name>` preset."""
+    from drafters.registry import available_families
+    from verl_speco.train.compose import default_config_dir
+
+    return [name for name in available_families() if (default_config_dir() / "preset" / f"quickstart_{name}.yaml").is_file()]
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="verl-speco-quickstart", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--algorithm", default="eagle3", choices=quickstart_families(),
+                   help="drafter family, with its preset configs/preset/quickstart_<algorithm>.yaml "
+                        "(default: %(default)s)")
     p.add_argument("--out", default="runs/quickstart", help="working directory (default: %(default)s)")
     p.add_argument("--train-prompts", type=int, default=512, help="prompts answered by the target for training")
     p.add_argument("--eval-prompts", type=int, default=32, help="held-out prompts (store + serving)")
@@ -68,11 +79,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     eval_jsonl = write_prompt_dataset(out / "data" / "eval.jsonl", args.eval_prompts, split="test", seed=args.seed)
     stores = {}
     for name, data in (("train", train_jsonl), ("eval", eval_jsonl)):
-        store = out / "stores" / target.name / name  # features belong to one target build
+        store = out / "stores" / target.name / args.algorithm / name  # features of one target build and layout
         done = store.parent / f"{name}.collected.json"  # written once the whole store is collected
         if not done.exists():
             shutil.rmtree(store, ignore_errors=True)
-            summary = collect_features(target, data, store, algorithm="eagle3", generate=True,
+            summary = collect_features(target, data, store, algorithm=args.algorithm, generate=True,
                                        max_new_tokens=args.max_new_tokens, seed=args.seed,
                                        batch_size=args.collect_batch_size)
             print(f"[quickstart] collected {name}: {summary}", flush=True)
@@ -80,7 +91,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         stores[name] = store
     t = _stage("features collected", t)
 
-    overrides = ["preset=quickstart_eagle3", f"target.path={target}", f"data.store={stores['train']}",
+    overrides = [f"preset=quickstart_{args.algorithm}", f"target.path={target}", f"data.store={stores['train']}",
                  f"data.eval_store={stores['eval']}", f"run.out_dir={out / 'train'}", "run.overwrite=true",
                  f"run.seed={args.seed}"]
     if args.steps is not None:
@@ -90,7 +101,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t = _stage(f"drafter trained, exported to {export_dir}", t)
 
     prompts = EvalPrompts.from_jsonl(target, eval_jsonl, limit=args.serve_prompts)
-    report: dict[str, Any] = {"target": str(target), "export": str(export_dir),
+    report: dict[str, Any] = {"algorithm": args.algorithm, "target": str(target), "export": str(export_dir),
                               "num_speculative_tokens": args.num_speculative_tokens,
                               "train": train_summary}
     report["reference"] = reference_acceptance(target, export_dir, prompts, args.num_speculative_tokens,
@@ -114,7 +125,7 @@ def _print_report(report: dict[str, Any]) -> None:
     ref, vl = report["reference"], report.get("vllm", {})
     k = report["num_speculative_tokens"]
     cols = [("vLLM trained", vl.get("trained")), ("reference", ref), ("vLLM untrained", vl.get("untrained"))]
-    print(f"\nEAGLE-3 drafter on the embedded target, k={k}, temperature 0")
+    print(f"\n{report['algorithm']} drafter on the embedded target, k={k}, temperature 0")
     print(f"{'':28s}" + "".join(f"{name:>16s}" for name, _ in cols))
 
     def row(label: str, get: Any) -> None:

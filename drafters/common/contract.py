@@ -3,14 +3,18 @@
 - `StoreStats`: what `build` may read from the training data (token counts for vocab selection).
 - `DraftContext` / `Proposal` / `Proposer`: the interface between `drafters.spec_decode` and a
   family's drafting code.
+- `EngineFormat`: what a family ships to the engines for one resolved config and target: the
+  `config.json` per export format, the engine tensors (one function serves export and live
+  publish), the speculative arguments per engine and the publish-manifest round trip.
 - `DrafterFamily`: the protocol every catalog entry implements.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -19,6 +23,8 @@ from drafters.common.losses import ObjectiveOutput
 from drafters.common.sampling import SamplingParams
 from drafters.common.target import TargetHead, TargetSpec
 from feature_store import Layout
+
+EXPORT_META_FILE = "verl_speco_meta.json"  # written into every export: {"family": name, "format": ..., ...}
 
 
 @dataclass(frozen=True)
@@ -58,14 +64,83 @@ class Proposer(Protocol):
         ...
 
 
+class EngineFormat(Protocol):
+    """The engine side of one family's draft (see the module docstring).
+
+    `to_dict()` is JSON (it names the family: `{"family": name, ...}`) and
+    `drafters.registry.engine_format_from_dict` rebuilds the object from it: that is how a publish
+    manifest tells a rollout server what it receives."""
+
+    family: ClassVar[str]
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+    def engine_tensors(self, state_dict: Mapping[str, Tensor], fmt: str = "native",
+                       dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        """Training state dict -> the tensors of export format `fmt`, checkpoint names, on CPU
+        (what `model.safetensors` holds, what an engine's `load_weights` takes, what a live
+        publish sends)."""
+        ...
+
+    def export(self, state_dict: Mapping[str, Tensor], out_dir: str | Path, fmt: str = "native",
+               **kwargs: Any) -> Path: ...
+
+    def vllm_speculative_config(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
+        """vLLM's `speculative_config` for an export of this format in `draft_dir`."""
+        ...
+
+    def sglang_server_args(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
+        """SGLang's speculative server arguments (`speculative_algorithm`, `..._num_steps`, ...)."""
+        ...
+
+    def sglang_expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Checkpoint name -> shape of every tensor SGLang's draft runner receives live; raises
+        `ValueError` naming why when SGLang cannot serve this draft as the function it was trained as."""
+        ...
+
+    def sglang_never_published(self) -> Mapping[str, str]:
+        """Engine tensors deliberately not sent to SGLang live -> why (e.g. the target's embedding)."""
+        ...
+
+
 class DrafterFamily(Protocol):
+    """A catalog entry. `resolve` returns a config with every target-dependent field filled in (no
+    Optional left); `mutable_settings` are the config fields that may change on a drafter loaded
+    from an export (training-only choices); `objective(..., progress)` gets the fraction of
+    training done in [0, 1] (curricula)."""
+
     @property
     def name(self) -> str: ...
 
     @property
     def config_cls(self) -> type: ...
 
+    @property
+    def mutable_settings(self) -> tuple[str, ...]: ...
+
+    def resolve(self, cfg: Any, target_spec: TargetSpec) -> Any: ...
+
+    def config_of(self, model: nn.Module) -> Any:
+        """The (resolved) config a model was built with."""
+        ...
+
+    def with_settings(self, model: nn.Module, **settings: Any) -> nn.Module:
+        """`model` with `mutable_settings` changed (anything else: ValueError naming the keys)."""
+        ...
+
     def build(self, cfg: Any, target: TargetHead, store_stats: StoreStats | None = None) -> nn.Module: ...
+
+    def set_target_head(self, model: nn.Module, embed_tokens: Tensor, lm_head: Tensor) -> None:
+        """Point the frozen target pieces at one policy version's embedding [V, H] and LM head [V, H]."""
+        ...
+
+    def engine_format(self, cfg: Any, target_spec: TargetSpec) -> EngineFormat: ...
+
+    def format_from_dict(self, data: Mapping[str, Any]) -> EngineFormat: ...
+
+    def load_export(self, export_dir: str | Path, target: TargetHead) -> nn.Module:
+        """The trainable model an export (any of the family's formats) of `target` holds, in eval mode."""
+        ...
 
     def required_fields(self, cfg: Any) -> tuple[str, ...]: ...
 
@@ -73,7 +148,7 @@ class DrafterFamily(Protocol):
 
     def collate(self, samples: list[dict[str, Tensor]]) -> dict[str, Tensor]: ...
 
-    def objective(self, model: nn.Module, batch: dict[str, Tensor]) -> ObjectiveOutput: ...
+    def objective(self, model: nn.Module, batch: dict[str, Tensor], progress: float = 0.0) -> ObjectiveOutput: ...
 
     def export(self, model: nn.Module, cfg: Any, target_spec: TargetSpec, out_dir: str | Path,
                fmt: str = "native", **kwargs: Any) -> Path: ...

@@ -42,6 +42,7 @@ class TargetSpec:
     max_position_embeddings: int
     model_type: str
     tie_word_embeddings: bool
+    dtype: str = "float32"  # the checkpoint's dtype (HF `dtype` / `torch_dtype`): exports default to it
 
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> TargetSpec:
@@ -67,6 +68,8 @@ class TargetSpec:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             model_type=str(cfg.get("model_type", config.get("model_type", "unknown"))),
             tie_word_embeddings=bool(tie),
+            dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or config.get("dtype")
+                      or config.get("torch_dtype") or "float32"),
         )
 
     @classmethod

@@ -39,6 +39,37 @@ def token_counts_from_samples(samples: Iterable[Mapping[str, Tensor]], vocab_siz
     return total
 
 
+def vocab_map_problems(d2t: Tensor, t2d: Tensor | None, vocab_size: int) -> list[str]:
+    """Why (d2t, t2d) is not a valid draft vocab map of a V = `vocab_size` target (empty: valid): the
+    one place this rule lives (model, exports, engine contracts).
+
+    d2t int64 [Vd] OFFSETS: draft id i is target id i + d2t[i]; the target ids are in [0, V) and strictly
+    increasing (the draft vocab is the sorted list of kept ids); t2d bool [V] marks exactly them.
+    Example, kept target ids [1, 3, 4] of V = 6: d2t = [1, 2, 2], t2d = [F, T, F, T, T, F]."""
+    if d2t.dtype != torch.int64:
+        return [f"d2t: dtype {d2t.dtype}, expected torch.int64 offsets"]
+    targets = torch.arange(d2t.numel()) + d2t
+    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
+        return [f"d2t: target ids i + d2t[i] span [{int(targets.min())}, {int(targets.max())}], expected within "
+                f"[0, {vocab_size}); was d2t stored as ids instead of offsets?"]
+    if targets.numel() > 1 and not bool((targets[1:] > targets[:-1]).all()):
+        return ["d2t: target ids i + d2t[i] are not strictly increasing (the draft vocab is the sorted list of "
+                "kept target ids)"]
+    if t2d is not None:
+        if t2d.dtype != torch.bool or tuple(t2d.shape) != (vocab_size,):
+            return [f"t2d: got {t2d.dtype} {tuple(t2d.shape)}, expected torch.bool ({vocab_size},)"]
+        if int(t2d.sum()) != d2t.numel() or not bool(t2d[targets].all()):
+            return ["t2d: does not mark exactly the targets i + d2t[i] of the draft vocab"]
+    return []
+
+
+def check_vocab_map(d2t: Tensor, t2d: Tensor | None, vocab_size: int) -> None:
+    """`vocab_map_problems` as a ValueError."""
+    problems = vocab_map_problems(d2t, t2d, vocab_size)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 @dataclass
 class DraftVocab:
     """d2t: int64 [Vd] offsets (target = draft + d2t[draft]); t2d: bool [V]."""
@@ -47,17 +78,7 @@ class DraftVocab:
     t2d: Tensor
 
     def __post_init__(self) -> None:
-        ids = self.target_ids
-        if self.d2t.dtype != torch.int64 or self.t2d.dtype != torch.bool:
-            raise ValueError(f"d2t/t2d dtypes: got {self.d2t.dtype}/{self.t2d.dtype}, expected int64/bool")
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.t2d.numel()):
-            raise ValueError(f"d2t: maps to target ids outside [0, {self.t2d.numel()})")
-        if ids.numel() > 1 and not bool((ids[1:] > ids[:-1]).all()):
-            raise ValueError("d2t: draft ids must map to strictly increasing target ids")
-        expected = torch.zeros_like(self.t2d)
-        expected[ids] = True
-        if not torch.equal(expected, self.t2d):
-            raise ValueError("t2d: disagrees with d2t (t2d must be true exactly at draft + d2t[draft])")
+        check_vocab_map(self.d2t, self.t2d, int(self.t2d.numel()))
 
     @classmethod
     def identity(cls, vocab_size: int) -> DraftVocab:

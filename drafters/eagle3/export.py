@@ -30,15 +30,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import MISSING, asdict, dataclass, replace
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from drafters.common.contract import EXPORT_META_FILE
 from drafters.common.layer_ids import from_engine_layer_ids, to_engine_layer_ids
+from drafters.common.vocab import check_vocab_map
 
 if TYPE_CHECKING:
     from torch import nn
@@ -47,7 +50,8 @@ if TYPE_CHECKING:
     from drafters.eagle3.config import Eagle3Config
 
 FORMATS = ("native", "speculators")
-META_FILE = "verl_speco_meta.json"
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+META_FILE = EXPORT_META_FILE
 NATIVE_ARCH = "LlamaForCausalLMEagle3"
 MIDLAYER = "midlayer."
 SPECULATORS_LAYER = "layers.0."
@@ -73,6 +77,9 @@ class Eagle3ExportConfig:
     num_layers: int = 1  # draft decoder layers: the 2H midlayer, then plain H layers (vLLM only)
     hidden_act: str = "silu"
     norm_before_residual: bool = False  # False: residual = raw h (SafeAILab, SGLang, vLLM default)
+    dtype: str = "float32"  # of the exported floating tensors: the target's (SGLang's --dtype auto reads it)
+
+    family: ClassVar[str] = "eagle3"
 
     @classmethod
     def from_drafter(cls, cfg: Eagle3Config, spec: TargetSpec, **overrides: Any) -> Eagle3ExportConfig:
@@ -86,8 +93,64 @@ class Eagle3ExportConfig:
                    draft_vocab_size=cfg.draft_vocab_size, target_hidden_size=spec.hidden_size,
                    max_position_embeddings=spec.max_position_embeddings, aux_layer_ids=cfg.aux_layer_ids,
                    target_num_hidden_layers=spec.num_hidden_layers, num_layers=cfg.num_layers,
-                   norm_before_residual=cfg.norm_before_residual)
+                   norm_before_residual=cfg.norm_before_residual, dtype=spec.dtype)
         return replace(base, **overrides)
+
+    # -- EngineFormat (drafters.common.contract) ----------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """JSON for a publish manifest; `from_dict` inverts it."""
+        return {"family": self.family, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Eagle3ExportConfig:
+        fields = {f.name for f in dataclass_fields(cls)}
+        body = {k: v for k, v in data.items() if k != "family"}
+        if data.get("family", cls.family) != cls.family:
+            raise ValueError(f"engine format: family {data.get('family')!r}, expected {cls.family!r}")
+        unknown, missing = sorted(set(body) - fields), sorted(
+            f.name for f in dataclass_fields(cls) if f.name not in body and f.default is MISSING)
+        if unknown or missing:
+            raise ValueError(f"EAGLE-3 engine format: unknown keys {unknown}, missing keys {missing} "
+                             f"(expected the fields of Eagle3ExportConfig: {sorted(fields)})")
+        return cls(**body)
+
+    def engine_tensors(self, state_dict: Mapping[str, Tensor], fmt: str = "native",
+                       dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        return engine_tensors(state_dict, self, fmt, dtype)
+
+    def export(self, state_dict: Mapping[str, Tensor], out_dir: str | Path, fmt: str = "native",
+               **kwargs: Any) -> Path:
+        return export_eagle3(state_dict, self, out_dir, fmt, **kwargs)
+
+    def vllm_speculative_config(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
+        from drafters.registry import engine_method
+
+        method = engine_method(self.family, "vllm")
+        return {"method": method.method, "model": str(draft_dir),
+                "num_speculative_tokens": int(num_speculative_tokens), **dict(method.extra)}
+
+    def sglang_server_args(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
+        """A chain of `num_speculative_tokens` steps (topk 1: num_draft_tokens = steps + 1)."""
+        from drafters.registry import engine_method
+
+        return {"speculative_algorithm": engine_method(self.family, "sglang").method,
+                "speculative_draft_model_path": str(draft_dir),
+                "speculative_num_steps": int(num_speculative_tokens), "speculative_eagle_topk": 1,
+                "speculative_num_draft_tokens": int(num_speculative_tokens) + 1}
+
+    def sglang_expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        from drafters.eagle3.sglang import ARCH, sglang_expected_tensors, sglang_servable_problems
+
+        problems = sglang_servable_problems(self.num_layers, self.norm_before_residual, len(self.aux_layer_ids),
+                                            self.hidden_act)
+        if problems:
+            raise ValueError(f"SGLang's {ARCH} would not serve this EAGLE-3 draft as trained: " + "; ".join(problems))
+        return sglang_expected_tensors(native_config(self))
+
+    def sglang_never_published(self) -> Mapping[str, str]:
+        from drafters.eagle3.sglang import NEVER_PUBLISHED
+
+        return NEVER_PUBLISHED
 
     def __post_init__(self) -> None:
         ids = tuple(int(i) for i in self.aux_layer_ids)
@@ -104,6 +167,8 @@ class Eagle3ExportConfig:
             raise ValueError(f"hidden_size={self.hidden_size} != target_hidden_size={self.target_hidden_size}: "
                              "exports omit embed_tokens, and the engines share the target's embedding only "
                              "when the widths match")
+        if self.dtype not in EXPORT_DTYPES:
+            raise ValueError(f"dtype: got {self.dtype!r}, expected one of {EXPORT_DTYPES}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
@@ -132,24 +197,6 @@ def expected_shapes(cfg: Eagle3ExportConfig) -> dict[str, tuple[int, ...]]:
     if cfg.draft_vocab_size < cfg.vocab_size:
         shapes.update({"d2t": (cfg.draft_vocab_size,), "t2d": (cfg.vocab_size,)})
     return shapes
-
-
-def check_vocab_map(d2t: Tensor, t2d: Tensor | None, vocab_size: int) -> None:
-    """`d2t` must be offsets: targets i + d2t[i] in [0, V), strictly increasing, and marked in t2d."""
-    if d2t.dtype != torch.int64:
-        raise ValueError(f"d2t: dtype {d2t.dtype}, expected torch.int64 offsets")
-    targets = torch.arange(d2t.numel()) + d2t
-    if targets.numel() and (int(targets.min()) < 0 or int(targets.max()) >= vocab_size):
-        raise ValueError(f"d2t: target ids i + d2t[i] span [{int(targets.min())}, {int(targets.max())}], "
-                         f"expected within [0, {vocab_size}); was d2t stored as ids instead of offsets?")
-    if targets.numel() > 1 and not bool((targets[1:] > targets[:-1]).all()):
-        raise ValueError("d2t: target ids i + d2t[i] are not strictly increasing (the draft vocab is the "
-                         "sorted list of kept target ids)")
-    if t2d is not None:
-        if t2d.dtype != torch.bool or t2d.shape != (vocab_size,):
-            raise ValueError(f"t2d: got {t2d.dtype} {tuple(t2d.shape)}, expected torch.bool ({vocab_size},)")
-        if int(t2d.sum()) != d2t.numel() or not bool(t2d[targets].all()):
-            raise ValueError("t2d: does not mark exactly the targets i + d2t[i] of the draft vocab")
 
 
 def _prepare(state_dict: Mapping[str, Tensor], cfg: Eagle3ExportConfig) -> dict[str, Tensor]:
@@ -220,12 +267,13 @@ def speculators_config(cfg: Eagle3ExportConfig, verifier: str | None, speculativ
 def engine_tensors(state_dict: Mapping[str, Tensor], cfg: Eagle3ExportConfig, fmt: str = "native",
                    dtype: torch.dtype | None = None) -> dict[str, Tensor]:
     """The tensors of an export in format `fmt`, checkpoint names, on CPU (what `model.safetensors`
-    holds and what an engine's `load_weights` takes; also what a live publish sends)."""
+    holds and what an engine's `load_weights` takes; also what a live publish sends). Floating tensors
+    in `dtype`, by default the target's (`cfg.dtype`)."""
     if fmt not in FORMATS:
         raise ValueError(f"fmt: got {fmt!r}, expected one of {FORMATS}")
     tensors = _prepare(state_dict, cfg)
-    if dtype is not None:
-        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    dtype = dtype if dtype is not None else getattr(torch, cfg.dtype)  # default: the target's dtype
+    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     if fmt == "speculators":
         tensors = {SPECULATORS_LAYER + k[len(MIDLAYER):] if k.startswith(MIDLAYER) else k: v
                    for k, v in tensors.items()}
@@ -253,7 +301,7 @@ def export_eagle3(state_dict: Mapping[str, Tensor], cfg: Eagle3ExportConfig, out
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    meta_doc = {"family": "eagle3", "format": fmt, "export_config": asdict(cfg),
+    meta_doc = {"family": cfg.family, "format": fmt, "export_config": asdict(cfg), "engine_format": cfg.to_dict(),
                 "layer_id_convention": "hf_hidden_states", **dict(meta or {})}
     (out / META_FILE).write_text(json.dumps(meta_doc, indent=2) + "\n")
     return out
@@ -300,7 +348,8 @@ def load_export(export_dir: str | Path,
         max_position_embeddings=layer["max_position_embeddings"],
         aux_layer_ids=from_engine_layer_ids(vllm_ids, VLLM_IDS, target_num_hidden_layers),
         target_num_hidden_layers=target_num_hidden_layers, num_layers=layer["num_hidden_layers"],
-        hidden_act=layer["hidden_act"], norm_before_residual=bool(config.get("norm_before_residual", False)))
+        hidden_act=layer["hidden_act"], norm_before_residual=bool(config.get("norm_before_residual", False)),
+        dtype=str(layer.get("torch_dtype") or config.get("torch_dtype") or "float32"))
     if cfg.draft_vocab_size == cfg.vocab_size:
         tensors.setdefault("d2t", torch.zeros(cfg.vocab_size, dtype=torch.int64))
         tensors.setdefault("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))

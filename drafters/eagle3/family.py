@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from drafters.common.collate import collate
@@ -14,12 +17,14 @@ from drafters.common.losses import ObjectiveOutput
 from drafters.common.target import TargetHead, TargetSpec
 from drafters.common.vocab import DraftVocab
 from drafters.eagle3.config import Eagle3Config
+from drafters.eagle3.export import Eagle3ExportConfig, load_export
 from drafters.eagle3.model import Eagle3Model
 from drafters.eagle3.objective import REQUIRED_FIELDS, eagle3_objective
 from drafters.eagle3.proposer import Eagle3Proposer
 from feature_store import Layout
 
 EXPORT_MODULE = "drafters.eagle3.export"
+NOT_EXPORTED = ("embed_tokens.weight",)  # model entries an export does not carry: the target's embedding
 
 
 def _as_model(model: nn.Module) -> Eagle3Model:
@@ -31,6 +36,51 @@ def _as_model(model: nn.Module) -> Eagle3Model:
 class Eagle3Family:
     name = "eagle3"
     config_cls = Eagle3Config
+    # may change on a drafter loaded from an export: they shape training, not the exported function
+    mutable_settings = ("ttt_steps", "ttt_decay", "attn_backend")
+
+    def resolve(self, cfg: Eagle3Config, target_spec: TargetSpec) -> Eagle3Config:
+        return cfg.resolve(target_spec)
+
+    def config_of(self, model: nn.Module) -> Eagle3Config:
+        return _as_model(model).cfg
+
+    def with_settings(self, model: nn.Module, **settings: Any) -> Eagle3Model:
+        m = _as_model(model)
+        other = sorted(set(settings) - set(self.mutable_settings))
+        if other:
+            raise ValueError(f"settings {other} cannot change a loaded EAGLE-3 drafter (its architecture comes "
+                             f"from the export); only {list(self.mutable_settings)} can")
+        m.cfg = replace(m.cfg, **settings)
+        return m
+
+    def set_target_head(self, model: nn.Module, embed_tokens: Tensor, lm_head: Tensor) -> None:
+        """embed_tokens [V, H] -> the frozen embedding; lm_head [V, H] -> the training-target head."""
+        m = _as_model(model)
+        m.target_lm_head = lm_head.to(m.target_lm_head.device, m.target_lm_head.dtype)
+        with torch.no_grad():
+            m.embed_tokens.weight.copy_(embed_tokens.to(m.embed_tokens.weight.device, m.embed_tokens.weight.dtype))
+
+    def engine_format(self, cfg: Eagle3Config, target_spec: TargetSpec) -> Eagle3ExportConfig:
+        return Eagle3ExportConfig.from_drafter(cfg, target_spec)
+
+    def format_from_dict(self, data: Mapping[str, Any]) -> Eagle3ExportConfig:
+        return Eagle3ExportConfig.from_dict(data)
+
+    def load_export(self, export_dir: str | Path, target: TargetHead) -> Eagle3Model:
+        """The trainable model of a native or speculators export of `target` (eval mode)."""
+        state, export_cfg = load_export(export_dir, target.spec.num_hidden_layers)
+        cfg = Eagle3Config(draft_vocab_size=export_cfg.draft_vocab_size, num_layers=export_cfg.num_layers,
+                           aux_layer_ids=tuple(export_cfg.aux_layer_ids),
+                           norm_before_residual=export_cfg.norm_before_residual)
+        # the vocab map comes from the export; selecting by t2d only gives the model the right shapes
+        model = self.build(cfg, target, StoreStats(token_counts=state["t2d"].to(torch.float32)))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if k not in NOT_EXPORTED]
+        if missing or unexpected:
+            raise ValueError(f"{export_dir}: export does not match the EAGLE-3 model: missing {missing}, "
+                             f"unexpected {unexpected}")
+        return model.eval()
 
     def build(self, cfg: Eagle3Config, target: TargetHead, store_stats: StoreStats | None = None) -> Eagle3Model:
         """A fresh draft model. A reduced draft vocab needs `store_stats.token_counts` [V]."""
@@ -63,7 +113,8 @@ class Eagle3Family:
             raise KeyError(f"EAGLE-3 samples: missing fields {missing} (have {sorted(samples[0])})")
         return collate(samples)
 
-    def objective(self, model: nn.Module, batch: dict[str, Tensor]) -> ObjectiveOutput:
+    def objective(self, model: nn.Module, batch: dict[str, Tensor], progress: float = 0.0) -> ObjectiveOutput:
+        """EAGLE-3's loss does not depend on training progress (no curriculum)."""
         return eagle3_objective(_as_model(model), batch)
 
     def export(self, model: nn.Module, cfg: Eagle3Config, target_spec: TargetSpec, out_dir: str | Path,

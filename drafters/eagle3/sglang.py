@@ -1,7 +1,8 @@
 """What SGLang's `LlamaForCausalLMEagle3` (python/sglang/srt/models/llama_eagle3.py) loads, as a checker.
 
-SGLang cannot run here, so this module encodes its loader's contract and validates an export
-directory against it (no sglang import). Facts from SGLang's source:
+SGLang cannot run here, so this module encodes its loader's contract (the EAGLE-3 family's engine
+facts, next to its export code) and validates an export directory or a live update against it
+(no sglang import). Facts from SGLang 0.5.23's source:
 
 - Config: `architectures` names `LlamaForCausalLMEagle3`; a Llama config (`model_type: llama`)
   supplying hidden_size, num_attention_heads, num_key_value_heads, head_dim (default
@@ -30,10 +31,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from safetensors import safe_open
 
 from drafters.common.layer_ids import to_engine_layer_ids
+from drafters.common.vocab import vocab_map_problems
 
 SGLANG_IDS = "sglang.eagle_config.eagle_aux_hidden_state_layer_ids"
 
@@ -41,8 +42,33 @@ ARCH = "LlamaForCausalLMEagle3"
 NUM_AUX = 3  # SGLang's fc is hard-wired to 3 * target_hidden_size inputs
 
 
+NEVER_PUBLISHED = {
+    "embed_tokens.weight": "the target's embedding, shared by SGLang's draft (set_embed): publishing it would "
+                           "overwrite the target",
+    "d2t": "SGLang's EAGLE worker keeps the hot_token_id it read at start-up: the draft vocab is fixed at launch",
+    "t2d": "skipped by SGLang's draft loader",
+}
+
+
 class SGLangContractError(ValueError):
     """An export SGLang's LlamaForCausalLMEagle3 would reject or load wrongly; lists every problem."""
+
+
+def sglang_servable_problems(num_layers: int, norm_before_residual: bool, num_aux: int,
+                             hidden_act: str = "silu") -> list[str]:
+    """Why SGLang would serve a draft with these choices as a different function (empty: servable)."""
+    problems = []
+    if num_layers != 1:
+        problems.append(f"num_layers: got {num_layers}, expected 1 (SGLang's {ARCH} names its extra layers "
+                        "additional_layers.*, our layers.<n>.* would be dropped)")
+    if norm_before_residual:
+        problems.append("norm_before_residual: got True, expected False (SGLang's midlayer always keeps the raw "
+                        "hidden as the residual: it would serve another function)")
+    if num_aux != NUM_AUX:
+        problems.append(f"aux layers: got {num_aux}, expected {NUM_AUX} (SGLang's fc takes exactly {NUM_AUX})")
+    if hidden_act != "silu":
+        problems.append(f"hidden_act: got {hidden_act!r}, expected 'silu' (SGLang's LlamaMLP)")
+    return problems
 
 
 def sglang_expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -144,21 +170,11 @@ def _tensor_problems(root: Path, cfg: dict[str, Any]) -> list[str]:
                 problems.append(f"{raw}: shape {shape}, expected {expected}")
             seen.add(name)
             if name == "d2t" and shape == expected:
-                problems += _d2t_problems(f.get_tensor(raw), v)
+                problems += vocab_map_problems(f.get_tensor(raw), None, v)
     problems += [f"{name}: missing (expected shape {shape})" for name, shape in want.items() if name not in seen]
     if vd < v and "d2t" not in seen:
         problems.append(f"d2t: missing; draft_vocab_size {vd} < vocab_size {v} needs it for hot_token_id")
     return problems
-
-
-def _d2t_problems(d2t: torch.Tensor, vocab_size: int) -> list[str]:
-    if d2t.dtype != torch.int64:
-        return [f"d2t: dtype {d2t.dtype}, expected torch.int64 offsets"]
-    hot = d2t + torch.arange(d2t.numel())
-    if int(hot.min()) < 0 or int(hot.max()) >= vocab_size or hot.unique().numel() != hot.numel():
-        return [f"d2t: hot_token_id = d2t + arange spans [{int(hot.min())}, {int(hot.max())}] with "
-                f"{hot.numel() - hot.unique().numel()} duplicates; expected distinct ids in [0, {vocab_size})"]
-    return []
 
 
 def check_sglang_eagle3_export(export_dir: str | Path, expected_aux_layer_ids: Sequence[int] | None = None,

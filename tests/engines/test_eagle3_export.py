@@ -152,7 +152,7 @@ def test_family_export_of_a_two_layer_drafters_model(tmp_path: Path, fmt: str) -
     assert export_cfg.num_layers == 2 and export_cfg.aux_layer_ids == (2, 4, 5)
     _assert_same(loaded, {k: v for k, v in model.state_dict().items() if k != "embed_tokens.weight"})
     if fmt == "native":  # vLLM serves extra layers; SGLang's differ, and its checker says so
-        from verl_speco.engines.sglang_contract import SGLangContractError, check_sglang_eagle3_export
+        from drafters.eagle3.sglang import SGLangContractError, check_sglang_eagle3_export
 
         with pytest.raises(SGLangContractError, match="config.num_hidden_layers: got 2, expected 1"):
             check_sglang_eagle3_export(out)

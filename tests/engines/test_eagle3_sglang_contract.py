@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from drafters.eagle3.export import export_eagle3
-from verl_speco.engines.sglang_contract import SGLangContractError, check_sglang_eagle3_export
+from drafters.eagle3.sglang import SGLangContractError, check_sglang_eagle3_export
 
 from .conftest import AUX_IDS, LAYERS, draft_config, random_draft
 
@@ -56,7 +56,7 @@ def test_model_prefixed_names_are_accepted_except_lm_head(native: Path) -> None:
      r"midlayer.self_attn.k_proj.weight: shape \(64, 64\), expected \(64, 128\)"),
     (lambda t: t.pop("norm.weight"), r"norm.weight: missing \(expected shape \(64,\)\)"),
     (lambda t: t.pop("d2t"), r"d2t: missing; draft_vocab_size 48 < vocab_size 96"),
-    (lambda t: t.update({"d2t": torch.tensor(KEPT)}), r"d2t: hot_token_id = d2t \+ arange spans \[0, 141\]"),
+    (lambda t: t.update({"d2t": torch.tensor(KEPT)}), r"d2t: target ids i \+ d2t\[i\] span \[0, 141\]"),
     (lambda t: t.update({"d2t": torch.zeros(48, dtype=torch.int32)}), r"d2t: dtype torch.int32"),
     (lambda t: t.update({"midlayers.0.extra": torch.zeros(1)}), r"midlayers.0.extra: not a parameter .* silently"),
 ])

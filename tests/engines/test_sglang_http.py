@@ -39,7 +39,6 @@ from verl_speco.engines.sglang_publish import (
     SGLangDraftPublisher,
     SGLangPublishError,
     check_draft_update,
-    draft_config,
 )
 
 API_KEY = "test-admin-key"
@@ -261,7 +260,7 @@ def assert_sessions_wrap_updates(routes: list[str]) -> None:
 
 def received(fake: FakeSGLang, cfg: Eagle3ExportConfig, start: int, expected: dict[str, torch.Tensor]) -> dict[str, Any]:
     """What rank 0 loads from the updates accepted since `start`, checked bit for bit against `expected`."""
-    return check_draft_update(fake.tensor_updates(start), draft_config(cfg), tp_size=2,
+    return check_draft_update(fake.tensor_updates(start), cfg, tp_size=2,
                               deserialize=RawBucketCodec.decode, expected=expected)
 
 

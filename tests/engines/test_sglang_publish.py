@@ -20,12 +20,11 @@ from safetensors import safe_open
 from drafters.common.contract import StoreStats
 from drafters.common.target import TargetHead
 from drafters.eagle3 import FAMILY, Eagle3Config
-from drafters.eagle3.export import Eagle3ExportConfig, export_eagle3
-from verl_speco.engines.sglang_contract import check_sglang_eagle3_export, sglang_expected_tensors
+from drafters.eagle3.export import Eagle3ExportConfig, export_eagle3, native_config
+from drafters.eagle3.sglang import NEVER_PUBLISHED, check_sglang_eagle3_export, sglang_expected_tensors
 from verl_speco.engines.sglang_publish import (
     DRAFT_SELECTOR,
     LOAD_FORMAT,
-    NEVER_PUBLISHED,
     REQUEST_FIELDS,
     FlatTensorMeta,
     SGLangDraftPublisher,
@@ -33,7 +32,6 @@ from verl_speco.engines.sglang_publish import (
     build_buckets,
     build_draft_update,
     check_draft_update,
-    draft_config,
     publishable_tensors,
 )
 
@@ -163,9 +161,8 @@ def test_every_tensor_round_trips_bit_exactly(draft: tuple[torch.nn.Module, Eagl
     sd["norm.weight"][7] = float("nan")  # bit-exact means bit-exact: NaN payloads survive too
     sd["midlayer.hidden_norm.weight"][0] = -0.0
     requests = build_draft_update(sd, cfg, version=1, tp_size=tp_size, bucket_bytes=40 << 10).requests(store.serialize)
-    config = draft_config(cfg)
-    expected = sglang_expected_tensors(config)
-    loaded = check_draft_update(requests, config, tp_size=tp_size, deserialize=store.deserialize, expected=sd)
+    expected = sglang_expected_tensors(native_config(cfg))  # SGLang's loader facts, from its config.json
+    loaded = check_draft_update(requests, cfg, tp_size=tp_size, deserialize=store.deserialize, expected=sd)
     assert sorted(loaded) == sorted(expected)  # SGLang names, all of them
     assert {k: tuple(v.shape) for k, v in loaded.items()} == expected
     assert expected["fc.weight"] == (64, 192) and expected["lm_head.weight"] == (DRAFT_VOCAB, 64)
@@ -218,13 +215,16 @@ def test_bad_arguments_are_named(draft: tuple[torch.nn.Module, Eagle3ExportConfi
         build_draft_update(sd, cfg, version=-1)
     with pytest.raises(SGLangPublishError, match=r"weight_version: got 3, expected a str or None"):
         build_draft_update(sd, cfg, version=0, weight_version=3)  # type: ignore[arg-type]
-    with pytest.raises(SGLangPublishError, match=r"cfg.num_layers: got 2, expected 1 .*additional_layers"):
+    with pytest.raises(SGLangPublishError, match=r"num_layers: got 2, expected 1 .*additional_layers"):
         publishable_tensors(sd, replace(cfg, num_layers=2))
+    # SGLang's midlayer always keeps the raw hidden as the residual: another function, refused (not only in tests)
+    with pytest.raises(SGLangPublishError, match=r"norm_before_residual: got True, expected False"):
+        build_draft_update(sd, replace(cfg, norm_before_residual=True), version=0)
     with pytest.raises(SGLangPublishError, match=r"serialize: sglang is not importable here"):
         build_draft_update(sd, cfg, version=0).requests()
     requests = build_draft_update(sd, cfg, version=0).requests(HandleStore().serialize)
     with pytest.raises(SGLangPublishError, match=r"deserialize: sglang is not importable here"):
-        check_draft_update(requests, draft_config(cfg), tp_size=1)
+        check_draft_update(requests, cfg, tp_size=1)
 
 
 def _edit_payload(key: str, fn: Callable[[Any], Any]) -> Callable[[list[dict[str, Any]], HandleStore], None]:
@@ -261,7 +261,7 @@ def _rename(meta: list[Any], name: str) -> list[Any]:
     (_edit_payload("metadata", lambda m: _rename(m, "embed_tokens.weight")),
      r"embed_tokens.weight: must not be published .*overwrite the target"),
     (_edit_payload("metadata", lambda m: _rename(m, "layers.0.fc.weight")),
-     r"layers.0.fc.weight: not a parameter of SGLang's LlamaForCausalLMEagle3.*silently"),
+     r"layers.0.fc.weight: not a parameter of SGLang's eagle3 draft.*silently"),
     (lambda rs, _: rs.pop(), r"norm.weight: missing \(expected shape \(64,\)\)"),
 ])
 def test_bad_requests_are_named(draft: tuple[torch.nn.Module, Eagle3ExportConfig],
@@ -269,12 +269,12 @@ def test_bad_requests_are_named(draft: tuple[torch.nn.Module, Eagle3ExportConfig
     model, cfg = draft
     store, sd = HandleStore(), mixed_precision(model)
     requests = build_draft_update(sd, cfg, version=0, tp_size=2, bucket_bytes=64 << 10).requests(store.serialize)
-    check_draft_update(requests, draft_config(cfg), tp_size=2, deserialize=store.deserialize, expected=sd)
+    check_draft_update(requests, cfg, tp_size=2, deserialize=store.deserialize, expected=sd)
     requests[-1]["torch_empty_cache"] = True  # a real field of SGLang's request we leave at its default: accepted
-    check_draft_update(requests, draft_config(cfg), tp_size=2, deserialize=store.deserialize, expected=sd)
+    check_draft_update(requests, cfg, tp_size=2, deserialize=store.deserialize, expected=sd)
     edit(requests, store)
     with pytest.raises(SGLangPublishError, match=message):
-        check_draft_update(requests, draft_config(cfg), tp_size=2, deserialize=store.deserialize)
+        check_draft_update(requests, cfg, tp_size=2, deserialize=store.deserialize)
 
 
 def test_ranks_must_carry_the_same_bucket(draft: tuple[torch.nn.Module, Eagle3ExportConfig]) -> None:
@@ -284,11 +284,11 @@ def test_ranks_must_carry_the_same_bucket(draft: tuple[torch.nn.Module, Eagle3Ex
     handle = requests[0]["serialized_named_tensors"][2]
     store.payloads[handle] = {**store.payloads[handle], "flattened_tensor": store.payloads[handle]["flattened_tensor"] * 2}
     with pytest.raises(SGLangPublishError, match=r"request\[0\].serialized_named_tensors\[2\]: differs from rank 0"):
-        check_draft_update(requests, draft_config(cfg), tp_size=3, deserialize=store.deserialize)
+        check_draft_update(requests, cfg, tp_size=3, deserialize=store.deserialize)
     store.payloads[handle] = ["not", "a", "bucket"]
     with pytest.raises(SGLangPublishError, match=r"serialized_named_tensors\[2\]: got list, expected a dict with keys "
                                                  r"\['flattened_tensor', 'metadata'\]"):
-        check_draft_update(requests, draft_config(cfg), tp_size=3, deserialize=store.deserialize)
+        check_draft_update(requests, cfg, tp_size=3, deserialize=store.deserialize)
 
 
 def test_live_names_are_the_exported_checkpoint_names(draft: tuple[torch.nn.Module, Eagle3ExportConfig],
@@ -301,7 +301,8 @@ def test_live_names_are_the_exported_checkpoint_names(draft: tuple[torch.nn.Modu
         exported = {k: f.get_tensor(k) for k in f.keys()}
     store = HandleStore()
     requests = build_draft_update(model.state_dict(), cfg, version=0).requests(store.serialize)
-    loaded = check_draft_update(requests, json.loads((out / "config.json").read_text()), tp_size=1,
+    assert sglang_expected_tensors(json.loads((out / "config.json").read_text())) == cfg.sglang_expected_shapes()
+    loaded = check_draft_update(requests, cfg, tp_size=1,
                                 deserialize=store.deserialize, expected=exported)
     assert sorted(exported) == sorted([*loaded, "d2t", "t2d"])
     assert all(_same_bits(loaded[k], exported[k]) for k in loaded)
@@ -313,12 +314,12 @@ def test_tampered_bits_fail_the_source_comparison(draft: tuple[torch.nn.Module, 
     requests = build_draft_update(sd, cfg, version=0).requests(store.serialize)
     store.payloads[requests[-1]["serialized_named_tensors"][0]]["flattened_tensor"][3] += 1.0  # inside input_layernorm
     with pytest.raises(SGLangPublishError, match=r"midlayer.input_layernorm.weight: reconstructed tensor differs"):
-        check_draft_update(requests, draft_config(cfg), tp_size=1, deserialize=store.deserialize, expected=sd)
+        check_draft_update(requests, cfg, tp_size=1, deserialize=store.deserialize, expected=sd)
 
 
 def _loaded(client: RecordingClient, store: HandleStore, cfg: Eagle3ExportConfig, calls: slice) -> dict[str, Any]:
     requests = [kw for name, kw in client.calls[calls] if name == "update_weights_from_tensor"]
-    return check_draft_update(requests, draft_config(cfg), tp_size=2, deserialize=store.deserialize)
+    return check_draft_update(requests, cfg, tp_size=2, deserialize=store.deserialize)
 
 
 def test_publisher_versions_drop_stale_and_reapply(draft: tuple[torch.nn.Module, Eagle3ExportConfig]) -> None:

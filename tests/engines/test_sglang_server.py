@@ -10,7 +10,6 @@ arrives is rebuilt from the bytes and compared bit for bit with the published te
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import re
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ import pytest
 import torch
 
 from drafters.eagle3.export import Eagle3ExportConfig, engine_tensors
-from verl_speco.engines.sglang_publish import check_draft_update, draft_config, publishable_tensors
+from verl_speco.engines.sglang_publish import check_draft_update, publishable_tensors
 from verl_speco.engines.spec_metrics import SpecCounters
 from verl_speco.online.publish import write_version
 from verl_speco.verl_integration.draft_servers import SGLangDraftServerMixin, speco_sglang_classes
@@ -69,7 +68,7 @@ def _publish(root: Path, model: torch.nn.Module, cfg: Eagle3ExportConfig, versio
     state = engine_tensors({k: v * scale if v.is_floating_point() else v for k, v in model.state_dict().items()},
                            cfg, "native")
     pub = write_version(root, version, state, bucket_bytes=64 << 10,
-                        meta={"export_config": dataclasses.asdict(cfg)} if meta else {})
+                        meta={"engine_format": cfg.to_dict()} if meta else {})
     return pub.path, state
 
 
@@ -94,18 +93,18 @@ def test_published_versions_reach_sglang_draft_only(draft: tuple[torch.nn.Module
     updates = [c.body for c in sglang.calls if c.route == UPDATE]
     assert updates and all(b["selector"] == "draft" for b in updates)
     assert all(len(b["serialized_named_tensors"]) == 2 for b in updates)  # tp=2: one entry per rank
-    check_draft_update(sglang.tensor_updates(), draft_config(cfg), tp_size=2, deserialize=RawBucketCodec.decode,
+    check_draft_update(sglang.tensor_updates(), cfg, tp_size=2, deserialize=RawBucketCodec.decode,
                        expected=publishable_tensors(state3, cfg))
     n = len(sglang.calls)
     (stale,) = call("speco_load_draft", str(path3), 3)
     assert stale["status"] == "stale" and stale["version"] == 3 and len(sglang.calls) == n  # nothing sent
     path4, state4 = _publish(tmp_path / "pub", model, cfg, 4, 2.0)
     assert call("speco_load_draft", str(path4), 4)[0]["status"] == "loaded" and call("speco_draft_version") == [4]
-    check_draft_update(sglang.tensor_updates(n), draft_config(cfg), tp_size=2, deserialize=RawBucketCodec.decode,
+    check_draft_update(sglang.tensor_updates(n), cfg, tp_size=2, deserialize=RawBucketCodec.decode,
                        expected=publishable_tensors(state4, cfg))
     n = len(sglang.calls)
     assert call("speco_reapply_draft") == [4]  # after the target's sync / a wake-up: v4 again
-    check_draft_update(sglang.tensor_updates(n), draft_config(cfg), tp_size=2, deserialize=RawBucketCodec.decode,
+    check_draft_update(sglang.tensor_updates(n), cfg, tp_size=2, deserialize=RawBucketCodec.decode,
                        expected=publishable_tensors(state4, cfg))
     assert_sessions_wrap_updates(sglang.routes())
     assert asyncio.run(replica.speco_spec_counters()) == SpecCounters()  # SGLang exposes no counters
@@ -117,7 +116,7 @@ def test_published_versions_reach_sglang_draft_only(draft: tuple[torch.nn.Module
     bare, _ = _publish(tmp_path / "bare", model, cfg, 1, 1.0, meta=False)
     fresh = Server((str(host), int(port)))
     (answer,) = asyncio.run(fresh.speco_call("speco_load_draft", (str(bare), 1)))
-    assert answer["status"] == "rejected" and "meta.export_config" in answer["reason"]
+    assert answer["status"] == "rejected" and "meta.engine_format" in answer["reason"]
 
 
 def test_a_bad_publish_sends_nothing_and_a_failed_send_restores_the_previous_draft(
@@ -164,7 +163,7 @@ def test_a_bad_publish_sends_nothing_and_a_failed_send_restores_the_previous_dra
         state = {k: v.clone() for k, v in state3.items()}
         edit(state)
         path = write_version(tmp_path / "pub", version, state, bucket_bytes=64 << 10,
-                             meta={"export_config": dataclasses.asdict(cfg)}).path
+                             meta={"engine_format": cfg.to_dict()}).path
         seen = len(sglang.seen)
         answer = load(path, version)
         assert answer["status"] == "rejected" and re.search(want, answer["reason"]), (name, answer)
@@ -182,6 +181,6 @@ def test_a_bad_publish_sends_nothing_and_a_failed_send_restores_the_previous_dra
     assert answer["status"] == "failed" and answer["version"] == 3
     assert "planted: out of memory" in answer["reason"] and "previous version 3 re-sent" in answer["reason"]
     resent = [i for i, c in enumerate(sglang.calls[n:]) if c.route == "/begin_weight_update"][-1]
-    check_draft_update(sglang.tensor_updates(n + resent), draft_config(cfg), tp_size=2,
+    check_draft_update(sglang.tensor_updates(n + resent), cfg, tp_size=2,
                        deserialize=RawBucketCodec.decode, expected=publishable_tensors(state3, cfg))
     assert asyncio.run(server.speco_call("speco_draft_version", ())) == [3]

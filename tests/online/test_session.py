@@ -17,6 +17,7 @@ from drafters.common.target import TargetHead
 from drafters.eagle3.config import Eagle3Config
 from drafters.eagle3.export import Eagle3ExportConfig, expected_shapes
 from drafters.eagle3.family import FAMILY
+from drafters.registry import engine_format_from_dict
 from verl_speco.online.capture import CapturedRows, OnlineCapture
 from verl_speco.online.config import CaptureCaps, DrafterOptim, DrafterRunConfig
 from verl_speco.online.publish import load_version, read_manifest
@@ -260,7 +261,7 @@ def test_publish_writes_increasing_versions_equal_to_engine_state(tmp_path: Path
         meta = read_manifest(pub.path)["meta"]
         assert {k: meta[k] for k in ("optimizer_step", "policy_version")} == {"optimizer_step": pub.version,
                                                                              "policy_version": 0}
-        assert Eagle3ExportConfig(**meta["export_config"]) == Eagle3ExportConfig.from_drafter(
+        assert engine_format_from_dict(meta["engine_format"]) == Eagle3ExportConfig.from_drafter(
             session.fam_cfg, session.target_spec)  # what an SGLang server builds its update with
     assert not torch.equal(states[1]["fc.weight"], states[2]["fc.weight"])
     other = session.publish(tmp_path / "elsewhere")

@@ -99,24 +99,36 @@ def test_bad_drafter_value_fails_naming_key_and_value() -> None:
         extract_drafter(cfg)
 
 
+def _eagle3_format() -> Any:
+    from drafters.common.target import TargetSpec
+    from drafters.registry import get_family
+
+    spec = TargetSpec(vocab_size=96, hidden_size=64, num_hidden_layers=8, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, intermediate_size=128, rope_theta=1e4, rms_norm_eps=1e-6,
+                      max_position_embeddings=512, model_type="qwen3", tie_word_embeddings=False)
+    family = get_family("eagle3")
+    return family.engine_format(family.resolve(family.config_cls(), spec), spec)
+
+
 def test_speculative_config_from_drafter_and_conflicts() -> None:
+    fmt = _eagle3_format()  # the family's engine format decides the speculative arguments
     cfg = compose(["actor_rollout_ref.rollout.drafter.enable=true",
                    "actor_rollout_ref.rollout.drafter.num_speculative_tokens=4"])
     drafter = extract_drafter(cfg)
     assert cfg.actor_rollout_ref.rollout.load_format == "dummy"  # verl's default
-    kwargs = apply_speculative_config(cfg, drafter, "/drafts/v0")
+    kwargs = apply_speculative_config(cfg, drafter, "/drafts/v0", fmt)
     assert kwargs["speculative_config"] == {"method": "eagle3", "model": "/drafts/v0", "num_speculative_tokens": 4}
     # dummy weights would make vLLM share the target's LM head with the draft (issue 10, bug B)
     assert cfg.actor_rollout_ref.rollout.load_format == "auto"
     kept = compose(["actor_rollout_ref.rollout.drafter.enable=true", "actor_rollout_ref.rollout.load_format=safetensors"])
-    apply_speculative_config(kept, extract_drafter(kept), "/drafts/v0")
+    apply_speculative_config(kept, extract_drafter(kept), "/drafts/v0", fmt)
     assert kept.actor_rollout_ref.rollout.load_format == "safetensors"  # a real load format is left alone
     clash = compose(["actor_rollout_ref.rollout.drafter.enable=true",
                      "+actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.num_speculative_tokens=2"])
     with pytest.raises(DrafterConfigError, match="speculative_config.num_speculative_tokens: got 2"):
-        apply_speculative_config(clash, extract_drafter(clash), "/drafts/v0")
+        apply_speculative_config(clash, extract_drafter(clash), "/drafts/v0", fmt)
     sg = compose(["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.drafter.enable=true"])
-    out = apply_speculative_config(sg, extract_drafter(sg), "/drafts/v0")
+    out = apply_speculative_config(sg, extract_drafter(sg), "/drafts/v0", fmt)
     assert out["speculative_algorithm"] == "EAGLE3" and out["speculative_num_steps"] == 3
 
 

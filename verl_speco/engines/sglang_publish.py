@@ -1,4 +1,8 @@
-"""Live EAGLE-3 draft publishing into SGLang: the `update_weights_from_tensor` request, its checker, a publisher.
+"""Live draft publishing into SGLang: the `update_weights_from_tensor` request, its checker, a publisher.
+
+Family-generic: what the draft runner receives (names, shapes, what is never sent) comes from the
+family's engine format (`EngineFormat.sglang_expected_shapes` / `sglang_never_published`; for
+EAGLE-3 the loader facts are in `drafters/eagle3/sglang.py`).
 
 SGLang cannot run here, so this module encodes the contract of SGLang's tensor weight-update path
 for the DRAFT model. It never imports sglang: its serializer and metadata class come lazily from
@@ -38,11 +42,6 @@ released v0.5.23 wheel):
   `Qwen3ForCausalLM.load_weights`) maps our `norm.weight` onto its `model.norm.weight`, our
   `lm_head.weight` onto its LM head (shape error, or silent overwrite when Vd == V), and fails on
   `midlayer.*`.
-- Draft loader (`models/llama_eagle3.py` `LlamaForCausalLMEagle3.load_weights`): names as in
-  `sglang_contract` (unknown names are dropped silently); `d2t` only rebinds `model.hot_token_id`
-  while the EAGLE worker keeps the copy it took at start-up (`speculative/eagle_worker_v2.py`),
-  so the draft vocab is fixed at launch and `d2t`/`t2d` are not published; `embed_tokens.weight` is
-  the TARGET's embedding (shared via `set_embed`) and is never published.
 - `weight_version` is ONE server-wide label (`managers/scheduler.py` `record_weight_version_change`,
   a no-op for None), i.e. the target policy's version: a draft publish leaves it None by default.
 - Memory: `release_memory_occupation(tags)` with "weights" pauses the weight memory and stashes only
@@ -61,9 +60,9 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from drafters.eagle3.export import Eagle3ExportConfig, native_config
+from drafters.common.contract import EngineFormat
 from verl_speco.engines import sglang_engine
-from verl_speco.engines.sglang_contract import ARCH, sglang_expected_tensors
+from verl_speco.online.publish import stale_reason
 
 LOAD_FORMAT = "flattened_bucket"
 DRAFT_SELECTOR = "draft"
@@ -73,13 +72,6 @@ OPTIONAL_FIELDS = ("torch_empty_cache",)  # also accepted by SGLang v0.5.23 (lef
 PAYLOAD_KEYS = ("flattened_tensor", "metadata")
 META_FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")
 DEFAULT_BUCKET_BYTES = 512 << 20
-NEVER_PUBLISHED = {
-    "embed_tokens.weight": "the target's embedding, shared by SGLang's draft (set_embed): publishing it would "
-                           "overwrite the target",
-    "d2t": "SGLang's EAGLE worker keeps the hot_token_id it read at start-up: the draft vocab is fixed at launch",
-    "t2d": "skipped by SGLang's draft loader",
-}
-
 Serialize = Callable[[Any], bytes | str]
 Deserialize = Callable[[bytes | str], Any]
 
@@ -131,27 +123,27 @@ def sglang_deserializer() -> Deserialize | None:
     return sglang_engine.deserializer()
 
 
-def draft_config(cfg: Eagle3ExportConfig) -> dict[str, Any]:
-    """The SGLang draft's config.json (our native export config) for `cfg`."""
-    return native_config(cfg)
+def _expected(fmt: EngineFormat) -> dict[str, tuple[int, ...]]:
+    try:
+        return fmt.sglang_expected_shapes()
+    except ValueError as e:
+        raise SGLangPublishError(str(e)) from None
 
 
-def publishable_tensors(state_dict: Mapping[str, Tensor], cfg: Eagle3ExportConfig) -> dict[str, Tensor]:
+def publishable_tensors(engine_tensors: Mapping[str, Tensor], fmt: EngineFormat) -> dict[str, Tensor]:
     """The draft tensors SGLang's draft runner receives, in its names and order, validated.
 
-    `state_dict` uses our EAGLE-3 training/export names (`drafters.eagle3.export`); `embed_tokens.weight`,
-    `d2t` and `t2d` are left out (see NEVER_PUBLISHED). Tensors stay on their device (CUDA tensors go
-    through SGLang's serializer as IPC handles).
+    `engine_tensors` are a publish's tensors (the family's native checkpoint names); those the format
+    never publishes (`fmt.sglang_never_published()`, e.g. the target's embedding) are left out.
+    Tensors stay on their device (CUDA tensors go through SGLang's serializer as IPC handles).
     """
-    if cfg.num_layers != 1:
-        raise SGLangPublishError(f"cfg.num_layers: got {cfg.num_layers}, expected 1 (SGLang's {ARCH} names its "
-                                 "extra layers additional_layers.*, our layers.<n>.* would be dropped)")
-    want = sglang_expected_tensors(draft_config(cfg))
-    got = {k: v for k, v in state_dict.items() if k not in NEVER_PUBLISHED}
+    want = _expected(fmt)
+    never = fmt.sglang_never_published()
+    got = {k: v for k, v in engine_tensors.items() if k not in never}
     missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     if missing or extra:
         raise SGLangPublishError(f"draft state dict: missing {missing}, unexpected {extra} "
-                                 f"(SGLang's {ARCH} takes exactly {sorted(want)})")
+                                 f"(SGLang's {fmt.family} draft takes exactly {sorted(want)})")
     out: dict[str, Tensor] = {}
     for name, shape in want.items():
         t = got[name].detach()
@@ -240,17 +232,17 @@ class SGLangDraftUpdate:
         } for i, bucket in enumerate(self.buckets)]
 
 
-def build_draft_update(state_dict: Mapping[str, Tensor], cfg: Eagle3ExportConfig, *, version: int,
+def build_draft_update(state_dict: Mapping[str, Tensor], fmt: EngineFormat, *, version: int,
                        tp_size: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES, flush_cache: bool = True,
                        abort_all_requests: bool = False, weight_version: str | None = None) -> SGLangDraftUpdate:
-    """Validate and bucket a draft state dict (our EAGLE-3 names) for SGLang's draft runner."""
+    """Validate and bucket a draft's engine tensors (`fmt`'s native names) for SGLang's draft runner."""
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise SGLangPublishError(f"version: got {version!r}, expected an integer >= 0")
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise SGLangPublishError(f"tp_size: got {tp_size!r}, expected an integer >= 1 (SGLang's TP world size)")
     if weight_version is not None and not isinstance(weight_version, str):
         raise SGLangPublishError(f"weight_version: got {weight_version!r}, expected a str or None")
-    buckets = build_buckets(publishable_tensors(state_dict, cfg), bucket_bytes)
+    buckets = build_buckets(publishable_tensors(state_dict, fmt), bucket_bytes)
     return SGLangDraftUpdate(version, tuple(buckets), tp_size, flush_cache, abort_all_requests, weight_version)
 
 
@@ -329,25 +321,23 @@ def _check_bucket(where: str, payload: Any) -> tuple[list[str], list[tuple[Any, 
     return problems, out
 
 
-def check_draft_update(requests: Sequence[Mapping[str, Any]], config: Mapping[str, Any], *, tp_size: int,
+def check_draft_update(requests: Sequence[Mapping[str, Any]], fmt: EngineFormat, *, tp_size: int,
                        deserialize: Deserialize | None = None,
                        expected: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
     """Validate requests against SGLang's request and draft-loader contract; returns the tensors rank 0 loads.
 
-    `config` is the SGLang draft's config.json (`draft_config(cfg)`). Checks: request fields and
+    `fmt` is the draft's engine format. Checks: request fields and
     types, one serialized entry per TP rank with identical contents, bucket metadata (contiguous
     element indices, numel = prod(shape), metadata dtype = bucket dtype, full coverage), names
-    and shapes against `sglang_expected_tensors(config)`, floating dtypes, and, with `expected`,
+    and shapes against `fmt.sglang_expected_shapes()`, floating dtypes, and, with `expected`,
     bit-exact equality of every reconstructed tensor. Raises SGLangPublishError listing every problem.
     """
     des = deserialize or sglang_deserializer()
     if des is None:
         raise SGLangPublishError("deserialize: sglang is not importable here; pass deserialize=")
     problems: list[str] = [] if requests else ["requests: empty, expected one request per bucket"]
-    if int(config.get("num_hidden_layers", 1)) != 1 or ARCH not in (config.get("architectures") or []):
-        problems.append(f"config: architectures {config.get('architectures')}, num_hidden_layers "
-                        f"{config.get('num_hidden_layers')}; expected a one-layer {ARCH}")
-    want = sglang_expected_tensors(dict(config))
+    want = _expected(fmt)
+    never = fmt.sglang_never_published()
     loaded: dict[str, Tensor] = {}
     for i, req in enumerate(requests):
         field_problems = _check_fields(i, req, tp_size)
@@ -373,10 +363,11 @@ def check_draft_update(requests: Sequence[Mapping[str, Any]], config: Mapping[st
     if problems:
         raise SGLangPublishError("SGLang draft update rejected:\n  - " + "\n  - ".join(problems))
     for name, t in loaded.items():
-        if name in NEVER_PUBLISHED:
-            problems.append(f"{name}: must not be published ({NEVER_PUBLISHED[name]})")
+        if name in never:
+            problems.append(f"{name}: must not be published ({never[name]})")
         elif name not in want:
-            problems.append(f"{name}: not a parameter of SGLang's {ARCH}; its loader would drop it silently")
+            problems.append(f"{name}: not a parameter of SGLang's {fmt.family} draft; its loader would drop it "
+                            "silently")
         elif tuple(t.shape) != want[name]:
             problems.append(f"{name}: shape {tuple(t.shape)}, expected {want[name]}")
         elif not t.is_floating_point():
@@ -434,7 +425,7 @@ class SGLangDraftPublisher:
     target policy's label is not overwritten.
     """
 
-    def __init__(self, client: SGLangClient, cfg: Eagle3ExportConfig, *, tp_size: int = 1,
+    def __init__(self, client: SGLangClient, cfg: EngineFormat, *, tp_size: int = 1,
                  serialize: Serialize | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, session: bool = True,
                  weight_version_tag: Callable[[int], str] | None = None) -> None:
         for method in ("update_weights_from_tensor",) + (("begin_weight_update", "end_weight_update") if session else ()):
@@ -453,7 +444,7 @@ class SGLangDraftPublisher:
 
     def publish(self, state_dict: Mapping[str, Tensor], version: int) -> bool:
         """Apply `version` unless it is not newer than the latest applied one; True when applied."""
-        if self.latest is not None and version <= self.latest.version:
+        if stale_reason(version, self.latest_version) is not None:
             self.dropped += 1
             return False
         tag = self.weight_version_tag(version) if self.weight_version_tag is not None else None

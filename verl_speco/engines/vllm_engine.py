@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from drafters.registry import vllm_methods
 from verl_speco.engines.spec_metrics import SpecCounters, acceptance_summary
 
 if TYPE_CHECKING:
     from vllm import LLM
 
-DRAFT_METHODS = ("eagle3", "eagle", "draft_model", "ngram", "dflash")
+DRAFT_METHODS = vllm_methods()  # from the drafter catalog
 _COUNTER_KEYS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
     "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
@@ -291,12 +292,13 @@ class DraftReloadMixin:
 
     def speco_load_draft(self, path: str, version: int) -> dict[str, Any]:
         """Load version `version` from `path` when it is newer and verifies (class docstring)."""
-        from verl_speco.online.publish import PublishRejected, verified_buckets, verify_version
+        from verl_speco.online.publish import PublishRejected, stale_reason, verified_buckets, verify_version
 
         state = self._speco_state()
-        if int(version) <= state["version"]:
+        stale = stale_reason(int(version), state["version"])
+        if stale is not None:
             state["dropped"] += 1
-            return self._speco_answer("stale", f"version {version} <= the loaded version {state['version']}")
+            return self._speco_answer("stale", stale)
         try:
             manifest = verify_version(path, int(version), self._speco_expected())
             self._speco_check_not_target_owned([n for b in manifest["buckets"] for n in b["names"]])

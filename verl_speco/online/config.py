@@ -39,6 +39,7 @@ class DrafterOptim:
     lr: float = 1e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     weight_decay: float = 0.0
+    eps: float = 1e-8
     warmup_steps: int = 0
     grad_clip: float = 1.0
 

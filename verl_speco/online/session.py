@@ -6,7 +6,8 @@ version that produced them; a training round runs `train_steps_per_round` optimi
 the standalone trainer's `train_step` (the same normalisation, clipping and non-finite skipping);
 `publish` writes the draft in the engine's checkpoint names as a new version.
 
-Supervision: EAGLE-3's targets are the target's distributions `lm_head(last_hidden)`. Rows keep
+Supervision: the drafters' targets come from the target's frozen pieces (e.g. the distributions
+`lm_head(last_hidden)`; `family.set_target_head`). Rows keep
 the policy version they came from and every optimizer step draws rows of one version and
 supervises them with that version's head snapshot (`TargetHeadSnapshot`), so a stale row is
 never scored by a newer head. Rows older than `max_staleness` versions are evicted.
@@ -24,7 +25,6 @@ twice): every rank must run the forward, whose FSDP all-gathers are collectives.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 import threading
@@ -42,14 +42,13 @@ from safetensors.torch import save as safetensors_save
 from torch import Tensor, nn
 
 from drafters.common.target import TargetHead
-from drafters.eagle3.export import Eagle3ExportConfig, engine_tensors, export_eagle3
 from drafters.registry import get_family
 from verl_speco.online.capture import CapturedRows, safetensors_metadata
 from verl_speco.online.config import DrafterRunConfig
 from verl_speco.online.publish import PublishedDraft, default_publish_dir, write_version
+from verl_speco.train.config import build_family_config
+from verl_speco.train.optim import build_optimizer, set_lr, warmup_lr
 from verl_speco.train.step import train_step
-
-TRAINING_SETTINGS = ("ttt_steps", "ttt_decay", "attn_backend")
 
 
 @dataclass
@@ -157,37 +156,33 @@ class DrafterSession:
 
     def __init__(self, cfg: DrafterRunConfig, target_dir: str | Path, device: str | torch.device = "cpu",
                  run_name: str = "run"):
-        from verl_speco.evaluation import load_eagle3_drafter
-
         self.cfg = cfg
         self.device = torch.device(device)
         self.family = get_family(cfg.algorithm)
         target = TargetHead.from_pretrained(target_dir)
         if cfg.model_path:  # the architecture comes from the export; settings may change training only
-            model: Any = load_eagle3_drafter(cfg.model_path, target)
-            other = sorted(set(cfg.settings) - set(TRAINING_SETTINGS))
-            if other:
-                raise ValueError(f"actor_rollout_ref.rollout.drafter.settings: {other} cannot change a drafter "
-                                 f"loaded from model_path={cfg.model_path!r}; only {TRAINING_SETTINGS} can")
-            model.cfg = dataclasses.replace(model.cfg, **cfg.settings)
-            self.fam_cfg = model.cfg
+            try:
+                model: Any = self.family.with_settings(self.family.load_export(cfg.model_path, target),
+                                                       **cfg.settings)
+            except ValueError as e:
+                raise ValueError(f"actor_rollout_ref.rollout.drafter.settings with model_path={cfg.model_path!r}: "
+                                 f"{e}") from None
+            self.fam_cfg = self.family.config_of(model)
         else:
-            self.fam_cfg = self.family.config_cls(**cfg.settings).resolve(target.spec)
+            raw = build_family_config(self.family.config_cls, dict(cfg.settings), cfg.algorithm)
+            self.fam_cfg = self.family.resolve(raw, target.spec)
             with torch.random.fork_rng(devices=[]):  # a fresh init is a function of drafter.seed
                 torch.manual_seed(cfg.seed)
                 model = self.family.build(self.fam_cfg, target, None)
         self.target_spec = target.spec
-        self.export_cfg = Eagle3ExportConfig.from_drafter(self.fam_cfg, self.target_spec)
+        self.engine_format = self.family.engine_format(self.fam_cfg, self.target_spec)
         self.model: nn.Module = model.to(self.device).train()
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
         if self.world > 1:
             from verl_speco.train.distributed import apply_fsdp
 
             apply_fsdp(self.model, self.device, mixed_precision=None, reshard_after_forward=True)
-        o = cfg.optim
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=o.lr, betas=(o.betas[0], o.betas[1]),
-                                           weight_decay=o.weight_decay)
+        self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         self.buffer = FeatureBuffer(cfg.buffer_max_tokens, cfg.max_staleness)
         self.rng = random.Random(cfg.seed)
         self.step = 0
@@ -201,10 +196,7 @@ class DrafterSession:
         self.buffer.add(rows, head)
 
     def _use_head(self, head: TargetHeadSnapshot) -> None:
-        m: Any = self.model
-        m.target_lm_head = head.lm_head.to(self.device, m.target_lm_head.dtype)
-        with torch.no_grad():
-            m.embed_tokens.weight.copy_(head.embed_tokens.to(self.device, m.embed_tokens.weight.dtype))
+        self.family.set_target_head(self.model, head.embed_tokens, head.lm_head)
 
     def _rank_rows(self, samples: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
         """This rank's share of a global draw (module docstring: rows r, r + W, ...; never empty)."""
@@ -212,9 +204,6 @@ class DrafterSession:
             return samples
         return [samples[i % len(samples)] for i in range(self.rank, max(len(samples), self.world), self.world)]
 
-    def _lr(self) -> float:
-        w = self.cfg.optim.warmup_steps
-        return self.cfg.optim.lr * (min(1.0, (self.step + 1) / w) if w > 0 else 1.0)
 
     def train_round(self, steps: int | None = None) -> dict[str, float]:
         """`steps` (default train_steps_per_round) optimizer steps on buffered rows; metrics."""
@@ -228,8 +217,7 @@ class DrafterSession:
             version, samples, head = self.buffer.sample(self.rng, self.cfg.micro_batch_size)
             samples = self._rank_rows(samples)
             self._use_head(head)
-            for group in self.optimizer.param_groups:
-                group["lr"] = self._lr()
+            set_lr(self.optimizer, warmup_lr(self.step, self.cfg.optim.lr, self.cfg.optim.warmup_steps))
             result = train_step(self.model, self.family, [samples], self.optimizer,
                                 self.cfg.optim.grad_clip, self.device)
             self.step += 1
@@ -283,9 +271,9 @@ class DrafterSession:
         return out
 
     def engine_state(self) -> dict[str, Tensor]:
-        """A copy of the draft in the engine's checkpoint names (native EAGLE-3), CPU tensors
-        (a collective when W > 1)."""
-        tensors = engine_tensors(self._full_state_dict(), self.export_cfg, "native")
+        """A copy of the draft in the engine's checkpoint names (the family's native format), CPU
+        tensors (a collective when W > 1)."""
+        tensors = self.engine_format.engine_tensors(self._full_state_dict(), "native")
         return {k: v.clone() for k, v in tensors.items()}  # a snapshot: never aliases live parameters
 
     def export(self, out_dir: str | Path) -> Path:
@@ -293,7 +281,7 @@ class DrafterSession:
         state = self._full_state_dict()
         out = Path(out_dir)
         if self.rank == 0:
-            export_eagle3(state, self.export_cfg, out, "native")
+            self.engine_format.export(state, out, "native")
         return out
 
     def publish(self, out_dir: str | Path | None = None) -> PublishedDraft | None:
@@ -305,5 +293,5 @@ class DrafterSession:
             return None
         return write_version(out_dir or self.publish_dir, self.version, state,
                              meta={"optimizer_step": self.step, "policy_version": self.buffer.latest_version,
-                                   "export_config": dataclasses.asdict(self.export_cfg)})
+                                   "engine_format": self.engine_format.to_dict()})
 

@@ -126,7 +126,8 @@ def _run(cfg: TrainerConfig, device: torch.device) -> dict[str, Any]:
         set_lr(optimizer, lr)
         t0 = time.perf_counter()
         res = train_step(model, family, [next(stream) for _ in range(cfg.optim.grad_accum)], optimizer,
-                         cfg.optim.grad_clip, device, cfg.optim.denominators)
+                         cfg.optim.grad_clip, device, cfg.optim.denominators,
+                         progress=min(1.0, step / max(1, total)))  # training done so far (curricula)
         dt = time.perf_counter() - t0
         step, skipped, tokens_seen = step + 1, skipped + int(res.skipped), tokens_seen + res.tokens
         record = {"loss": res.loss, "lr": lr, "grad_norm": res.grad_norm, "skipped": int(res.skipped),

@@ -69,20 +69,20 @@ def _fork_rng(device: torch.device) -> Any:
 
 
 def _backward(model: nn.Module, family: Any, batches: list[dict[str, Tensor]], mode: str,
-              device: torch.device) -> tuple[Tensor, list[Any]]:
+              device: torch.device, progress: float) -> tuple[Tensor, list[Any]]:
     """Back-propagate the globally normalised loss; returns (this rank's loss part, outputs)."""
     if mode == "retain":  # keep every micro-batch's graph until the denominators are known
-        outs = [family.objective(model, b) for b in batches]
+        outs = [family.objective(model, b, progress) for b in batches]
         global_den = all_reduce_sum(torch.stack([o.denominators.detach() for o in outs]).sum(0), device)
         local_loss = torch.stack([o.loss(global_den) for o in outs]).sum()
         local_loss.backward()
         return local_loss.detach(), outs
     with torch.no_grad(), _fork_rng(device):  # "prepass": denominators first, one extra forward
-        dens = torch.stack([family.objective(model, b).denominators for b in batches]).sum(0)
+        dens = torch.stack([family.objective(model, b, progress).denominators for b in batches]).sum(0)
     global_den = all_reduce_sum(dens, device)
     parts, outs = [], []
     for b in batches:  # then forward + backward one micro-batch at a time (constant memory)
-        out = family.objective(model, b)
+        out = family.objective(model, b, progress)
         part = out.loss(global_den)
         part.backward()
         out.numerators = out.numerators.detach()
@@ -93,14 +93,17 @@ def _backward(model: nn.Module, family: Any, batches: list[dict[str, Tensor]], m
 
 def train_step(model: nn.Module, family: Any, micro: Sequence[list[dict[str, Tensor]]],
                optimizer: torch.optim.Optimizer, grad_clip: float, device: torch.device,
-               mode: str = "retain") -> StepResult:
+               mode: str = "retain", progress: float = 0.0) -> StepResult:
     """Forward every micro-batch, normalise by the global denominators, backward, clip, step.
 
     mode "retain": one backward over all micro-batches (memory grows with grad_accum);
-    mode "prepass": a no-grad pass for the denominators, then one backward per micro-batch."""
+    mode "prepass": a no-grad pass for the denominators, then one backward per micro-batch.
+    `progress` in [0, 1]: the fraction of training done, passed to the family's objective (curricula)."""
+    if not 0.0 <= progress <= 1.0:
+        raise ValueError(f"progress: got {progress}, expected within [0, 1]")
     params = [p for g in optimizer.param_groups for p in g["params"]]
     batches = [to_device(family.collate(samples), device) for samples in micro]
-    local_loss, outs = _backward(model, family, batches, mode, device)
+    local_loss, outs = _backward(model, family, batches, mode, device, progress)
     names, msums = _metric_pack(outs)
     tokens = torch.stack([count_tokens(b) for b in batches]).sum()
     packed = torch.cat([torch.stack([local_loss.float(), tokens.float()]), msums.reshape(-1)])

@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from drafters.common.contract import EngineFormat
 from verl_speco.online.config import DrafterConfigError, DrafterRunConfig
 
 USER_KEY = "actor_rollout_ref.rollout.drafter"
@@ -75,26 +76,22 @@ def rollout_engine(config: DictConfig) -> str:
     return name
 
 
-def speculative_engine_kwargs(drafter: DrafterRunConfig, engine: str, draft_dir: str) -> dict[str, Any]:
-    """The rollout engine's speculative-decoding arguments for `draft_dir` (engine_kwargs form)."""
-    from drafters.registry import engine_method
-
-    method = engine_method(drafter.algorithm, engine)
+def speculative_engine_kwargs(fmt: EngineFormat, drafter: DrafterRunConfig, engine: str,
+                              draft_dir: str) -> dict[str, Any]:
+    """The rollout engine's speculative-decoding arguments for an export of `fmt` in `draft_dir`
+    (engine_kwargs form; the family's engine format decides them)."""
+    k = int(drafter.num_speculative_tokens)
     if engine == "vllm":
-        spec: dict[str, Any] = {"method": method.method, "model": str(draft_dir),
-                                "num_speculative_tokens": int(drafter.num_speculative_tokens)}
-        spec.update(dict(method.extra or {}))
-        return {"speculative_config": spec}
-    return {"speculative_algorithm": method.method, "speculative_draft_model_path": str(draft_dir),
-            "speculative_num_steps": int(drafter.num_speculative_tokens), "speculative_eagle_topk": 1,
-            "speculative_num_draft_tokens": int(drafter.num_speculative_tokens) + 1}
+        return {"speculative_config": fmt.vllm_speculative_config(draft_dir, k)}
+    return fmt.sglang_server_args(draft_dir, k)
 
 
-def apply_speculative_config(config: DictConfig, drafter: DrafterRunConfig, draft_dir: str) -> dict[str, Any]:
+def apply_speculative_config(config: DictConfig, drafter: DrafterRunConfig, draft_dir: str,
+                             fmt: EngineFormat) -> dict[str, Any]:
     """Write the speculative arguments into `rollout.engine_kwargs.<engine>` unless the user set
     them; a user value that disagrees with the drafter section fails naming both keys."""
     engine = rollout_engine(config)
-    wanted = speculative_engine_kwargs(drafter, engine, draft_dir)
+    wanted = speculative_engine_kwargs(fmt, drafter, engine, draft_dir)
     kwargs_node = config.actor_rollout_ref.rollout.engine_kwargs
     with open_dict(kwargs_node):
         if kwargs_node.get(engine) is None:

@@ -65,21 +65,21 @@ class SpecoReplicaMixin:
         return total
 
 
-def publish_export_config(path: str | Path) -> Any:
-    """The `Eagle3ExportConfig` a published version was written for (its manifest's meta);
-    `PublishRejected` when the manifest is unusable or has none."""
-    from drafters.eagle3.export import Eagle3ExportConfig
+def publish_engine_format(path: str | Path) -> Any:
+    """The family engine format a published version was written for (its manifest's
+    meta.engine_format, `EngineFormat.to_dict()`); `PublishRejected` when unusable or absent."""
+    from drafters.registry import RegistryError, engine_format_from_dict
     from verl_speco.online.publish import PublishRejected, read_manifest
 
     meta = read_manifest(path).get("meta", {})
-    if not isinstance(meta, dict) or not isinstance(meta.get("export_config"), dict):
-        raise PublishRejected("manifest", f"{path}: the publish manifest has no meta.export_config (written by "
+    if not isinstance(meta, dict) or not isinstance(meta.get("engine_format"), dict):
+        raise PublishRejected("manifest", f"{path}: the publish manifest has no meta.engine_format (written by "
                                           "DrafterSession.publish); an SGLang server cannot build its update "
                                           "without it")
     try:
-        return Eagle3ExportConfig(**meta["export_config"])
-    except TypeError as e:
-        raise PublishRejected("manifest", f"{path}: meta.export_config: {e}") from None
+        return engine_format_from_dict(meta["engine_format"])
+    except (TypeError, ValueError, RegistryError) as e:
+        raise PublishRejected("manifest", f"{path}: meta.engine_format: {e}") from None
 
 
 class SGLangDraftServerMixin:
@@ -123,17 +123,17 @@ class SGLangDraftServerMixin:
         """Verify the version completely (`publish.verify_version`) before anything is sent; a
         failure while sending re-sends the previous version (the draft SGLang held before)."""
         from verl_speco.engines.sglang_publish import SGLangDraftPublisher
-        from verl_speco.online.publish import PublishRejected, load_version, tensor_spec
+        from verl_speco.online.publish import PublishRejected, load_version, stale_reason, tensor_spec
 
-        if self._speco_publisher is not None and self._speco_publisher.latest_version is not None \
-                and version <= self._speco_publisher.latest_version:
+        held = None if self._speco_publisher is None else self._speco_publisher.latest_version
+        stale = stale_reason(version, held)
+        if stale is not None:
             self._speco_publisher.dropped += 1
-            return self._speco_answer("stale", f"version {version} <= the loaded version "
-                                               f"{self._speco_publisher.latest_version}")
+            return self._speco_answer("stale", stale)
         try:
-            cfg = publish_export_config(path)
+            cfg = publish_engine_format(path)
             if self._speco_publisher is not None and self._speco_publisher.cfg != cfg:
-                raise PublishRejected("manifest", f"{path}: export config differs from the draft this server "
+                raise PublishRejected("manifest", f"{path}: engine format differs from the draft this server "
                                                   "was publishing")
             state = load_version(path, version, self._speco_expected())
         except PublishRejected as e:

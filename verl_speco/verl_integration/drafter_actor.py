@@ -68,6 +68,10 @@ class DrafterWorker:
         layout = self.session.family.required_layout(self.session.fam_cfg, self.session.target_spec)
         return [int(i) for i in layout.layer_ids]
 
+    def engine_format(self) -> dict[str, Any]:
+        """The draft's engine format (`EngineFormat.to_dict()`: the rollout engines' speculative arguments)."""
+        return self.session.engine_format.to_dict()
+
     def target_shape(self) -> dict[str, int]:
         spec = self.session.target_spec
         return {"hidden_size": int(spec.hidden_size), "vocab_size": int(spec.vocab_size)}

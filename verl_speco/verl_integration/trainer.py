@@ -37,6 +37,7 @@ from verl.checkpoint_engine.base import CheckpointEngineManager
 from verl.trainer.ppo.utils import Role
 from verl.utils.ray_utils import auto_await
 
+from drafters.registry import engine_format_from_dict
 from verl_speco.engines.spec_metrics import SpecCounters, acceptance_summary
 from verl_speco.online.config import DrafterConfigError, DrafterRunConfig
 from verl_speco.online.publish import load_outcome
@@ -173,7 +174,8 @@ class SpecoTrainerMixin:
             if not draft_dir:
                 out = tempfile.mkdtemp(prefix="verl_speco_initial_draft_")
                 draft_dir = ray.get(self._speco_drafter.export_initial.remote(out))
-            apply_speculative_config(self.config, self.speco, str(draft_dir))
+            fmt = engine_format_from_dict(ray.get(self._speco_drafter.engine_format.remote()))
+            apply_speculative_config(self.config, self.speco, str(draft_dir), fmt)
             if engine == "vllm":
                 from verl_speco.verl_integration.vllm_server import install_replica_class
 
@@ -353,10 +355,11 @@ def _local_layout(drafter: DrafterRunConfig, target_dir: str) -> tuple[list[int]
     """Layer ids and target shape without a drafter actor (collect_only)."""
     from drafters.common.target import TargetSpec
     from drafters.registry import get_family
+    from verl_speco.train.config import build_family_config
 
     spec = TargetSpec.from_pretrained(target_dir)
     family = get_family(drafter.algorithm)
-    cfg = family.config_cls(**drafter.settings).resolve(spec)
+    cfg = family.resolve(build_family_config(family.config_cls, dict(drafter.settings), drafter.algorithm), spec)
     ids = [int(i) for i in family.required_layout(cfg, spec).layer_ids]
     return ids, {"hidden_size": int(spec.hidden_size), "vocab_size": int(spec.vocab_size)}
 
