@@ -1,0 +1,189 @@
+"""Real vLLM (CPU, `method="eagle"`) serving our EAGLE-1 export: lossless, and drafting exactly
+what our reference proposer drafts (per-position acceptance counters equal, float32).
+
+Target: a random, non-degenerate 8-layer Qwen3 (real attention and MLP) whose every RMSNorm weight
+is non-unit, so a pre-norm / post-norm feature mix-up changes the drafts. Draft: an EAGLE-1 model
+trained for a few seconds on the target's own greedy continuations (acceptance well above zero,
+so equal counters mean something). Negative controls: the same draft with its fc halves swapped
+([feature; embedding] order) in the reference, and a non-zero fc.bias that vLLM silently drops.
+Three engine starts; each test reads its engine's metrics before the next starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from drafters.common.metrics import AcceptanceStats
+from drafters.common.target import TargetHead, TargetSpec
+from drafters.eagle1 import FAMILY, Eagle1Config, Eagle1Model
+from drafters.eagle1.export import check_export
+from drafters.spec_decode import speculative_generate
+
+from .conftest import VOCAB, _qwen3, save_tokenizer
+
+pytestmark = pytest.mark.vllm
+
+K = 3  # num_speculative_tokens
+MAX_TOKENS = 24
+PROMPTS = [[5, 9, 13, 40, 2], [7, 7, 8], list(range(10, 30)), [90, 3, 3, 61], [44, 12]]
+
+
+def build_normed_target(out_dir: Path, seed: int = 0) -> Path:
+    model = _qwen3(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 1.0, generator=gen)  # sharp logits: few near-ties
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # input/post-attention/q/k/final norms
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)  # U[0.5, 1.5)
+    model.save_pretrained(out_dir)
+    save_tokenizer(out_dir)
+    return out_dir
+
+
+def _train_draft(target_dir: Path, steps: int = 120) -> Eagle1Model:
+    from transformers import Qwen3ForCausalLM
+
+    hf = Qwen3ForCausalLM.from_pretrained(target_dir).eval()
+    gen = torch.Generator().manual_seed(7)
+    prompts = torch.randint(2, VOCAB, (16, 6), generator=gen)
+    with torch.no_grad():
+        seqs = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=34, do_sample=False,
+                           min_new_tokens=34, pad_token_id=0)  # [16, 40]
+        out = hf(input_ids=seqs, output_hidden_states=True)
+    last = out.hidden_states[-1]  # [16, 40, 64]: must be post-final-norm (the EAGLE-1 feature)
+    torch.testing.assert_close(last @ hf.lm_head.weight.T, out.logits, rtol=1e-4, atol=1e-4)
+    mask = torch.ones_like(seqs, dtype=torch.uint8)
+    mask[:, :6] = 0
+    batch = FAMILY.collate([{"input_ids": s, "loss_mask": m, "last_hidden": h} for s, m, h in zip(seqs, mask, last)])
+    torch.manual_seed(0)
+    model = FAMILY.build(Eagle1Config(feature_noise=0.0, attn_backend="sdpa"), TargetHead.from_pretrained(target_dir))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3)
+    for _ in range(steps):
+        loss = FAMILY.objective(model.train(), batch).loss()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()
+
+
+def _reference(target_dir: Path, model: Eagle1Model) -> tuple[list[list[int]], AcceptanceStats]:
+    from transformers import Qwen3ForCausalLM
+
+    hf = Qwen3ForCausalLM.from_pretrained(target_dir).eval()
+    proposer = FAMILY.proposer(model, TargetSpec.from_pretrained(target_dir))
+    outputs, stats = [], AcceptanceStats()
+    for prompt in PROMPTS:
+        res = speculative_generate(hf, proposer, torch.tensor(prompt), num_speculative_tokens=K,
+                                   max_new_tokens=MAX_TOKENS)
+        outputs.append(res.token_ids.tolist())
+        stats = stats.merge(res.stats)
+    return outputs, stats
+
+
+def _counts(s: AcceptanceStats) -> tuple[int, int, list[int]]:
+    return s.num_drafts, s.num_accepted, s.accepted_per_pos
+
+
+def _vllm_counts(m: dict[str, Any]) -> tuple[int, int, list[int]]:
+    return m["num_drafts"], m["num_accepted_tokens"], list(m["accepted_per_pos"])
+
+
+@contextmanager
+def engine(target: Path, draft: Path | None = None) -> Iterator[Any]:
+    from verl_speco.engines import vllm_engine
+
+    llm = vllm_engine.build_llm(target, draft, method="eagle", num_speculative_tokens=K)
+    try:
+        yield llm
+    finally:
+        vllm_engine.shutdown(llm)
+
+
+def _run(llm: Any) -> tuple[list[list[int]], dict[str, Any]]:
+    from verl_speco.engines.vllm_engine import generate_with_metrics
+
+    return generate_with_metrics(llm, PROMPTS, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("eagle1")
+    target = build_normed_target(root / "target")
+    model = _train_draft(target)
+    draft = FAMILY.export(model, model.cfg, TargetSpec.from_pretrained(target), root / "draft")
+    check_export(draft)
+    with engine(target) as llm:
+        baseline, plain = _run(llm)
+    assert plain["num_drafts"] == 0
+    return {"root": root, "target": target, "model": model, "draft": draft, "baseline": baseline}
+
+
+def _clone(model: Eagle1Model) -> Eagle1Model:
+    head = TargetHead(model.spec, model.embed_tokens.weight.detach().clone(), model.target_lm_head.clone(),
+                      torch.ones(model.spec.hidden_size))
+    clone = FAMILY.build(model.cfg, head)
+    clone.load_state_dict(model.state_dict())
+    return clone.eval()
+
+
+def _swapped_fc(model: Eagle1Model) -> Eagle1Model:
+    """The same weights read as fc(cat[feature; embedding]): the wrong concatenation order."""
+    clone, h = _clone(model), model.spec.hidden_size
+    with torch.no_grad():
+        clone.fc.weight.copy_(torch.cat([model.fc.weight[:, h:], model.fc.weight[:, :h]], dim=1))
+    return clone
+
+
+def _with_fc_bias(model: Eagle1Model, bias: torch.Tensor) -> Eagle1Model:
+    """fc(x) + bias: what SGLang computes from an export whose fc.bias is `bias`."""
+    clone = _clone(model)
+    clone.fc.register_forward_hook(lambda _m, _inp, out: out + bias)
+    return clone
+
+
+def test_vllm_serves_the_export_losslessly_with_our_drafts(setup: dict[str, Any]) -> None:
+    with engine(setup["target"], setup["draft"]) as llm:
+        outputs, m = _run(llm)
+    assert outputs == setup["baseline"]  # greedy speculative decoding is lossless
+    ref_outputs, ref = _reference(setup["target"], setup["model"])
+    assert ref_outputs == setup["baseline"]  # the reference decoder (HF target) is lossless too
+    print(f"vLLM {_vllm_counts(m)} reference {_counts(ref)}")
+    assert m["num_draft_tokens"] == K * m["num_drafts"]
+    # an informative draft (every position accepts sometimes): equal counters mean something
+    assert ref.num_accepted > 0.05 * ref.num_draft_tokens and min(ref.accepted_per_pos) > 0  # chance: ~1/96
+    assert _vllm_counts(m) == _counts(ref)  # same drafts position by position (float32: exact)
+    # Negative control 1: the [feature; embedding] order in the reference breaks the agreement.
+    _, swapped = _reference(setup["target"], _swapped_fc(setup["model"]))
+    print(f"swapped fc reference {_counts(swapped)}")
+    assert _counts(swapped) != _vllm_counts(m)
+    setup["vllm_counts"] = _vllm_counts(m)
+
+
+def test_vllm_drops_a_non_zero_fc_bias_that_our_check_refuses(setup: dict[str, Any]) -> None:
+    from safetensors.torch import load_file, save_file
+
+    model: Eagle1Model = setup["model"]
+    biased = setup["root"] / "biased"
+    FAMILY.export(model, model.cfg, model.spec, biased)
+    tensors = load_file(str(biased / "model.safetensors"))
+    bias = 0.5 * torch.randn(model.spec.hidden_size, generator=torch.Generator().manual_seed(5))
+    tensors["fc.bias"] = bias
+    save_file(tensors, str(biased / "model.safetensors"))
+    with pytest.raises(ValueError, match="'fc.bias' is not zero"):
+        check_export(biased)
+    with engine(setup["target"], biased) as llm:  # bypassing our check: vLLM loads it anyway
+        outputs, m = _run(llm)
+    assert outputs == setup["baseline"]
+    assert _vllm_counts(m) == setup.get("vllm_counts", _vllm_counts(m))  # the bias changed nothing in vLLM
+    _, ref = _reference(setup["target"], model)
+    assert _vllm_counts(m) == _counts(ref)  # vLLM drafts as if fc.bias were 0 ...
+    _, with_bias = _reference(setup["target"], _with_fc_bias(model, bias))
+    print(f"vLLM with fc.bias {_vllm_counts(m)}; reference with the bias {_counts(with_bias)}")
+    assert _counts(with_bias) != _vllm_counts(m)  # ... so a draft trained with a bias is not what vLLM serves
