@@ -1,3 +1,4 @@
+import hashlib
 import json
 import os
 import stat
@@ -8,12 +9,14 @@ import pytest
 import torch
 
 from verl_speco.target.build import (
+    BuildDigestError,
     TargetRecipe,
     build_atomically,
     cache_root,
     default_recipe,
     ensure_target,
     fast_recipe,
+    file_digests,
     finetune_target,
     main,
     read_recipe_file,
@@ -149,38 +152,76 @@ def test_finetune_drifts_toward_shifted(fast_target: Path, tmp_path) -> None:
         finetune_target(tmp_path, tmp_path / "ft2", steps=1)
 
 
-def test_thread_count_does_not_change_weights() -> None:
-    from verl_speco.target.model import TargetModelSpec, init_model, make_config
-    from verl_speco.target.tokenizer import special_ids, train_tokenizer
-    from verl_speco.target.train import TrainSpec, train
+def test_build_records_and_checks_digests(tmp_path) -> None:
+    recipe = replace(fast_recipe(steps=2), name="digest")
+    out = ensure_target(recipe, out=tmp_path / "t")
+    info = read_recipe_file(out)
+    assert info["sha256"] == file_digests(out)  # every file but recipe.json, hashed at build time
+    assert set(info["sha256"]) == {p.name for p in out.iterdir()} - {"recipe.json"}
+    weights = info["sha256"]["model.safetensors"]
+    assert weights == hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest()
+    assert ensure_target(recipe, out=out) == out  # cache hit: digests verified
+    data = bytearray((out / "model.safetensors").read_bytes())
+    data[-1] ^= 1  # one flipped bit in the last weight
+    (out / "model.safetensors").write_bytes(data)
+    with pytest.raises(BuildDigestError, match=f"model.safetensors: sha256 [0-9a-f]{{64}}, recorded {weights}"):
+        ensure_target(recipe, out=out)
+    with pytest.raises(BuildDigestError, match="model.safetensors"):  # a fine-tune checks its base first
+        finetune_target(out, tmp_path / "ft", steps=1)
+    assert not (tmp_path / "ft").exists()
+    ensure_target(recipe, out=out, force=True)  # the documented fix: rebuild, same bytes again
+    assert hashlib.sha256((out / "model.safetensors").read_bytes()).hexdigest() == weights
+    (out / "tokenizer.json").unlink()
+    with pytest.raises(BuildDigestError, match="tokenizer.json: sha256 missing"):
+        ensure_target(recipe, out=out)
+    info.pop("sha256")
+    (out / "recipe.json").write_text(json.dumps(info))
+    with pytest.raises(BuildDigestError, match="records no sha256"):
+        ensure_target(recipe, out=out)
 
-    tok = train_tokenizer()
-    eos, pad = special_ids(tok)
-    cfg = make_config(TargetModelSpec(), tok.get_vocab_size(), eos, pad)
-    init = {k: v.clone() for k, v in init_model(cfg, seed=0).state_dict().items()}
-    states = []
-    for threads in (1, 2):
-        model = init_model(cfg, seed=0)
-        train(model, tok, TrainSpec(steps=2, batch_size=4, warmup_steps=1), pad, num_threads=threads)
-        states.append(model.state_dict())
-    assert all(torch.equal(states[0][k], states[1][k]) for k in init)
-    assert not torch.equal(states[0]["model.embed_tokens.weight"], init["model.embed_tokens.weight"])
 
+def test_build_ignores_load_and_caller_threads(monkeypatch, tmp_path) -> None:
+    """The default recipe, cut to 6 steps, built as on an idle and on a busy 2-core machine.
 
-def test_pick_num_threads(monkeypatch) -> None:
-    from verl_speco.target.train import pick_num_threads
+    The old build picked 2 intra-op threads on an idle machine and 1 on a busy one (load average
+    minus its own threads), so the weights depended on what else ran (issue 9: 0.2522 vs 0.2536
+    final loss). Training now always runs with the recipe's `num_threads`. A 6-step cut exercises
+    the full recipe's code path: same model, batch size 16, data stream and optimizer, so every
+    kernel runs on the full recipe's shapes; a thread count only changes results through kernels
+    that split work by it, so what decides is the count each step runs with, observed here on
+    every forward of the training (backward and optimizer step run on the same thread and setting).
+    """
+    from verl_speco.target import produce
 
-    monkeypatch.setenv("VERL_SPECO_TARGET_THREADS", "3")
-    assert pick_num_threads() == 3 and pick_num_threads(1) == 1
-    monkeypatch.setenv("VERL_SPECO_TARGET_THREADS", "two")
-    with pytest.raises(ValueError, match="VERL_SPECO_TARGET_THREADS='two'"):
-        pick_num_threads()
-    monkeypatch.delenv("VERL_SPECO_TARGET_THREADS")
+    real_train = produce.train
+    seen: list[set[int]] = []
+
+    def spy(model: torch.nn.Module, *args, **kwargs):
+        threads: set[int] = set()
+        hook = model.register_forward_pre_hook(lambda module, inputs: threads.add(torch.get_num_threads()))
+        try:
+            return real_train(model, *args, **kwargs)
+        finally:
+            hook.remove()
+            seen.append(threads)
+
+    monkeypatch.setattr(produce, "train", spy)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 0.0, 0.0))
-    assert pick_num_threads() == 1  # busy cores: one thread
-    assert pick_num_threads(own_threads=2) == 1  # 1.0 of the load is someone else's
-    monkeypatch.setattr(os, "getloadavg", lambda: (2.2, 0.0, 0.0))
-    assert pick_num_threads(own_threads=2) == 2  # the load is our own two threads
+    recipe = default_recipe(steps=6)
+    assert recipe.train.batch_size == default_recipe().train.batch_size and recipe.model == default_recipe().model
+    before = torch.get_num_threads()
+    digests = []
+    try:
+        for name, caller_threads, load in (("idle", 2, 0.0), ("busy", 1, 8.0)):
+            torch.set_num_threads(caller_threads)
+            monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+            out = ensure_target(recipe, out=tmp_path / name)
+            assert torch.get_num_threads() == caller_threads  # restored
+            digests.append(read_recipe_file(out)["sha256"]["model.safetensors"])
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [{recipe.train.num_threads}, {recipe.train.num_threads}] and recipe.train.num_threads == 1
+    assert digests[0] == digests[1]
+    assert replace(recipe, train=replace(recipe.train, num_threads=2)).hash != recipe.hash  # another cache entry
     with pytest.raises(ValueError, match="num_threads=0"):
-        pick_num_threads(0)
+        replace(recipe.train, num_threads=0)

@@ -3,8 +3,15 @@
 Cache layout: `${VERL_SPECO_CACHE:-~/.cache/verl_speco}/targets/<name>-<recipe hash>/`, an HF
 directory (config.json, model.safetensors, generation_config.json, tokenizer.json,
 tokenizer_config.json, chat_template.jinja) plus `recipe.json` (the recipe, its hash, the training
-log). A build runs in a temporary sibling folder that is renamed into place once complete, under
-an exclusive file lock, so concurrent callers build once and never see a partial directory.
+log and the sha256 of every other file, `"sha256": {name: hex}`). A build runs in a temporary
+sibling folder that is renamed into place once complete, under an exclusive file lock, so
+concurrent callers build once and never see a partial directory.
+
+Reproducibility: a build is bit-identical run to run on a given torch build and CPU, whatever the
+machine's load or the caller's thread count (training runs with the recipe's `num_threads`; see
+`TrainSpec`). Every cache hit re-hashes the files against the digests recorded at build time and
+raises `BuildDigestError` on a mismatch (a file changed after the build): rebuild with
+`force=True` / `--force`.
 """
 
 from __future__ import annotations
@@ -28,9 +35,15 @@ from verl_speco.target.model import TargetModelSpec
 from verl_speco.target.tokenizer import TOKENIZER_VERSION
 from verl_speco.target.train import TrainSpec
 
-BUILD_VERSION = "1"
+BUILD_VERSION = "2"
 RECIPE_FILE = "recipe.json"
+DIGESTS_KEY = "sha256"
+WEIGHTS_FILE = "model.safetensors"
 Log = Callable[[str], None]
+
+
+class BuildDigestError(RuntimeError):
+    """A built directory's files do not match the sha256 digests its recipe.json recorded."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +110,42 @@ def read_recipe_file(model_dir: str | Path) -> dict[str, Any] | None:
     return data
 
 
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of the file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_digests(directory: str | Path) -> dict[str, str]:
+    """sha256 of every file in `directory` except RECIPE_FILE, by name (what a build records)."""
+    return {p.name: sha256_file(p) for p in sorted(Path(directory).iterdir())
+            if p.is_file() and p.name != RECIPE_FILE}
+
+
+def verify_digests(model_dir: str | Path, info: dict[str, Any]) -> None:
+    """Check the files of `model_dir` against the digests recorded in its recipe `info`.
+
+    Raises BuildDigestError naming every file that is missing or changed, or when `info` records
+    no digests (or none for the weights).
+    """
+    recorded = info.get(DIGESTS_KEY)
+    if not isinstance(recorded, dict) or WEIGHTS_FILE not in recorded:
+        raise BuildDigestError(f"{model_dir}/{RECIPE_FILE} records no {DIGESTS_KEY} digest of {WEIGHTS_FILE}: "
+                               "not a complete build of this version; rebuild with force=True / --force")
+    problems = []
+    for name, want in sorted(recorded.items()):
+        path = Path(model_dir) / name
+        got = sha256_file(path) if path.is_file() else "missing"
+        if got != want:
+            problems.append(f"{name}: sha256 {got}, recorded {want}")
+    if problems:
+        raise BuildDigestError(f"{model_dir} changed after it was built ({'; '.join(problems)}); "
+                               "rebuild with force=True / --force")
+
+
 @contextmanager
 def _locked(final: Path) -> Iterator[None]:
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -120,12 +169,15 @@ def _share(directory: Path) -> None:
 def build_atomically(final: Path, expected_hash: str, force: bool, produce: Callable[[Path], None]) -> Path:
     """Run `produce(tmp_dir)` and rename tmp_dir to `final`, unless `final` already holds `expected_hash`.
 
-    `produce` must write RECIPE_FILE (with "hash") last. A `final` holding another hash raises unless
-    `force`, so a user-chosen `--out` is never silently overwritten.
+    `produce` must write RECIPE_FILE (with "hash" and the `file_digests` of the other files) last. A
+    cache hit (`final` holds `expected_hash`) is returned only once its files match the recorded
+    digests (else BuildDigestError). A `final` holding another hash raises unless `force`, so a
+    user-chosen `--out` is never silently overwritten.
     """
     with _locked(final):
         found = read_recipe_file(final)
         if found is not None and found.get("hash") == expected_hash and not force:
+            verify_digests(final, found)
             return final
         if final.exists() and not force:
             raise FileExistsError(
@@ -135,8 +187,10 @@ def build_atomically(final: Path, expected_hash: str, force: bool, produce: Call
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
         try:
             produce(tmp)
-            if read_recipe_file(tmp) is None:
+            built = read_recipe_file(tmp)
+            if built is None:
                 raise RuntimeError(f"build of {final} did not write {RECIPE_FILE}")
+            verify_digests(tmp, built)
             _share(tmp)
             if final.exists():
                 old = final.with_name(f".{final.name}.old-{os.getpid()}")
@@ -191,6 +245,7 @@ def finetune_target(
     base_recipe = read_recipe_file(base_dir)
     if base_recipe is None:
         raise FileNotFoundError(f"base_dir={str(base_dir)!r} holds no {RECIPE_FILE}: expected a built target")
+    verify_digests(base_dir, base_recipe)
     spec = TrainSpec(steps=steps, batch_size=batch_size, lr=lr, warmup_steps=min(10, steps), seed=seed,
                      variant=corpus_variant, min_lr_ratio=0.1)
     key = {"base": base_recipe["hash"], "finetune": asdict(spec), "build": BUILD_VERSION}
@@ -222,8 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         print(path)
     else:
         info = read_recipe_file(path) or {}
-        report = {"path": str(path), "hash": info.get("hash"), "final_loss": info.get("final_loss"),
-                  "train_wall_s": info.get("train_wall_s")}
+        report = {"path": str(path), "hash": info.get("hash"),
+                  "weights_sha256": info.get(DIGESTS_KEY, {}).get(WEIGHTS_FILE),
+                  "final_loss": info.get("final_loss"), "train_wall_s": info.get("train_wall_s")}
         if args.eval > 0:
             from verl_speco.target.evaluate import evaluate_target
 

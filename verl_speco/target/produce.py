@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tokenizers import Tokenizer
 
+from verl_speco.target.build import DIGESTS_KEY, RECIPE_FILE, file_digests
 from verl_speco.target.model import init_model, make_config
 from verl_speco.target.tokenizer import save_tokenizer, special_ids, train_tokenizer
 from verl_speco.target.train import TrainResult, TrainSpec, train
@@ -49,11 +50,12 @@ def save_model(model: PreTrainedModel, out_dir: Path, eos_id: int, pad_id: int) 
 
 
 def _write_recipe(out_dir: Path, info: dict[str, Any], result: TrainResult) -> None:
+    """Write RECIPE_FILE last, with the sha256 of every file written before it."""
     stride = max(1, len(result.losses) // 100)
     info = {**info, "final_loss": result.final_loss, "train_wall_s": round(result.wall_s, 2),
             "loss_curve": {str(i): round(v, 4) for i, v in enumerate(result.losses) if i % stride == 0},
-            "versions": _versions()}
-    (out_dir / "recipe.json").write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+            "versions": _versions(), DIGESTS_KEY: file_digests(out_dir)}
+    (out_dir / RECIPE_FILE).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
 
 
 def produce_target(out_dir: Path, recipe: TargetRecipe, log: Log | None = None) -> None:
@@ -88,6 +90,6 @@ def produce_finetune(
     save_model(model, out_dir, eos_id, pad_id)
     for name in TOKENIZER_FILES:
         shutil.copy2(base_dir / name, out_dir / name)
-    base_info = json.loads((base_dir / "recipe.json").read_text())
+    base_info = json.loads((base_dir / RECIPE_FILE).read_text())
     _write_recipe(out_dir, {"kind": "finetune", "name": f"{base_info['name']}-ft-{spec.variant}", "hash": ft_hash,
                             "recipe": key, "base_dir": str(base_dir)}, result)

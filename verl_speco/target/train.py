@@ -16,7 +16,6 @@ position t-1 is trained to predict an assistant token t.
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -30,7 +29,17 @@ from verl_speco.target.tokenizer import EOS_TOKEN, render_chat
 
 @dataclass(frozen=True)
 class TrainSpec:
-    """Optimisation recipe: AdamW, linear warmup then cosine decay to `min_lr_ratio * lr`."""
+    """Optimisation recipe: AdamW, linear warmup then cosine decay to `min_lr_ratio * lr`.
+
+    `num_threads` is the intra-op thread count training runs with, whatever the caller's setting
+    and the machine's load. It is part of the recipe because a CPU kernel may split a reduction
+    by the thread count (a full `sum` of more than 32768 floats gives other bits with 2 threads
+    than with 1 in torch 2.13), so another count may give other weights. Which kernels of this
+    training do so depends on the CPU and the torch build: on an AMD EPYC (AVX2) every step was
+    bit-identical with 1 and 2 threads, on the machine of issue 9 the full recipe was not. One
+    thread splits nothing, and slows least on a busy machine (CI, other jobs), where OpenMP
+    threads spin-wait on each other.
+    """
 
     steps: int = 600
     batch_size: int = 16
@@ -42,6 +51,11 @@ class TrainSpec:
     grad_clip: float = 1.0
     seed: int = 0
     variant: str = "base"
+    num_threads: int = 1
+
+    def __post_init__(self) -> None:
+        if self.num_threads < 1:
+            raise ValueError(f"num_threads={self.num_threads} must be >= 1")
 
     def lr_at(self, step: int) -> float:
         if step < self.warmup_steps:
@@ -95,42 +109,22 @@ def batches(tok: Tokenizer, spec: TrainSpec, pad_id: int) -> Iterator[dict[str, 
         yield collate([encode_example(tok, next(stream)) for _ in range(spec.batch_size)], pad_id)
 
 
-def pick_num_threads(num_threads: int | None = None, own_threads: int = 0) -> int:
-    """`num_threads`, else `$VERL_SPECO_TARGET_THREADS`, else 2, or 1 while other work keeps the cores busy.
-
-    The thread count changes speed only: the CPU kernels used here give bit-identical weights with
-    1 and 2 threads (tested), so it is not part of the recipe and may change between steps. On an
-    oversubscribed machine OpenMP threads spin-wait on each other and two threads run several times
-    slower than one. `own_threads` is our current thread count, subtracted from the load average.
-    """
-    if num_threads is None:
-        env = os.environ.get("VERL_SPECO_TARGET_THREADS")
-        if env:
-            if not env.isdigit():
-                raise ValueError(f"VERL_SPECO_TARGET_THREADS={env!r}: expected a positive integer")
-            num_threads = int(env)
-        else:
-            cores = os.cpu_count() or 1
-            others = os.getloadavg()[0] - own_threads
-            num_threads = min(2, cores) if others < cores - 1.5 else 1
-    if num_threads < 1:
-        raise ValueError(f"num_threads={num_threads} must be >= 1")
-    return num_threads
-
-
 def train(
     model: torch.nn.Module,
     tok: Tokenizer,
     spec: TrainSpec,
     pad_id: int,
     log: Callable[[str], None] | None = None,
-    num_threads: int | None = None,
 ) -> TrainResult:
-    """Train `model` in place for `spec.steps` steps; deterministic for a fixed spec."""
+    """Train `model` in place for `spec.steps` steps with `spec.num_threads` intra-op threads.
+
+    Bit-identical for a fixed spec and initial model on a given torch build and CPU, whatever the
+    machine's load or the caller's thread count (restored afterwards).
+    """
     prev_threads = torch.get_num_threads()
-    torch.set_num_threads(pick_num_threads(num_threads))
+    torch.set_num_threads(spec.num_threads)
     if log is not None:
-        log(f"training with {torch.get_num_threads()} CPU thread(s)")
+        log(f"training with {spec.num_threads} CPU thread(s)")
     torch.manual_seed(spec.seed)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
@@ -150,11 +144,9 @@ def train(
             torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
             opt.step()
             result.losses.append(loss.item())
-            if num_threads is None and step % 20 == 19:  # re-check: other work may have started or ended
-                torch.set_num_threads(pick_num_threads(None, own_threads=torch.get_num_threads()))
             if log is not None and (step % 50 == 0 or step == spec.steps - 1):
                 log(f"step {step:4d}/{spec.steps} loss {loss.item():.4f} lr {spec.lr_at(step):.2e} "
-                    f"t {time.perf_counter() - start:.1f}s threads {torch.get_num_threads()}")
+                    f"t {time.perf_counter() - start:.1f}s")
     finally:
         torch.set_num_threads(prev_threads)
         model.eval()
