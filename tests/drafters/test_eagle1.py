@@ -244,3 +244,18 @@ def test_sampling_with_the_eagle1_proposer_is_lossless(draft_sampling: str) -> N
     assert chi2 < 54.05, chi2  # 26 degrees of freedom: P(chi2 > 54.05) = 0.001 under losslessness
     uniform = {c: 1 / 27 for c in exact}  # power: the sampled law is far from a wrong one
     assert sum((counts.get(c, 0) - n * p) ** 2 / (n * p) for c, p in uniform.items()) > 100
+
+
+def test_family_seam_settings_and_target_head() -> None:
+    target = TinyTarget(tiny_spec())
+    model = _model(target)
+    assert FAMILY.resolve(Eagle1Config(), target.spec) == Eagle1Config()
+    assert FAMILY.with_settings(model, feature_noise=0.0) is model and FAMILY.config_of(model).feature_noise == 0.0
+    with pytest.raises(ValueError, match=r"settings \['num_layers'\] are not EAGLE-1 settings"):
+        FAMILY.with_settings(model, num_layers=2)
+    new = TinyTarget(tiny_spec(), seed=9)  # a new policy version of the target
+    FAMILY.set_target_head(model, new.embed_tokens.weight.detach(), new.lm_head.weight.detach())
+    assert torch.equal(model.embed_tokens.weight, new.embed_tokens.weight)
+    assert torch.equal(model.target_lm_head, new.lm_head.weight)
+    out = FAMILY.objective(model.eval(), _batch(new, (8,)), progress=0.5)
+    assert out.numerators.shape == (2,) and bool(torch.isfinite(out.loss()))
