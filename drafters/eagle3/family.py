@@ -49,7 +49,7 @@ class Eagle3Family:
         m = _as_model(model)
         other = sorted(set(settings) - set(self.mutable_settings))
         if other:
-            raise ValueError(f"settings {other} cannot change a loaded EAGLE-3 drafter (its architecture comes "
+            raise ValueError(f"settings: {other} cannot change a loaded EAGLE-3 drafter (its architecture comes "
                              f"from the export); only {list(self.mutable_settings)} can")
         m.cfg = replace(m.cfg, **settings)
         return m

@@ -30,7 +30,7 @@ def test_collate_pads_right_with_attention_mask() -> None:
 
 def test_catalog() -> None:
     assert known_families() == ("eagle1", "eagle2", "eagle3", "dflash", "dspark", "domino", "peagle")
-    assert available_families() == ("eagle3",)
+    assert {"eagle1", "eagle3"} <= set(available_families()) <= set(known_families())
     assert get_family("eagle3").name == "eagle3"
     with pytest.raises(FamilyUnavailableError, match="'dflash' is in the catalog but not implemented.*eagle3"):
         get_family("dflash")

@@ -165,8 +165,7 @@ class DrafterSession:
                 model: Any = self.family.with_settings(self.family.load_export(cfg.model_path, target),
                                                        **cfg.settings)
             except ValueError as e:
-                raise ValueError(f"actor_rollout_ref.rollout.drafter.settings with model_path={cfg.model_path!r}: "
-                                 f"{e}") from None
+                raise ValueError(f"actor_rollout_ref.rollout.drafter.{e} (model_path={cfg.model_path!r})") from None
             self.fam_cfg = self.family.config_of(model)
         else:
             raw = build_family_config(self.family.config_cls, dict(cfg.settings), cfg.algorithm)

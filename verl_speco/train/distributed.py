@@ -78,10 +78,13 @@ def _all_trainable(module: nn.Module) -> bool:
 
 
 def _shard_units(module: nn.Module) -> list[nn.Module]:
-    """Maximal submodules whose parameters are all trainable (pre-order)."""
+    """Maximal submodules whose parameters are all trainable (pre-order). Containers without a
+    forward of their own (ModuleList/ModuleDict, which FSDP2 cannot wrap) give their members instead."""
     units: list[nn.Module] = []
     for child in module.children():
-        if _all_trainable(child):
+        if isinstance(child, nn.ModuleList | nn.ModuleDict):
+            units.extend(_shard_units(child) if not _all_trainable(child) else list(child.children()))
+        elif _all_trainable(child):
             units.append(child)
         elif any(p.requires_grad for p in child.parameters()):
             units.extend(_shard_units(child))
