@@ -13,7 +13,7 @@ PATHS = ["target.path=/nonexistent/target", "data.store=/nonexistent/store"]
 
 
 # RL-entry configs compose verl's ppo_trainer, not the trainer schema: tests/verl/test_speco_config.py
-RL_CONFIGS = ("speco_trainer.yaml",)
+RL_CONFIGS = ("speco_trainer.yaml", "speco_cpu/grpo_embedded.yaml")  # composed by tests/verl
 
 
 def _all_yaml() -> list[str]:
@@ -76,7 +76,8 @@ def test_unknown_key_fails_loudly() -> None:
     ("data.token_budget=lots", "data.token_budget='lots': expected an integer or null ("),
     ("data.shuffle=maybe", "data.shuffle='maybe': expected true or false ("),
     ("optim.betas=3", "optim.betas=3: expected a list of floats ("),
-    ("preset=nope", "preset=nope: no such config; expected one of quickstart_eagle3, qwen3_8b_eagle3"),
+    ("preset=nope", "preset=nope: no such config; expected one of "
+     + ", ".join(sorted(p.stem for p in (CONFIG_DIR / "preset").glob("*.yaml")))),
 ])
 def test_type_errors_fail_by_name(override: str, message: str) -> None:
     with pytest.raises(ConfigError) as err:
