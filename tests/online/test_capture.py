@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from verl_speco.capture.hooks import CapturedFeatures
-from verl_speco.online.capture import OnlineCapture, RowPlan, _row_slices, plan_rows
+from verl_speco.online.capture import CapturedRows, OnlineCapture, RowPlan, _row_slices, plan_rows
 from verl_speco.online.config import CaptureCaps
 
 LAYER_IDS = (2, 4, 5)  # EAGLE-3 default for the 8-layer tiny target
@@ -301,3 +301,25 @@ def test_row_plan_type() -> None:
     plan = plan_rows(AM, LM, caps(), seed=0)
     assert isinstance(plan, RowPlan) and set(plan.counts) == {
         "seen", "kept", "truncated", "dropped_short", "dropped_rows_cap", "dropped_tokens_cap", "tokens"}
+
+
+def test_a_layout_without_aux_layers_captures_only_the_last_hidden(target_model) -> None:  # type: ignore[no-untyped-def]
+    """EAGLE-1's layout (no aux layers, post-norm last hidden): rows carry no aux_hidden, in one pass
+    and in micro-batches, and cross processes as bytes unchanged."""
+    ids, am, lm = _batch()
+    cap = OnlineCapture((), caps(), seed=0, hidden_dtype=torch.float32)
+    with torch.no_grad():
+        ref = target_model(input_ids=ids, attention_mask=am, output_hidden_states=True).hidden_states
+    with torch.no_grad(), cap.hooks(target_model) as h:
+        target_model(input_ids=ids, attention_mask=am)
+        whole = cap.collect(h.pop_all(), ids, am, lm, policy_version=1)
+        for s in range(0, ids.shape[0], 2):
+            target_model(input_ids=ids[s:s + 2], attention_mask=am[s:s + 2])
+        micro = cap.collect(h.pop_all(), ids, am, lm, policy_version=1)
+    for rows in (whole, micro):
+        assert [sorted(r) for r in rows.records] == [["input_ids", "last_hidden", "loss_mask"]] * 3
+    for b, rec in zip([0, 1, 2], whole.records):
+        assert torch.equal(rec["last_hidden"], ref[-1][b][am[b].bool()])
+    back = CapturedRows.from_bytes(whole.to_bytes())
+    assert all(sorted(r) == sorted(o) and all(torch.equal(r[k], o[k]) for k in r)
+               for r, o in zip(back.records, whole.records))

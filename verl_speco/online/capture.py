@@ -85,8 +85,8 @@ def plan_rows(attention_mask: Tensor, loss_mask: Tensor, caps: CaptureCaps, seed
 class CapturedRows:
     """Host-side rows of one capture, tagged with the policy version that produced them.
 
-    records[i]: input_ids [T_i] int64, loss_mask [T_i] uint8, aux_hidden [T_i, k*H],
-    last_hidden [T_i, H]. Call `wait()` before reading tensors (copies may be in flight)."""
+    records[i]: input_ids [T_i] int64, loss_mask [T_i] uint8, aux_hidden [T_i, k*H] (absent when
+    the layout has no aux layers, e.g. EAGLE-1), last_hidden [T_i, H]. Call `wait()` before reading tensors (copies may be in flight)."""
 
     records: list[dict[str, Tensor]]
     policy_version: int
@@ -183,20 +183,20 @@ class OnlineCapture:
             raise ValueError("collect: no forward pass was captured (were the hooks on the actor module?)")
         feats = _concat_passes(passes, tuple(attention_mask.shape))
         plan = plan_rows(attention_mask, loss_mask, self.caps, self.seed + 1_000_003 * int(policy_version))
-        aux = _row_slices(feats.aux_hidden, plan, attention_mask)
+        aux = _row_slices(feats.aux_hidden, plan, attention_mask) if self.layer_ids else None
         assert feats.last_hidden is not None
         last = _row_slices(feats.last_hidden, plan, attention_mask)
         am = attention_mask.bool().cpu()
         records = []
         for i, (b, n) in enumerate(zip(plan.rows, plan.lengths)):
-            records.append({
-                "input_ids": input_ids[b].cpu()[am[b]][:n].to(torch.int64),
-                "loss_mask": (loss_mask[b].cpu()[am[b]][:n] != 0).to(torch.uint8),
-                "aux_hidden": _to_host(aux[i].contiguous()),
-                "last_hidden": _to_host(last[i].contiguous()),
-            })
+            record = {"input_ids": input_ids[b].cpu()[am[b]][:n].to(torch.int64),
+                      "loss_mask": (loss_mask[b].cpu()[am[b]][:n] != 0).to(torch.uint8)}
+            if aux is not None:
+                record["aux_hidden"] = _to_host(aux[i].contiguous())
+            record["last_hidden"] = _to_host(last[i].contiguous())
+            records.append(record)
         event = None
-        if records and records[0]["aux_hidden"].is_pinned() and torch.cuda.is_available():
+        if records and records[0]["last_hidden"].is_pinned() and torch.cuda.is_available():
             event = torch.cuda.Event()
             event.record()
         return CapturedRows(records, int(policy_version), plan.counts, event)
@@ -210,7 +210,8 @@ def _concat_passes(passes: list[CapturedFeatures], batch_shape: tuple[int, ...])
     if len(passes) == 1:
         return passes[0]
     b, t = batch_shape
-    shapes = [p.aux_hidden.shape for p in passes]
+    assert all(p.last_hidden is not None for p in passes)
+    shapes = [p.last_hidden.shape for p in passes if p.last_hidden is not None]
     padded = all(s[1] == t for s in shapes) and sum(s[0] for s in shapes) == b
     if not padded and not all(s[0] == 1 for s in shapes):
         raise ValueError(f"collect: passes of shapes {[tuple(s) for s in shapes]} are neither padded micro-batches "
