@@ -8,6 +8,12 @@ Round with committed tokens x_0..x_n and target features f_0..f_{n-1} (post-norm
 Worked example, n = 3: prefill rows (x1, f0), (x2, f1), (x3, f2) -> f^_3 -> d_1; step 2 pairs
 (d_1, f^_3) at position 3 -> f^_4 -> d_2; step 3 pairs (d_2, f^_4) at position 4 -> d_3.
 Recomputed from scratch each round (no draft KV cache across rounds): same numbers, simpler.
+
+Tree drafting (`expand`, the `TreeProposer` protocol of drafters/common/tree.py; EAGLE-2 drafts
+with these weights): one forward over [prefix rows 0..n-1; tree nodes], each node row pairing
+embed(token) with its parent's PREDICTED feature (hidden + residual, what the chain feeds back)
+at position n + depth - 1, attending to the prefix rows, its ancestors and itself: the chain step
+above, with the earlier steps replaced by the node's ancestors.
 """
 
 from __future__ import annotations
@@ -15,8 +21,18 @@ from __future__ import annotations
 import torch
 
 from drafters.common.contract import DraftContext, Proposal
+from drafters.common.masks import dense_attention_mask
 from drafters.common.sampling import SamplingParams, logits_to_probs, sample
+from drafters.common.tree import TreeExpansion, TreeNodes, tree_attention_mask, tree_position_ids
 from drafters.eagle1.model import Eagle1Model
+
+
+def _features(ctx: DraftContext, n: int) -> torch.Tensor:
+    """The EAGLE-1 feature of positions 0..n-1: [n, H], post-final-norm (HF hidden_states[L])."""
+    features = ctx.target_hidden_states[-1]
+    if features.shape[0] != n:
+        raise ValueError(f"target_hidden_states[-1]: {features.shape[0]} positions, expected {n} (tokens 0..n-1)")
+    return features
 
 
 class Eagle1Proposer:
@@ -30,9 +46,7 @@ class Eagle1Proposer:
         n = ids.numel() - 1
         if n < 1 or num_tokens < 1:
             raise ValueError(f"propose: need >= 2 committed tokens and num_tokens >= 1, got {n + 1} and {num_tokens}")
-        features = ctx.target_hidden_states[-1]  # [n, H] post-final-norm (HF hidden_states[L])
-        if features.shape[0] != n:
-            raise ValueError(f"target_hidden_states[-1]: {features.shape[0]} positions, expected {n} (tokens 0..n-1)")
+        features = _features(ctx, n)
         model = self.model
         device = model.fc.weight.device
         state = model.prefill(ids[1:].to(device)[None], features.to(device)[None])
@@ -49,3 +63,24 @@ class Eagle1Proposer:
             if i + 1 < num_tokens:
                 state = model.step(state, token.view(1))
         return Proposal(torch.stack(tokens).long().cpu(), torch.stack(probs).cpu() if probs else None)
+
+    @torch.no_grad()
+    def expand(self, ctx: DraftContext, nodes: TreeNodes) -> TreeExpansion:
+        """Draft log-probs [N + 1, V] and predicted features [N + 1, H] of the root (row 0: the
+        prefix's last row, which predicts the token after x_n) and of every node."""
+        ids = ctx.token_ids
+        n = ids.numel() - 1
+        if n < 1:
+            raise ValueError(f"expand: need >= 2 committed tokens, got {n + 1}")
+        model = self.model
+        device, dtype = model.fc.weight.device, model.fc.weight.dtype
+        features = _features(ctx, n).to(device, dtype)  # [n, H]
+        tokens = ids[1:].to(device)
+        if nodes.num_nodes:
+            features = torch.cat([features, nodes.parent_hidden.to(device, dtype)])  # [n + N, H]
+            tokens = torch.cat([tokens, nodes.token_ids.to(device)])
+        mask = dense_attention_mask(tree_attention_mask(nodes.parents, n))
+        pos = tree_position_ids(nodes.depths, n).to(device)
+        out, _ = model._draft(tokens[None], features[None], pos[None], mask, None)
+        rows = out[0, n - 1:]  # [N + 1, H]
+        return TreeExpansion(torch.log_softmax(model.head_logits(rows).float(), -1).cpu(), rows.cpu())
