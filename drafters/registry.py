@@ -62,9 +62,12 @@ CATALOG: Mapping[str, CatalogEntry] = MappingProxyType({e.name: e for e in (
     CatalogEntry("eagle1", "EAGLE-1: feature-level autoregressive draft over the target's last hidden state",
                  "drafters.eagle1.family:FAMILY",
                  (_m("vllm", "eagle"), _m("sglang", "EAGLE"))),
-    CatalogEntry("eagle2", "EAGLE-2: EAGLE-1 weights with dynamic-tree drafting", None,
-                 (_m("vllm", "eagle", note="vLLM drafts a chain; the dynamic tree is not realised"),
-                  _m("sglang", "EAGLE", note="dynamic tree with --speculative-eagle-topk > 1"))),
+    CatalogEntry("eagle2", "EAGLE-2: EAGLE-1 weights with dynamic-tree drafting",
+                 "drafters.eagle2.family:FAMILY",
+                 (_m("vllm", "eagle", note="vLLM 0.32 has no tree: it serves the EAGLE-1 chain; the dynamic "
+                                           "tree is not realised"),
+                  _m("sglang", "EAGLE", note="dynamic tree: --speculative-eagle-topk = top_k > 1, --speculative-"
+                                             "num-steps = depth, --speculative-num-draft-tokens = total_tokens + 1"))),
     CatalogEntry("eagle3", "EAGLE-3: fused multi-layer target features, training-time test, draft vocab",
                  "drafters.eagle3.family:FAMILY",
                  (_m("vllm", "eagle3"), _m("sglang", "EAGLE3"))),

@@ -7,19 +7,27 @@ Both report vLLM's convention (drafters.common.metrics): mean acceptance length
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from drafters.common.contract import DrafterFamily, EngineFormat, StoreStats
+from drafters.common.contract import DrafterFamily, EngineFormat, StoreStats, TreeDrafterFamily
 from drafters.common.metrics import AcceptanceStats
+from drafters.common.sampling import SamplingParams
 from drafters.common.target import TargetHead
 from drafters.common.tokens import cut_at_end
 from drafters.registry import export_family, get_family
 from verl_speco.engines.spec_metrics import SpecCounters, acceptance_summary
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from drafters.spec_decode import SpecDecodeResult
 
 
 @dataclass
@@ -59,23 +67,36 @@ def _summary(stats: AcceptanceStats) -> dict[str, Any]:
 
 
 def reference_acceptance(target_dir: str | Path, export_dir: str | Path, prompts: EvalPrompts, k: int,
-                         max_new_tokens: int) -> dict[str, Any]:
-    """Greedy chain speculative decoding with `drafters.spec_decode` over every prompt."""
+                         max_new_tokens: int, sampling: SamplingParams | None = None,
+                         seed: int = 0) -> dict[str, Any]:
+    """Speculative decoding with `drafters.spec_decode` over every prompt (greedy by default;
+    `sampling` with a seeded generator otherwise): chains of `k` tokens, or the family's EAGLE-2
+    tree when it is a `TreeDrafterFamily` (its own tree shape; `k` unused; reported as `tree`)."""
     from transformers import AutoModelForCausalLM
 
-    from drafters.spec_decode import speculative_generate
+    from drafters.spec_decode import speculative_generate, tree_speculative_generate
 
     target_model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
     head = TargetHead.from_pretrained(target_dir)
     family, model = load_drafter(export_dir, head)
-    proposer = family.proposer(model, head.spec)
+    common: dict[str, Any] = {"max_new_tokens": max_new_tokens, "eos_token_id": prompts.eos_token_id,
+                              "sampling": sampling, "generator": torch.Generator().manual_seed(seed)}
+    tree: dict[str, int] | None = None
+    decode: Callable[[torch.Tensor], SpecDecodeResult]
+    if isinstance(family, TreeDrafterFamily):
+        shape = family.tree_config(family.config_of(model))
+        tree = dataclasses.asdict(shape)
+        decode = functools.partial(tree_speculative_generate, target_model, family.tree_proposer(model, head.spec),
+                                   top_k=shape.top_k, depth=shape.depth, total_tokens=shape.total_tokens, **common)
+    else:
+        decode = functools.partial(speculative_generate, target_model, family.proposer(model, head.spec),
+                                   num_speculative_tokens=k, **common)
     total, outputs = AcceptanceStats(), []
     for ids in prompts.token_ids:
-        res = speculative_generate(target_model, proposer, torch.tensor(ids), num_speculative_tokens=k,
-                                   max_new_tokens=max_new_tokens, eos_token_id=prompts.eos_token_id)
+        res = decode(torch.tensor(ids))
         total = total.merge(res.stats)
         outputs.append(res.token_ids.tolist())
-    return {**_summary(total), "outputs": outputs}
+    return {**_summary(total), "outputs": outputs, "tree": tree}
 
 
 def export_untrained_like(export_dir: str | Path, target_dir: str | Path, out_dir: str | Path,

@@ -6,7 +6,8 @@
 - `EngineFormat`: what a family ships to the engines for one resolved config and target: the
   `config.json` per export format, the engine tensors (one function serves export and live
   publish), the speculative arguments per engine and the publish-manifest round trip.
-- `DrafterFamily`: the protocol every catalog entry implements.
+- `DrafterFamily`: the protocol every catalog entry implements; `TreeDrafterFamily` adds the
+  optional methods of a family that drafts EAGLE-2 dynamic trees (`tree_config`, `tree_proposer`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -23,6 +24,9 @@ from drafters.common.losses import ObjectiveOutput
 from drafters.common.sampling import SamplingParams
 from drafters.common.target import TargetHead, TargetSpec
 from feature_store import Layout
+
+if TYPE_CHECKING:  # drafters.common.tree imports this module
+    from drafters.common.tree import TreeConfig, TreeProposer
 
 EXPORT_META_FILE = "verl_speco_meta.json"  # written into every export: {"family": name, "format": ..., ...}
 
@@ -154,3 +158,22 @@ class DrafterFamily(Protocol):
                fmt: str = "native", **kwargs: Any) -> Path: ...
 
     def proposer(self, model: nn.Module, target_spec: TargetSpec) -> Proposer: ...
+
+
+@runtime_checkable
+class TreeDrafterFamily(DrafterFamily, Protocol):
+    """A family whose reference drafting is an EAGLE-2 dynamic tree (optional, e.g. eagle2).
+
+    `isinstance(family, TreeDrafterFamily)` tells a caller to decode with
+    `drafters.spec_decode.tree_speculative_generate(target, family.tree_proposer(model, spec),
+    ..., **asdict(family.tree_config(family.config_of(model))))` instead of the chain `proposer`
+    (verl_speco/evaluation.py `reference_acceptance` does). `proposer` stays the chain the family's
+    engines serve where they have no tree (vLLM 0.32)."""
+
+    def tree_config(self, cfg: Any) -> TreeConfig:
+        """The tree shape (top_k, depth, total_tokens) of a resolved config."""
+        ...
+
+    def tree_proposer(self, model: nn.Module, target_spec: TargetSpec) -> TreeProposer:
+        """The `TreeProposer` (drafters/common/tree.py) that expands the tree with `model`."""
+        ...

@@ -1,0 +1,102 @@
+"""The EAGLE-2 family object registered in the catalog (docs/internals.md contract).
+
+Everything about the weights is EAGLE-1's and is inherited from `drafters.eagle1.family`
+(model, objective, collate, layout, frozen target pieces); this family adds the tree: its
+config carries the tree shape (`Eagle2Config`), `tree_config` / `tree_proposer` are the optional
+`TreeDrafterFamily` methods (drafters/common/contract.py) the reference evaluation uses, and
+its engine format records family "eagle2" and the tree SGLang drafts (`Eagle2ExportConfig`).
+`proposer` stays the EAGLE-1 chain (what vLLM serves for this family).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from drafters.common.contract import EXPORT_META_FILE, StoreStats, TreeDrafterFamily
+from drafters.common.target import TargetHead, TargetSpec
+from drafters.common.tree import TreeConfig
+from drafters.eagle1.config import Eagle1Config
+from drafters.eagle1.family import Eagle1Family
+from drafters.eagle1.model import Eagle1Model
+from drafters.eagle1.proposer import Eagle1Proposer
+from drafters.eagle2 import export as export_module
+from drafters.eagle2.config import TREE_FIELDS, Eagle2Config
+from drafters.eagle2.export import Eagle2ExportConfig
+
+
+def _as_model(model: nn.Module) -> Eagle1Model:
+    if not isinstance(model, Eagle1Model) or not isinstance(model.cfg, Eagle2Config):
+        raise TypeError(f"model: got {type(model).__name__} with config {type(getattr(model, 'cfg', None)).__name__}, "
+                        "expected an Eagle1Model built by drafters.eagle2 (Eagle2Config)")
+    return model
+
+
+def _as_config(cfg: Eagle1Config) -> Eagle2Config:
+    if not isinstance(cfg, Eagle2Config):
+        raise TypeError(f"cfg: got {type(cfg).__name__}, expected Eagle2Config (the EAGLE-1 settings plus the tree)")
+    return cfg
+
+
+def _recorded_tree(export_dir: Path) -> dict[str, Any]:
+    """The tree shape recorded in an export's meta (`engine_format`); {} for an EAGLE-1 export."""
+    meta = export_dir / EXPORT_META_FILE
+    fmt = json.loads(meta.read_text()).get("engine_format", {}) if meta.is_file() else {}
+    return {k: fmt[k] for k in TREE_FIELDS if k in fmt}
+
+
+class Eagle2Family(Eagle1Family):
+    name = "eagle2"
+    config_cls = Eagle2Config
+    # training choices and the tree shape: none changes the exported function
+    mutable_settings = tuple(f.name for f in fields(Eagle2Config))
+
+    def resolve(self, cfg: Eagle1Config, target_spec: TargetSpec) -> Eagle2Config:
+        return _as_config(cfg).resolve(target_spec)
+
+    def config_of(self, model: nn.Module) -> Eagle2Config:
+        return _as_config(_as_model(model).cfg)
+
+    def with_settings(self, model: nn.Module, **settings: Any) -> Eagle1Model:
+        return super().with_settings(_as_model(model), **settings)
+
+    def build(self, cfg: Eagle1Config, target: TargetHead, store_stats: StoreStats | None = None) -> Eagle1Model:
+        """The EAGLE-1 draft model, carrying the Eagle2Config (no store stats needed)."""
+        return Eagle1Model(_as_config(cfg).resolve(target.spec), target)
+
+    def engine_format(self, cfg: Eagle1Config, target_spec: TargetSpec) -> Eagle2ExportConfig:
+        return Eagle2ExportConfig.from_drafter(_as_config(cfg), target_spec)
+
+    def format_from_dict(self, data: Mapping[str, Any]) -> Eagle2ExportConfig:
+        out = Eagle2ExportConfig.from_dict(data)
+        assert isinstance(out, Eagle2ExportConfig)
+        return out
+
+    def load_export(self, export_dir: str | Path, target: TargetHead) -> Eagle1Model:
+        """The EAGLE-1 reader (checks and exact weights), then the tree recorded in the export
+        (EAGLE-1 exports load too, with the default tree); eval mode."""
+        model = super().load_export(export_dir, target)
+        model.cfg = Eagle2Config(**{f.name: getattr(model.cfg, f.name) for f in fields(model.cfg)},
+                                 **_recorded_tree(Path(export_dir)))
+        return model
+
+    def export(self, model: nn.Module, cfg: Eagle1Config, target_spec: TargetSpec, out_dir: str | Path,
+               fmt: str = "native", **kwargs: Any) -> Path:
+        """`drafters.eagle2.export.export` (format "native", the EAGLE-1 directory; kwargs dtype, meta)."""
+        return export_module.export(_as_model(model), _as_config(cfg), target_spec, Path(out_dir), fmt, **kwargs)
+
+    def tree_config(self, cfg: Eagle1Config) -> TreeConfig:
+        return _as_config(cfg).tree()
+
+    def tree_proposer(self, model: nn.Module, target_spec: TargetSpec) -> Eagle1Proposer:
+        """The EAGLE-1 proposer: its `expand` drafts the tree (drafters/eagle1/proposer.py)."""
+        return self.proposer(_as_model(model), target_spec)
+
+
+FAMILY = Eagle2Family()
+_CONFORMS: TreeDrafterFamily = FAMILY  # mypy checks the family against the catalog protocol
