@@ -4,7 +4,8 @@
 
 1. builds (or reuses) the embedded target (`verl_speco.target.ensure_target`);
 2. writes the rule-reward dataset (`verl_speco.target.rl_data`) under `<out>/data`;
-3. picks the initial drafter: `--drafter DIR`; by default the quickstart's trained export
+3. picks the initial drafter: `--drafter DIR`; `--drafter trained` trains a small one first
+   (`train_small_drafter`: the quickstart's collect + train, fewer prompts and steps); by default the quickstart's trained export
    (`runs/quickstart/train/**/export`, the newest) when it exists, else a freshly exported initial
    drafter (`drafter.model_path=null`); the choice is printed and written to `<out>/launch.json`;
 4. runs `python -m verl_speco.main +speco_cpu=grpo_embedded ...` (configs/speco_cpu/grpo_embedded.yaml)
@@ -35,14 +36,39 @@ def quickstart_drafter(train_dir: Path = QUICKSTART_TRAIN) -> Path | None:
     return max(exports, key=lambda p: p.stat().st_mtime) if exports else None
 
 
+def train_small_drafter(out: Path, train_prompts: int = 128, steps: int = 120, seed: int = 0) -> Path:
+    """A drafter trained offline on the target's own greedy answers (`verl-speco-quickstart --skip-vllm`
+    with fewer prompts and steps) under `out`; reused when `out` already holds its export."""
+    done = out / "drafter.json"
+    if done.is_file():
+        export = Path(json.loads(done.read_text())["export"])
+        if (export / "config.json").is_file():
+            return export
+    cmd = [sys.executable, "-m", "verl_speco.quickstart", "--out", str(out), "--train-prompts", str(train_prompts),
+           "--eval-prompts", "8", "--serve-prompts", "4", "--steps", str(steps), "--seed", str(seed),
+           "--skip-vllm", "--json"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    (out / "drafter.log").parent.mkdir(parents=True, exist_ok=True)
+    (out / "drafter.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"training the initial drafter failed (rc {proc.returncode}); log {out / 'drafter.log'}")
+    report = json.loads((out / "report.json").read_text())
+    done.write_text(json.dumps({"export": report["export"], "reference": report["reference"],
+                                "train_prompts": train_prompts, "steps": steps}, indent=1))
+    return Path(report["export"])
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="run_cpu_grpo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/cpu_grpo", help="working directory (default: %(default)s)")
     p.add_argument("--drafter", default=None,
-                   help="initial drafter export; 'fresh' for a freshly exported one (default: the quickstart's "
+                   help="initial drafter export; 'fresh' for a freshly exported one; 'trained' to train a small "
+                        "one first under <out>/drafter (train_small_drafter; reused) (default: the quickstart's "
                         "trained drafter if present, else fresh)")
     p.add_argument("--train-prompts", type=int, default=64, help="rows of train.parquet (default: %(default)s)")
+    p.add_argument("--val-prompts", type=int, default=8,
+                   help="rows of val.parquet, held-out problems (verl's validation; default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("overrides", nargs="*", help="Hydra overrides passed to verl-speco")
     return p
@@ -70,8 +96,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     from verl_speco.target.rl_data import write_rl_dataset
     from verl_speco.verl_integration.cpu_env import cpu_environment
 
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
     if args.drafter == "fresh":
         drafter, source = None, "fresh"
+    elif args.drafter == "trained":
+        drafter, source = train_small_drafter(out / "drafter", seed=args.seed), "trained (train_small_drafter)"
     elif args.drafter:
         drafter, source = Path(args.drafter).resolve(), "given"
         if not (drafter / "config.json").is_file():
@@ -81,10 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         drafter = quickstart_drafter()
         source = "quickstart" if drafter is not None else "fresh (no quickstart export under runs/quickstart)"
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     target = Path(ensure_target(log=print))
-    data = write_rl_dataset(out / "data", n_train=args.train_prompts, seed=args.seed)
+    data = write_rl_dataset(out / "data", n_train=args.train_prompts, n_val=args.val_prompts, seed=args.seed)
     print(f"[run_cpu_grpo] target {target}; initial drafter: {drafter or 'freshly exported'} ({source})", flush=True)
     cmd = launch_command(target, data, out, drafter, args.overrides)
     env = cpu_environment()

@@ -19,7 +19,10 @@ disabled (or in `offline` mode) every override falls through to verl. Otherwise:
   (`schedule=serial`: now; `overlap`: started now, collected at the next step's boundary, so it runs
   during the next rollout) and publishes every `publish_interval` rounds. The publish reaches the
   rollout servers at the next weight sync (they sleep during the actor update).
-- metrics under `drafter/` are merged into verl's step metrics, so verl's `Tracking` logs them.
+- metrics under `drafter/` are merged into verl's step metrics, so verl's `Tracking` logs them;
+  `drafter/accept/*` is the step's rollout acceptance, `drafter/heldout/*` the acceptance on verl's
+  validation (`trainer.test_freq`; held-out `data.val_files`, greedy by default), both from the
+  rollout servers' own spec-decode counters.
 """
 
 from __future__ import annotations
@@ -304,26 +307,38 @@ class SpecoTrainerMixin:
                 print("verl_speco: no captured rows yet; skipping the drafter training round")
         return out
 
-    def _speco_acceptance(self) -> dict[str, float]:
-        """This step's acceptance from the rollout servers' own spec-decode counters (the difference
-        of the cumulative counters since the previous step, summed over replicas)."""
+    def _speco_read_counters(self) -> SpecCounters | None:
+        """The rollout servers' cumulative spec-decode counters, summed over replicas (None: no replicas)."""
         manager = getattr(self, "checkpoint_manager", None)
         replicas = list(getattr(manager, "replicas", []) or [])
         if not replicas:
-            return {}
-
+            return None
         now = SpecCounters()
         for counters in _gather_counters(replicas):
             now = now + counters
+        return now
+
+    def _speco_acceptance(self) -> dict[str, float]:
+        """This step's acceptance from the rollout servers' own spec-decode counters (the difference
+        of the cumulative counters since the previous step, summed over replicas; validation excluded)."""
+        now = self._speco_read_counters()
+        if now is None:
+            return {}
         previous, self._speco_counters = self._speco_counters, now
-        summary = acceptance_summary(now - previous)
-        if not summary["num_drafts"]:  # no draft this step, or a server without counters (SGLang)
-            return {"drafter/accept/num_drafts": 0.0}
-        out = {"drafter/accept/num_drafts": float(summary["num_drafts"]),
-               "drafter/accept/mean_acceptance_length": float(summary["mean_acceptance_length"]),
-               "drafter/accept/draft_acceptance_rate": float(summary["draft_acceptance_rate"])}
-        for i, rate in enumerate(summary["per_position_acceptance_rate"]):
-            out[f"drafter/accept/pos{i + 1}"] = float(rate)
+        return _acceptance_metrics(now - previous, "drafter/accept")
+
+    def _validate(self) -> dict[str, float]:
+        """verl's validation (the held-out `data.val_files`, `rollout.val_kwargs`: greedy by default),
+        plus the draft's acceptance on it from the servers' counters (`drafter/heldout/*`): the draft
+        and policy of the step that just ended (validation runs after its weight sync)."""
+        before = self._speco_read_counters() if self.speco_online else None
+        out = dict(super()._validate())  # type: ignore[misc]
+        after = self._speco_read_counters() if before is not None else None
+        if before is not None and after is not None:
+            self._speco_counters = self._speco_counters + (after - before)  # not counted as rollout
+            out.update(_acceptance_metrics(after - before, "drafter/heldout"))
+            held = self._speco_loaded.get(id(getattr(self, "checkpoint_manager", None)), -1)
+            out["drafter/heldout/served_version"] = float(held)  # the version the servers loaded last
         return out
 
     def _speco_finish_round(self) -> dict[str, float]:
@@ -344,6 +359,18 @@ class SpecoTrainerMixin:
         self._speco_latest = pub  # the servers sleep now; loaded after the next weight sync
         return {"drafter/version": float(pub["version"]), "drafter/publish_seconds": float(pub["seconds"]),
                 "drafter/publish_bytes": float(pub["bytes"])}
+
+
+def _acceptance_metrics(delta: SpecCounters, prefix: str) -> dict[str, float]:
+    summary = acceptance_summary(delta)
+    if not summary["num_drafts"]:  # no draft in this window, or a server without counters (SGLang)
+        return {f"{prefix}/num_drafts": 0.0}
+    out = {f"{prefix}/num_drafts": float(summary["num_drafts"]),
+           f"{prefix}/mean_acceptance_length": float(summary["mean_acceptance_length"]),
+           f"{prefix}/draft_acceptance_rate": float(summary["draft_acceptance_rate"])}
+    for i, rate in enumerate(summary["per_position_acceptance_rate"]):
+        out[f"{prefix}/pos{i + 1}"] = float(rate)
+    return out
 
 
 @auto_await

