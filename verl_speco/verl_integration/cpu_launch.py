@@ -47,8 +47,8 @@ def train_small_drafter(out: Path, train_prompts: int = 128, steps: int = 120, s
     cmd = [sys.executable, "-m", "verl_speco.quickstart", "--out", str(out), "--train-prompts", str(train_prompts),
            "--eval-prompts", "8", "--serve-prompts", "4", "--steps", str(steps), "--seed", str(seed),
            "--skip-vllm", "--json"]
+    out.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    (out / "drafter.log").parent.mkdir(parents=True, exist_ok=True)
     (out / "drafter.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"training the initial drafter failed (rc {proc.returncode}); log {out / 'drafter.log'}")
@@ -96,8 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from verl_speco.target.rl_data import write_rl_dataset
     from verl_speco.verl_integration.cpu_env import cpu_environment
 
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out).resolve()  # created once the drafter choice is valid
     if args.drafter == "fresh":
         drafter, source = None, "fresh"
     elif args.drafter == "trained":
@@ -111,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         drafter = quickstart_drafter()
         source = "quickstart" if drafter is not None else "fresh (no quickstart export under runs/quickstart)"
+    out.mkdir(parents=True, exist_ok=True)
     target = Path(ensure_target(log=print))
     data = write_rl_dataset(out / "data", n_train=args.train_prompts, n_val=args.val_prompts, seed=args.seed)
     print(f"[run_cpu_grpo] target {target}; initial drafter: {drafter or 'freshly exported'} ({source})", flush=True)
