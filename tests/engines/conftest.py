@@ -1,6 +1,8 @@
 """Tiny Qwen3 targets and EAGLE-3 drafts for the engine tests, built locally (no downloads).
 
 - `build_target(dir)`: random 8-layer Qwen3 (hidden 64, vocab 96) + WordLevel tokenizer.
+- `build_normed_target(dir)`: the same with non-unit norm weights (the non-degenerate target of
+  the parity tests); `greedy_samples` / `train_draft`: a briefly trained draft of any family.
 - `build_cycle_target(dir, perm)`: a "bigram" Qwen3 whose greedy continuation of token x is
   perm[x]: every layer adds nothing (o_proj = down_proj = 0), so each hidden state, including
   every aux capture, is the current token's embedding E[x]; lm_head row perm[x] is n(E[x]) (n =
@@ -16,12 +18,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
+from drafters.common.target import TargetSpec
 from drafters.eagle3.export import Eagle3ExportConfig, expected_shapes
 
 VOCAB = 96
@@ -149,3 +153,77 @@ def draft(target_dir: Path) -> tuple[torch.nn.Module, Eagle3ExportConfig]:
     torch.manual_seed(0)
     model = FAMILY.build(cfg, head, StoreStats(counts))
     return model, Eagle3ExportConfig.from_drafter(cfg, head.spec)
+
+
+# ---------------------------------------------------------------------------------------------
+# A non-degenerate target and drafts trained on it (tests/engines/test_family_vllm_parity.py,
+# tests/engines/test_vllm_eagle1.py): every family goes through the family protocol only.
+
+
+def build_normed_target(out_dir: Path, seed: int = 0) -> Path:
+    """The random 8-layer Qwen3 of `_qwen3` (real attention and MLP) with every RMSNorm weight
+    (input / post-attention / q / k / final) drawn from U[0.5, 1.5), so a pre-norm / post-norm
+    mix-up or a swapped norm changes the drafts, and a sharp LM head (few near-ties)."""
+    model = _qwen3(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, 1.0, generator=gen)  # sharp logits: few near-ties
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)  # U[0.5, 1.5)
+    model.save_pretrained(out_dir)
+    save_tokenizer(out_dir)
+    return out_dir
+
+
+def greedy_samples(family: Any, cfg: Any, target_dir: Path, num: int = 16, prompt_len: int = 6,
+                   new_tokens: int = 34, seed: int = 7) -> list[dict[str, torch.Tensor]]:
+    """Feature-store samples of the target's own greedy continuations of random prompts, with
+    exactly the fields `family` requires at its layout (`aux_hidden` = HF hidden_states at the
+    layout's layer ids, concatenated in order; `last_hidden` = the post-final-norm state)."""
+    from transformers import Qwen3ForCausalLM
+
+    hf = Qwen3ForCausalLM.from_pretrained(target_dir).eval()
+    layout = family.required_layout(cfg, TargetSpec.from_pretrained(target_dir))
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(2, VOCAB, (num, prompt_len), generator=gen)
+    with torch.no_grad():
+        seqs = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=new_tokens,
+                           do_sample=False, min_new_tokens=new_tokens, pad_token_id=0)
+        out = hf(input_ids=seqs, output_hidden_states=True)
+    last = out.hidden_states[-1]  # must be post-final-norm (the EAGLE-1 feature, the store's last_hidden)
+    torch.testing.assert_close(last @ hf.lm_head.weight.T, out.logits, rtol=1e-4, atol=1e-4)
+    mask = torch.ones_like(seqs, dtype=torch.uint8)
+    mask[:, :prompt_len] = 0
+    samples = []
+    for b in range(num):
+        s = {"input_ids": seqs[b], "loss_mask": mask[b], "last_hidden": last[b]}
+        if layout.layer_ids:
+            s["aux_hidden"] = torch.cat([out.hidden_states[i][b] for i in layout.layer_ids], dim=-1)
+        missing = [f for f in family.required_fields(cfg) if f not in s]
+        assert not missing, f"{family.name} needs fields {missing}: teach greedy_samples to build them"
+        samples.append({f: s[f] for f in family.required_fields(cfg)})
+    return samples
+
+
+def train_draft(family: Any, cfg: Any, target_dir: Path, steps: int = 120, lr: float = 5e-3,
+                seed: int = 0) -> torch.nn.Module:
+    """A draft of `family` trained for a few seconds on the target's greedy continuations
+    (`greedy_samples`), so its acceptance is well above chance: equal acceptance counters then
+    mean equal drafts at many positions. Eval mode on return."""
+    from drafters.common.contract import StoreStats
+    from drafters.common.target import TargetHead
+    from drafters.common.vocab import token_counts_from_samples
+
+    samples = greedy_samples(family, cfg, target_dir)
+    batch = family.collate(samples)
+    torch.manual_seed(seed)
+    model = family.build(cfg, TargetHead.from_pretrained(target_dir),
+                         StoreStats(token_counts=token_counts_from_samples(samples, VOCAB)))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    for _ in range(steps):
+        loss = family.objective(model.train(), batch).loss()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model.eval()

@@ -25,7 +25,7 @@ from drafters.eagle1 import FAMILY, Eagle1Config, Eagle1Model
 from drafters.eagle1.export import check_export
 from drafters.spec_decode import speculative_generate
 
-from .conftest import VOCAB, _qwen3, save_tokenizer
+from .conftest import build_normed_target, train_draft
 
 pytestmark = pytest.mark.vllm
 
@@ -34,43 +34,10 @@ MAX_TOKENS = 24
 PROMPTS = [[5, 9, 13, 40, 2], [7, 7, 8], list(range(10, 30)), [90, 3, 3, 61], [44, 12]]
 
 
-def build_normed_target(out_dir: Path, seed: int = 0) -> Path:
-    model = _qwen3(seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        model.lm_head.weight.normal_(0.0, 1.0, generator=gen)  # sharp logits: few near-ties
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):  # input/post-attention/q/k/final norms
-                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)  # U[0.5, 1.5)
-    model.save_pretrained(out_dir)
-    save_tokenizer(out_dir)
-    return out_dir
-
-
 def _train_draft(target_dir: Path, steps: int = 120) -> Eagle1Model:
-    from transformers import Qwen3ForCausalLM
-
-    hf = Qwen3ForCausalLM.from_pretrained(target_dir).eval()
-    gen = torch.Generator().manual_seed(7)
-    prompts = torch.randint(2, VOCAB, (16, 6), generator=gen)
-    with torch.no_grad():
-        seqs = hf.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=34, do_sample=False,
-                           min_new_tokens=34, pad_token_id=0)  # [16, 40]
-        out = hf(input_ids=seqs, output_hidden_states=True)
-    last = out.hidden_states[-1]  # [16, 40, 64]: must be post-final-norm (the EAGLE-1 feature)
-    torch.testing.assert_close(last @ hf.lm_head.weight.T, out.logits, rtol=1e-4, atol=1e-4)
-    mask = torch.ones_like(seqs, dtype=torch.uint8)
-    mask[:, :6] = 0
-    batch = FAMILY.collate([{"input_ids": s, "loss_mask": m, "last_hidden": h} for s, m, h in zip(seqs, mask, last)])
-    torch.manual_seed(0)
-    model = FAMILY.build(Eagle1Config(feature_noise=0.0, attn_backend="sdpa"), TargetHead.from_pretrained(target_dir))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3)
-    for _ in range(steps):
-        loss = FAMILY.objective(model.train(), batch).loss()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
+    model = train_draft(FAMILY, Eagle1Config(feature_noise=0.0, attn_backend="sdpa"), target_dir, steps)
+    assert isinstance(model, Eagle1Model)
+    return model
 
 
 def _reference(target_dir: Path, model: Eagle1Model) -> tuple[list[list[int]], AcceptanceStats]:

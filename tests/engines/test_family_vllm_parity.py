@@ -1,0 +1,294 @@
+"""Engine parity for every family vLLM serves on CPU: vLLM drafts exactly what our reference drafts.
+
+Parametrised over `drafters.registry.available_families()` and generic through the family
+protocol (resolve, build, objective, export, engine_format().vllm_speculative_config, load_export,
+proposer). Target: `build_normed_target`, a random, non-degenerate 8-layer Qwen3 (real attention
+and MLP contributions, every RMSNorm weight in U[0.5, 1.5)). Draft: trained for a few seconds on
+the target's own greedy continuations (`train_draft`), with the settings of `TRAIN_SETTINGS`
+(EAGLE-3: NON-DEFAULT aux layer ids (1, 3, 6) instead of (2, 4, 5), a reduced draft vocab of 64 of
+96, so the d2t offsets are exercised), exported by the family and served by vLLM, greedy, K = 3.
+
+Four engine starts in all (eagle1, eagle3, the missing-key control, the speculators export);
+plain decoding is HF's greedy decoding of the same target (no engine needed).
+
+Asserted per family: vLLM's outputs == plain decoding == the reference decoder's
+(`drafters.spec_decode.speculative_generate` over the HF target with `family.proposer`), and
+vLLM's acceptance counters (drafts, accepted, accepted per position) == the reference's
+`AcceptanceStats` exactly (float32). In greedy mode both decoders commit the same tokens, so a
+round's acceptance is the length of the prefix of the K drafts that equals the target's greedy
+continuation: the counters are equal round by round iff vLLM's draft tokens equal our proposer's
+wherever it matters (up to the first rejected position of every round). With an informative draft
+(acceptance far above chance at every position) that is a position-by-position comparison.
+
+A family whose export is byte-identical (config.json, model.safetensors) to an already served
+family's, with the same vLLM speculative config, is not served again: vLLM would see the same
+inputs (today eagle2: vLLM 0.32 has no tree, eagle2 ships the eagle1 directory, method "eagle");
+its own reference counters must still equal those vLLM counters.
+
+Negative controls, each shown to make the comparison fail:
+- EAGLE-3 layer ids shifted by one (exported with (2, 4, 7), trained on (1, 3, 6)): the
+  reference reading that export disagrees with vLLM on the correct one;
+- EAGLE-3 midlayer.input_layernorm <-> midlayer.hidden_norm swapped: the reference with the
+  swapped export disagrees with vLLM on the correct one;
+- EAGLE-3 config.json without `eagle_aux_hidden_state_layer_ids`: vLLM does not refuse; it
+  captures `eagle_config.eagle_aux_hidden_state_layer_ids` as-is (SGLang's convention, ids - 1 =
+  (0, 2, 5): engines.md 1.3), so the counters differ, and equal the reference's at (0, 2, 5)
+  (so vLLM captures exactly the layers its config names, as the shifted-ids control assumes);
+- EAGLE-1 (and so eagle2): the fc halves swapped ([feature; embedding]) in the reference.
+Also: the EAGLE-3 speculators-format export served by directory (`vllm serve <dir>`, the verifier
+recorded) drafts exactly the same; each `generate_with_metrics` call reports its own figures and
+`read_spec_metrics` the engine's running totals.
+
+This replaces tests/engines/test_vllm_eagle3.py, whose "bigram" target had no-op layers (every
+hidden state = the token's embedding), so it could not see layer ids, norm placement, attention
+or RoPE; its unique assertions (per-call counting, the reduced-vocab d2t path, the speculators
+export served by directory) are made here on the non-degenerate target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from drafters.common.metrics import AcceptanceStats
+from drafters.common.target import TargetHead, TargetSpec
+from drafters.registry import available_families, get_family
+from drafters.spec_decode import autoregressive_generate, speculative_generate
+
+from .conftest import build_normed_target, train_draft
+
+pytestmark = pytest.mark.vllm
+
+FAMILIES = available_families()
+K = 3  # num_speculative_tokens
+MAX_TOKENS = 24
+PROMPTS = [[5, 9, 13, 40, 2], [7, 7, 8], list(range(10, 30)), [90, 3, 3, 61], [44, 12]]
+TRAIN_SETTINGS: dict[str, dict[str, Any]] = {  # anything absent keeps the config's default
+    "eagle1": {"feature_noise": 0.0},
+    "eagle2": {"feature_noise": 0.0},
+    "eagle3": {"aux_layer_ids": (1, 3, 6), "draft_vocab_size": 64, "ttt_steps": 3},
+}
+# Families vLLM 0.32 cannot serve on CPU -> why (engines.md section 3); none is implemented today.
+CPU_UNSERVABLE = {"dspark": "vLLM's V1 model runner does not support dspark and V2 requires Triton"}
+
+Counts = tuple[int, int, list[int]]
+
+
+def _counts(s: AcceptanceStats) -> Counts:
+    return s.num_drafts, s.num_accepted, list(s.accepted_per_pos)
+
+
+def _vllm_counts(m: dict[str, Any]) -> Counts:
+    return m["num_drafts"], m["num_accepted_tokens"], list(m["accepted_per_pos"])
+
+
+@contextmanager
+def engine(target: Path, draft: Path | None = None, spec: dict[str, Any] | None = None) -> Iterator[Any]:
+    """A vLLM engine on `target` with `spec` (a family's `vllm_speculative_config`) when given."""
+    from verl_speco.engines import vllm_engine
+
+    spec = spec or {}
+    extra = {k: v for k, v in spec.items() if k not in ("method", "model", "num_speculative_tokens")}
+    llm = vllm_engine.build_llm(target, draft, method=spec.get("method", "eagle3"),
+                                num_speculative_tokens=spec.get("num_speculative_tokens", K),
+                                speculative_extra=extra)
+    try:
+        yield llm
+    finally:
+        vllm_engine.shutdown(llm)
+
+
+def _run(llm: Any) -> tuple[list[list[int]], dict[str, Any]]:
+    from verl_speco.engines.vllm_engine import generate_with_metrics
+
+    return generate_with_metrics(llm, PROMPTS, MAX_TOKENS)
+
+
+def _serve(target: Path, draft: Path | None, spec: dict[str, Any] | None = None) -> tuple[list[list[int]], Counts]:
+    with engine(target, draft, spec) as llm:
+        outputs, m = _run(llm)
+    assert m["num_drafts"] > 0 and m["num_draft_tokens"] == K * m["num_drafts"]
+    return outputs, _vllm_counts(m)
+
+
+def _fingerprint(export_dir: Path, spec: dict[str, Any]) -> str:
+    """What vLLM reads of a draft: config.json, model.safetensors, the speculative config."""
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        h.update((export_dir / name).read_bytes())
+    h.update(json.dumps({k: v for k, v in spec.items() if k != "model"}, sort_keys=True).encode())
+    return h.hexdigest()
+
+
+class World:
+    """The target, its plain greedy decoding (HF, no engine start) and, per family, the served draft."""
+
+    def __init__(self, root: Path):
+        from transformers import Qwen3ForCausalLM
+
+        self.root = root
+        self.target = build_normed_target(root / "target")
+        self.spec = TargetSpec.from_pretrained(self.target)
+        self.head = TargetHead.from_pretrained(self.target)
+        self.hf = Qwen3ForCausalLM.from_pretrained(self.target).eval()
+        self.baseline = [autoregressive_generate(self.hf, torch.tensor(p), MAX_TOKENS).tolist() for p in PROMPTS]
+        self.families: dict[str, dict[str, Any]] = {}
+        self.by_fingerprint: dict[str, tuple[str, Counts]] = {}
+
+    def reference(self, proposer: Any) -> tuple[list[list[int]], Counts]:
+        outputs, stats = [], AcceptanceStats()
+        for prompt in PROMPTS:
+            res = speculative_generate(self.hf, proposer, torch.tensor(prompt), num_speculative_tokens=K,
+                                       max_new_tokens=MAX_TOKENS)
+            outputs.append(res.token_ids.tolist())
+            stats = stats.merge(res.stats)
+        return outputs, _counts(stats)
+
+    def served(self, name: str) -> dict[str, Any]:
+        """Train, export and serve `name` once; later calls return the same record."""
+        if name in self.families:
+            return self.families[name]
+        if name in CPU_UNSERVABLE:
+            pytest.skip(f"{name}: {CPU_UNSERVABLE[name]}; its export is checked against our loader in "
+                        "tests/drafters/test_family_contract.py instead")
+        family = get_family(name)
+        cfg = family.config_cls()
+        settings = {"attn_backend": "sdpa"} if "attn_backend" in {f.name for f in dataclasses.fields(cfg)} else {}
+        cfg = family.resolve(dataclasses.replace(cfg, **settings, **TRAIN_SETTINGS.get(name, {})), self.spec)
+        model = train_draft(family, cfg, self.target)
+        draft = family.export(model, cfg, self.spec, self.root / name)
+        spec = family.engine_format(cfg, self.spec).vllm_speculative_config(draft, K)
+        key = _fingerprint(draft, spec)
+        if key in self.by_fingerprint:  # byte-identical to a served draft: vLLM would see the same inputs
+            served_as, counts = self.by_fingerprint[key]
+            outputs = self.baseline
+        else:
+            from verl_speco.engines.vllm_engine import read_spec_metrics
+
+            with engine(self.target, draft, spec) as llm:
+                outputs, m1 = _run(llm)
+                again, m2 = _run(llm)
+                total = read_spec_metrics(llm)
+            assert again == outputs and m2 == m1  # each call's own figures, not the running totals
+            assert (total["num_drafts"], total["num_accepted_tokens"]) == (2 * m1["num_drafts"],
+                                                                         2 * m1["num_accepted_tokens"])
+            assert m1["num_draft_tokens"] == K * m1["num_drafts"]
+            served_as, counts = name, _vllm_counts(m1)
+            self.by_fingerprint[key] = (name, counts)
+        ref_outputs, ref = self.reference(family.proposer(model, self.spec))
+        self.families[name] = {"family": family, "cfg": cfg, "model": model, "draft": draft, "spec": spec,
+                               "outputs": outputs, "vllm": counts, "served_as": served_as,
+                               "ref_outputs": ref_outputs, "ref": ref}
+        return self.families[name]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+    return World(tmp_path_factory.mktemp("parity"))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_vllm_drafts_exactly_what_the_reference_drafts(world: World, name: str) -> None:
+    r = world.served(name)
+    print(f"{name} (served as {r['served_as']}): vLLM {r['vllm']} reference {r['ref']}")
+    assert r["outputs"] == world.baseline  # vLLM's greedy speculative decoding == plain greedy decoding
+    assert r["ref_outputs"] == world.baseline  # and so is the reference decoder (HF target)
+    drafts, accepted, per_pos = r["ref"]
+    # an informative draft (5x chance, ~1/96 per token; observed: eagle1 10%, eagle3 7%) accepting at every position
+    assert accepted > 0.05 * K * drafts and min(per_pos) > 0, r["ref"]
+    assert r["vllm"] == r["ref"]  # the same drafts round by round (float32: exact)
+
+
+def _load(world: World, name: str, export_dir: Path) -> torch.nn.Module:
+    return world.served(name)["family"].load_export(export_dir, world.head)
+
+
+def _need(name: str) -> None:
+    if name not in FAMILIES:
+        pytest.skip(f"{name} is not implemented")
+
+
+def test_eagle1_fc_halves_swapped_breaks_parity(world: World) -> None:
+    _need("eagle1")
+    r = world.served("eagle1")
+    bad, h = _copy_export(r["draft"], world.root / "eagle1_fc_swapped"), world.spec.hidden_size
+    tensors = load_file(str(bad / "model.safetensors"))
+    w = tensors["fc.weight"]  # [H, 2H]: fc(cat[feature; embedding]), the wrong concatenation order
+    tensors["fc.weight"] = torch.cat([w[:, h:], w[:, :h]], dim=1).contiguous()
+    save_file(tensors, str(bad / "model.safetensors"))
+    _, swapped = world.reference(r["family"].proposer(_load(world, "eagle1", bad), world.spec))
+    print(f"eagle1 fc halves swapped: reference {swapped}, vLLM {r['vllm']}")
+    assert swapped != r["vllm"]
+
+
+def _copy_export(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_eagle3_layer_ids_shifted_by_one_break_parity(world: World) -> None:
+    _need("eagle3")
+    r = world.served("eagle3")
+    aux = r["cfg"].aux_layer_ids
+    shifted_cfg = dataclasses.replace(r["cfg"], aux_layer_ids=tuple(i + 1 for i in aux))  # (2, 4, 7)
+    shifted = r["family"].export(r["model"], shifted_cfg, world.spec, world.root / "eagle3_shifted")
+    assert json.loads((shifted / "config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [2, 4, 7]
+    _, planted = world.reference(r["family"].proposer(_load(world, "eagle3", shifted), world.spec))
+    print(f"eagle3 aux ids {aux} exported as (2, 4, 7): reference {planted}, vLLM (correct export) {r['vllm']}")
+    assert planted != r["vllm"]  # the parity check fails (vLLM follows config.json's ids: see the next tests)
+
+
+def test_eagle3_swapped_norms_break_parity(world: World) -> None:
+    _need("eagle3")
+    r = world.served("eagle3")
+    bad = _copy_export(r["draft"], world.root / "eagle3_norms_swapped")
+    tensors = load_file(str(bad / "model.safetensors"))
+    a, b = "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight"
+    assert not torch.equal(tensors[a], tensors[b])
+    tensors[a], tensors[b] = tensors[b], tensors[a]
+    save_file(tensors, str(bad / "model.safetensors"))
+    _, swapped = world.reference(r["family"].proposer(_load(world, "eagle3", bad), world.spec))
+    print(f"eagle3 {a} <-> {b}: reference {swapped}, vLLM (correct export) {r['vllm']}")
+    assert swapped != r["vllm"]
+
+
+def test_eagle3_missing_layer_ids_key_breaks_parity(world: World) -> None:
+    _need("eagle3")
+    r = world.served("eagle3")
+    bad = _copy_export(r["draft"], world.root / "eagle3_no_ids")
+    config = json.loads((bad / "config.json").read_text())
+    del config["eagle_aux_hidden_state_layer_ids"]  # vLLM's key; SGLang's eagle_config ids stay
+    sglang_ids = tuple(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    assert sglang_ids == (0, 2, 5)  # SGLang's "output of layer i" = internal - 1
+    (bad / "config.json").write_text(json.dumps(config))
+    outputs, counts = _serve(world.target, bad, r["spec"] | {"model": str(bad)})  # vLLM does not refuse it
+    proposer = r["family"].proposer(r["model"], world.spec)
+    proposer.aux_layer_ids = sglang_ids  # type: ignore[attr-defined]  # what vLLM captures (engines.md 1.3)
+    _, planted = world.reference(proposer)
+    print(f"eagle3 without eagle_aux_hidden_state_layer_ids: vLLM {counts}; reference {r['ref']}, "
+          f"reference at eagle_config's ids {sglang_ids} {planted}")
+    assert outputs == world.baseline
+    assert counts != r["ref"]  # the parity check fails
+    assert counts == planted  # vLLM read eagle_config's ids as capture indices
+
+
+def test_eagle3_speculators_export_served_by_directory(world: World) -> None:
+    _need("eagle3")
+    r = world.served("eagle3")
+    spec_dir = r["family"].export(r["model"], r["cfg"], world.spec, world.root / "eagle3_speculators",
+                                  fmt="speculators", verifier=str(world.target), speculative_tokens=K,
+                                  verifier_architectures=["Qwen3ForCausalLM"])
+    # `vllm serve <dir>`: the speculators config names the target (verifier), the method and K
+    outputs, counts = _serve(spec_dir, None)
+    assert outputs == world.baseline
+    assert counts == r["ref"] == r["vllm"]
