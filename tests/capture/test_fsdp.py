@@ -17,7 +17,7 @@ sys.path.insert(0, sys.argv[1])
 from conftest import make_qwen3
 from verl_speco.capture.hooks import capture_features, find_decoder_modules
 
-torch.set_num_threads(1)
+torch._C.set_num_threads(1)
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
 ids = torch.randint(5, 90, (2, 9), generator=torch.Generator().manual_seed(0))
 mask = torch.ones_like(ids)

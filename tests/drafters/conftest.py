@@ -11,6 +11,6 @@ import torch
 @pytest.fixture(autouse=True)
 def _single_thread() -> Iterator[None]:
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch._C.set_num_threads(1)
     yield
-    torch.set_num_threads(before)
+    torch._C.set_num_threads(before)

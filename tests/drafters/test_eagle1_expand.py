@@ -118,9 +118,9 @@ def test_expand_refuses_a_context_without_features() -> None:
 @pytest.fixture(scope="module")
 def trained() -> Iterator[tuple[MaskedTinyTarget, Eagle1Proposer]]:
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch._C.set_num_threads(1)
     target, model = trained_eagle1(FAMILY, Eagle1Config(attn_backend="sdpa"))
-    torch.set_num_threads(threads)
+    torch._C.set_num_threads(threads)
     yield target, Eagle1Proposer(model)
 
 

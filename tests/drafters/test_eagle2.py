@@ -46,9 +46,9 @@ def test_catalog_config_and_protocol() -> None:
 @pytest.fixture(scope="module")
 def trained() -> Iterator[tuple[MaskedTinyTarget, torch.nn.Module]]:
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch._C.set_num_threads(1)
     yield trained_eagle1(FAMILY, CFG)  # asserts the loss halves
-    torch.set_num_threads(threads)
+    torch._C.set_num_threads(threads)
 
 
 def test_trains_exactly_like_eagle1(trained: tuple[MaskedTinyTarget, torch.nn.Module]) -> None:

@@ -149,7 +149,7 @@ def trained(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     the target's greedy continuations (acceptance well above chance, so lossless greedy decoding
     exercises the acceptance path, and exported weights are no longer their initial values)."""
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch._C.set_num_threads(1)
     family = get_family(request.param)
     target = _target(SPEC, seed=3)
     cfg = _config(family, SPEC)
@@ -167,7 +167,7 @@ def trained(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     assert losses[-1] < 0.7 * losses[0], (request.param, losses[::20])
     yield {"name": request.param, "family": family, "target": target, "cfg": cfg, "model": model.eval(),
            "samples": samples}
-    torch.set_num_threads(before)
+    torch._C.set_num_threads(before)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -218,7 +218,7 @@ def test_greedy_oracle_tree_accepts_every_depth() -> None:
 def trained() -> Iterator[tuple[MaskedTinyTarget, Eagle3Proposer]]:
     """EAGLE-3 trained briefly (60 steps, 24 random sequences of 32 tokens) on a tiny target."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch._C.set_num_threads(1)
     target = MaskedTinyTarget(tiny_spec(), seed=3)
     g = torch.Generator().manual_seed(0)
     samples = []
@@ -235,7 +235,7 @@ def trained() -> Iterator[tuple[MaskedTinyTarget, Eagle3Proposer]]:
         loss.backward()
         opt.step()
     model.eval()
-    torch.set_num_threads(threads)
+    torch._C.set_num_threads(threads)
     yield target, Eagle3Proposer(model)
 
 

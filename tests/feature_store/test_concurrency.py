@@ -37,7 +37,7 @@ def test_two_writer_processes_at_the_same_time(tmp_path: Path) -> None:
 
 
 def _race_writer(root: str, rank: int, start: int, hidden_dtype: str, barrier: object, q: object) -> None:
-    torch.set_num_threads(1)
+    torch._C.set_num_threads(1)
     barrier.wait()  # type: ignore[attr-defined]
     try:
         with StoreWriter(root, make_schema(hidden_dtype), rank=rank, flush_samples=4) as w:

@@ -57,7 +57,7 @@ def check_store(root: Path, acked: set[int]) -> list[int]:
 
 
 def _forked_child(root: str, start: int, kill_call: int | None, kill_time: float | None, wfd: int) -> None:
-    torch.set_num_threads(1)
+    torch._C.set_num_threads(1)
     if kill_time is not None:
         threading.Timer(kill_time, os.kill, (os.getpid(), signal.SIGKILL)).start()
     if kill_call is not None:           # die right before the k-th fsync/link/unlink of the commit protocol

@@ -16,9 +16,9 @@ import torch
 @pytest.fixture(autouse=True)
 def _one_thread() -> Iterator[None]:
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch._C.set_num_threads(1)
     yield
-    torch.set_num_threads(before)
+    torch._C.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

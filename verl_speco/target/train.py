@@ -109,6 +109,19 @@ def batches(tok: Tokenizer, spec: TrainSpec, pad_id: int) -> Iterator[dict[str, 
         yield collate([encode_example(tok, next(stream)) for _ in range(spec.batch_size)], pad_id)
 
 
+def set_intra_op_threads(n: int) -> None:
+    """Set torch's intra-op thread count to `n` and check that it took.
+
+    Calls the C setter: an in-process vLLM CPU worker replaces `torch.set_num_threads` with a
+    function that only logs a warning (vllm/v1/worker/cpu_worker.py, after its thread binding), so
+    after any in-process engine the public setter silently keeps vLLM's count, and a build would
+    train with whatever thread count that engine chose.
+    """
+    torch._C.set_num_threads(n)
+    if torch.get_num_threads() != n:
+        raise RuntimeError(f"intra-op threads: asked for {n}, torch reports {torch.get_num_threads()}")
+
+
 def train(
     model: torch.nn.Module,
     tok: Tokenizer,
@@ -122,7 +135,7 @@ def train(
     machine's load or the caller's thread count (restored afterwards).
     """
     prev_threads = torch.get_num_threads()
-    torch.set_num_threads(spec.num_threads)
+    set_intra_op_threads(spec.num_threads)
     if log is not None:
         log(f"training with {spec.num_threads} CPU thread(s)")
     torch.manual_seed(spec.seed)
@@ -148,7 +161,7 @@ def train(
                 log(f"step {step:4d}/{spec.steps} loss {loss.item():.4f} lr {spec.lr_at(step):.2e} "
                     f"t {time.perf_counter() - start:.1f}s")
     finally:
-        torch.set_num_threads(prev_threads)
+        set_intra_op_threads(prev_threads)
         model.eval()
     result.wall_s = time.perf_counter() - start
     return result
