@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +41,7 @@ from typing import Any, cast
 import torch
 
 from drafters.common.tokens import cut_at_end
+from verl_speco.engines.spec_metrics import SpecCounters, acceptance_summary
 from verl_speco.online.capture import CapturedRows, OnlineCapture
 from verl_speco.online.config import CAPTURE_PASSES, SCHEDULES, CaptureCaps, DrafterOptim, DrafterRunConfig
 from verl_speco.online.publish import load_outcome, write_version
@@ -168,12 +171,26 @@ class DriftHarness:
         return self._publish_round(llm, session, rec)
 
     def _measure(self, llm: Any, state: dict[str, torch.Tensor], prompts: list[list[int]],
-                 plain: list[list[int]]) -> dict[str, Any]:
+                 plain: list[list[int]], per_prompt: bool = False) -> dict[str, Any]:
+        """Publish `state`, greedy-generate `prompts`: acceptance figures from the engine's counters.
+
+        `per_prompt`: one request at a time, so the counters of each prompt are known (`per_prompt`:
+        `[num_drafts, num_accepted_tokens]` per prompt, in order; the figures are of their sum)."""
         from verl_speco.engines import vllm_engine
 
         self._publish_state(llm, state)
-        outs, metrics = vllm_engine.generate_with_metrics(llm, prompts, self.cfg.max_new_tokens, ignore_eos=False)
-        return {**metrics, "lossless": _cut(outs, self.eos) == plain}
+        if not per_prompt:
+            outs, metrics = vllm_engine.generate_with_metrics(llm, prompts, self.cfg.max_new_tokens,
+                                                              ignore_eos=False)
+            return {**metrics, "lossless": _cut(outs, self.eos) == plain}
+        outs, counts, total = [], [], SpecCounters()
+        for prompt in prompts:
+            [out], one = vllm_engine.generate_with_metrics(llm, [prompt], self.cfg.max_new_tokens, ignore_eos=False)
+            outs.append(out)
+            counters = SpecCounters.from_dict(one)
+            counts.append([counters.num_drafts, counters.num_accepted_tokens])
+            total = total + counters
+        return {**acceptance_summary(total), "lossless": _cut(outs, self.eos) == plain, "per_prompt": counts}
 
     # -- the run ---------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -224,8 +241,9 @@ class DriftHarness:
                     live_state = self._capture_and_train(llm, session, capture, actor, *pending, step, rec,
                                                          live_state)
                 plain = _cut(_plain_greedy(actor, eval_prompts, self.eos, cfg.max_new_tokens), self.eos)
-                # 2. measurement: frozen, then co-trained (re-published: it stays live for the rollout)
-                rec["frozen"] = self._measure(llm, frozen_state, eval_prompts, plain)
+                # 2. measurement: frozen, then co-trained (re-published: it stays live for the rollout);
+                # the last step's frozen figures per prompt, for the paired comparison of the summary
+                rec["frozen"] = self._measure(llm, frozen_state, eval_prompts, plain, per_prompt=step == cfg.steps)
                 rec["cotrained"] = self._measure(llm, live_state, eval_prompts, plain)
                 t2 = time.perf_counter()
                 # 3. rollout with the co-trained draft live
@@ -278,7 +296,7 @@ class DriftHarness:
         offline.train_round(steps=online_steps)
         last = records[-1]
         final_offline = self._measure(llm, offline.engine_state(), eval_prompts, plain)
-        cotrained_final = self._measure(llm, session.engine_state(), eval_prompts, plain)
+        cotrained_final = self._measure(llm, session.engine_state(), eval_prompts, plain, per_prompt=True)
         co, fr = last["cotrained"]["mean_acceptance_length"], last["frozen"]["mean_acceptance_length"]
         off = final_offline["mean_acceptance_length"]
         publish = [r["publish_seconds"] / r["step_seconds"] for r in records if "publish_seconds" in r]
@@ -290,16 +308,37 @@ class DriftHarness:
             "last_step": {"frozen": fr, "cotrained": co, "offline_final_policy": off,
                           "cotrained_after_last_round": cotrained_final["mean_acceptance_length"]},
             "cotrained_over_frozen": co / fr, "cotrained_over_offline": co / off,
+            "paired_after_last_round": paired_difference(last["frozen"]["per_prompt"], cotrained_final["per_prompt"]),
             "offline_tokens_budget": {"optimizer_steps": online_steps, "micro_batch_size": cfg.drafter.micro_batch_size,
                                       "rows_captured": online_rows},
             "publish_fraction_of_step_max": max(publish, default=0.0),
             "publish_seconds_mean": sum(r["publish_seconds"] for r in records if "publish_seconds" in r)
             / max(1, len(publish)),
             "lossless_every_step": all(r["frozen"]["lossless"] and r["cotrained"]["lossless"] for r in records)
-            and final_offline["lossless"],
+            and final_offline["lossless"] and cotrained_final["lossless"],
             "per_step": [{"step": r["step"], "frozen": r["frozen"]["mean_acceptance_length"],
                           "cotrained": r["cotrained"]["mean_acceptance_length"]} for r in records],
         }
+
+
+def paired_difference(base: list[list[int]], other: list[list[int]]) -> dict[str, float]:
+    """Per-prompt acceptance lengths of two drafters on the same prompts: `other` minus `base`.
+
+    Each entry is a prompt's `[num_drafts, num_accepted_tokens]`; its acceptance length is
+    1 + accepted / drafts (vLLM's convention). Prompts either drafter never drafted for (a reply of
+    at most one token) are left out. Returns `prompts` (the number used), the `mean_difference`,
+    its `standard_error` (sample standard deviation / sqrt(prompts)) and `t` = mean / standard error.
+    """
+    if len(base) != len(other):
+        raise ValueError(f"paired_difference: {len(base)} vs {len(other)} prompts")
+    diffs = [a_other / d_other - a_base / d_base
+             for (d_base, a_base), (d_other, a_other) in zip(base, other) if d_base > 0 and d_other > 0]
+    if len(diffs) < 2:
+        raise ValueError(f"paired_difference: {len(diffs)} prompt(s) with drafts on both sides, expected >= 2")
+    mean = statistics.fmean(diffs)
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return {"prompts": len(diffs), "mean_difference": mean, "standard_error": se,
+            "t": mean / se if se > 0 else math.copysign(math.inf, mean)}
 
 
 def plot_acceptance(records: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> Path:
