@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default="runs/drift_grpo", help="run directories (default: %(default)s)")
     p.add_argument("--results", default="docs/results/drift_grpo", help="outputs (default: %(default)s)")
     p.add_argument("--steps", type=int, default=20, help="GRPO steps per arm (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=2e-4, help="actor learning rate (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=2e-3, help="actor learning rate (default: %(default)s)")
     p.add_argument("--batch", type=int, default=4, help="prompts per GRPO step (default: %(default)s)")
     p.add_argument("--n", type=int, default=4, help="rollouts per prompt (default: %(default)s)")
     p.add_argument("--val-prompts", type=int, default=16, help="held-out problems (default: %(default)s)")
