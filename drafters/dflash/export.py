@@ -1,0 +1,403 @@
+"""DFlash draft export for vLLM (`method="dflash"`) and SGLang (`DFLASH`), its check, and the reader.
+
+One format, `native` (a directory: `config.json` + `model.safetensors` + our `verl_speco_meta.json`),
+engines.md 2.4 and 4.5:
+- `architectures: ["DFlashDraftModel"]`, `model_type: "qwen3"`, Qwen3 decoder keys with
+  `num_hidden_layers` = the draft's layers and `vocab_size` = the target's; `block_size`,
+  `num_target_layers` (the target's L), `layer_types` all `"full_attention"`;
+  `dflash_config: {mask_token_id, target_layer_ids (output-of-layer ids), use_aux_hidden_state:
+  true, causal: false}` and the top-level `eagle_aux_hidden_state_layer_ids` = vLLM capture
+  indices (output-of-layer id + 1, through drafters.common.layer_ids).
+- Never an `eagle_config` dict: vLLM V1 lets `eagle_config` override the DFlash layer ids
+  silently (engines.md 1.3).
+- Tensors, exactly the `DFlashDraft` parameters (its training names are the engine names):
+  `fc.weight [H, m*H]`, `hidden_norm.weight`, `norm.weight`,
+  `layers.i.{input_layernorm,post_attention_layernorm}.weight`,
+  `layers.i.self_attn.{q,k,v,o}_proj.weight`, `layers.i.self_attn.{q_norm,k_norm}.weight`,
+  `layers.i.mlp.{gate,up,down}_proj.weight`.
+  Never `embed_tokens.weight` / `lm_head.weight` (both engines share the target's) nor
+  `mask_hidden` (vLLM asserts).
+- K rule: vLLM queries are `[bonus, MASK x K]`, so a model trained with block B is served with
+  `num_speculative_tokens = B - 1` (vLLM does not check it); SGLang takes
+  `--speculative-num-draft-tokens = B`.
+`check_export(dir)` enforces all of this before any engine sees a directory.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import MISSING, asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from drafters.common.layer_ids import check_servable_aux_ids, from_engine_layer_ids, to_engine_layer_ids
+
+if TYPE_CHECKING:
+    from drafters.common.target import TargetHead, TargetSpec
+    from drafters.dflash.config import DFlashConfig
+    from drafters.dflash.model import DFlashDraft
+
+FORMATS = ("native",)
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+META_FILE = "verl_speco_meta.json"  # = drafters.common.contract.EXPORT_META_FILE
+ARCHITECTURES = ("DFlashDraftModel",)
+MODEL_TYPE = "qwen3"
+DFLASH_KEY = "vllm.dflash_config.target_layer_ids"  # output-of-layer ids (internal - 1)
+VLLM_AUX_KEY = "vllm.eagle_aux_hidden_state_layer_ids"  # vLLM capture indices (internal)
+FROZEN = ("target_embed_tokens", "target_lm_head")  # the model's frozen target buffers: never exported
+REFUSED = {  # names an engine refuses or misreads, with the reason (engines.md 2.4, 4.5)
+    "embed_tokens.weight": "DFlash shares the target's embedding; exports never carry it",
+    "lm_head.weight": "DFlash uses the target's LM head (vLLM would load a draft head instead of sharing)",
+    "target_embed_tokens": "the frozen target embedding is a buffer of the model, not a draft weight",
+    "target_lm_head": "the frozen target LM head is a buffer of the model, not a draft weight",
+}
+MASK_HIDDEN = "mask_hidden"  # any name containing it: vLLM asserts (DFlash embeds MASK via mask_token_id)
+
+
+@dataclass(frozen=True)
+class DFlashExportConfig:
+    """The engine side of a DFlash draft (drafters.common.contract.EngineFormat)."""
+
+    hidden_size: int  # = the target's
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int  # the target vocab V
+    max_position_embeddings: int  # >= the target's
+    num_hidden_layers: int  # the draft's decoder layers
+    block_size: int  # B: [anchor, MASK x (B - 1)]
+    num_target_layers: int  # the target's L
+    target_layer_ids: tuple[int, ...]  # output-of-layer ids (dflash_config.target_layer_ids)
+    mask_token_id: int
+    hidden_act: str = "silu"
+    dtype: str = "float32"  # of the exported tensors: the target's by default
+
+    family: ClassVar[str] = "dflash"
+
+    @classmethod
+    def from_drafter(cls, cfg: DFlashConfig, spec: TargetSpec, **overrides: Any) -> DFlashExportConfig:
+        """The export config of a `drafters.dflash` model: sizes are the target's."""
+        cfg = cfg.resolve(spec)
+        assert cfg.target_layer_ids is not None and cfg.mask_token_id is not None
+        base = cls(hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+                   num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
+                   intermediate_size=spec.intermediate_size, rms_norm_eps=spec.rms_norm_eps,
+                   rope_theta=spec.rope_theta, vocab_size=spec.vocab_size,
+                   max_position_embeddings=spec.max_position_embeddings, num_hidden_layers=cfg.num_layers,
+                   block_size=cfg.block_size, num_target_layers=spec.num_hidden_layers,
+                   target_layer_ids=tuple(cfg.target_layer_ids), mask_token_id=cfg.mask_token_id,
+                   dtype=str(getattr(spec, "dtype", "float32")))
+        return replace(base, **overrides)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+        for name in ("hidden_size", "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings",
+                     "num_hidden_layers", "num_target_layers"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name}: got {getattr(self, name)}, expected >= 1")
+        if self.block_size < 2:
+            raise ValueError(f"block_size: got {self.block_size}, expected >= 2 (anchor + at least one MASK)")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id: got {self.mask_token_id}, expected a token id in "
+                             f"0..{self.vocab_size - 1} (target vocab)")
+        try:
+            check_servable_aux_ids(self.hidden_state_ids(), self.num_target_layers)
+        except ValueError:
+            raise ValueError(f"target_layer_ids: got {self.target_layer_ids}, expected strictly increasing "
+                             f"output-of-layer ids within 0..{self.num_target_layers - 2} "
+                             f"({self.num_target_layers}-layer target)") from None
+        if self.dtype not in EXPORT_DTYPES:
+            raise ValueError(f"dtype: got {self.dtype!r}, expected one of {EXPORT_DTYPES}")
+
+    def hidden_state_ids(self) -> tuple[int, ...]:
+        """Internal (HF hidden_states index) ids of the context layers: target_layer_ids + 1."""
+        return tuple(int(i) + 1 for i in self.target_layer_ids)
+
+    def vllm_capture_ids(self) -> tuple[int, ...]:
+        """The top-level `eagle_aux_hidden_state_layer_ids` (vLLM capture index = output-of-layer + 1)."""
+        internal = from_engine_layer_ids(self.target_layer_ids, DFLASH_KEY, self.num_target_layers)
+        return to_engine_layer_ids(internal, VLLM_AUX_KEY, self.num_target_layers)
+
+    # -- EngineFormat (drafters.common.contract) ----------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """JSON for a publish manifest; `from_dict` inverts it."""
+        body = asdict(self)
+        body["target_layer_ids"] = list(self.target_layer_ids)
+        return {"family": self.family, **body}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DFlashExportConfig:
+        if data.get("family", cls.family) != cls.family:
+            raise ValueError(f"engine format: family {data.get('family')!r}, expected {cls.family!r}")
+        body = {k: v for k, v in data.items() if k != "family"}
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(body) - names)
+        missing = sorted(f.name for f in fields(cls) if f.name not in body and f.default is MISSING)
+        if unknown or missing:
+            raise ValueError(f"DFlash engine format: unknown keys {unknown}, missing keys {missing} "
+                             f"(expected the fields of DFlashExportConfig: {sorted(names)})")
+        body["target_layer_ids"] = tuple(body["target_layer_ids"])
+        return cls(**body)
+
+    def engine_tensors(self, state_dict: Mapping[str, Tensor], fmt: str = "native",
+                       dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        return engine_tensors(state_dict, self, fmt, dtype)
+
+    def export(self, state_dict: Mapping[str, Tensor], out_dir: str | Path, fmt: str = "native",
+               **kwargs: Any) -> Path:
+        _check_format(fmt)
+        return export_dflash(state_dict, self, out_dir, **kwargs)
+
+    def _check_k(self, num_speculative_tokens: int, engine: str) -> None:
+        if int(num_speculative_tokens) != self.block_size - 1:
+            raise ValueError(
+                f"{engine} DFlash: num_speculative_tokens={num_speculative_tokens}, expected block_size - 1 = "
+                f"{self.block_size - 1} (the draft was trained with blocks of {self.block_size} rows "
+                f"[anchor, MASK x {self.block_size - 1}]; vLLM builds [bonus, MASK x K] queries and does not "
+                "check K, so any other K serves a block the model was never trained on)")
+
+    def vllm_speculative_config(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
+        """`{"method": "dflash", "model": dir, "num_speculative_tokens": B - 1}`; any other K is refused."""
+        from drafters.registry import engine_method
+
+        self._check_k(num_speculative_tokens, "vLLM")
+        method = engine_method(self.family, "vllm")
+        return {"method": method.method, "model": str(draft_dir),
+                "num_speculative_tokens": int(num_speculative_tokens), **dict(method.extra)}
+
+    def sglang_server_args(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
+        """`--speculative-num-draft-tokens` = block_size (B rows: B - 1 drafts); K must be B - 1."""
+        from drafters.registry import engine_method
+
+        self._check_k(num_speculative_tokens, "SGLang")
+        return {"speculative_algorithm": engine_method(self.family, "sglang").method,
+                "speculative_draft_model_path": str(draft_dir),
+                "speculative_num_draft_tokens": self.block_size}
+
+    def sglang_expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """SGLang's `DFlashDraftModel` takes every export tensor (engines.md 4.5)."""
+        return expected_shapes(self)
+
+    def sglang_never_published(self) -> Mapping[str, str]:
+        return {k: REFUSED[k] for k in ("embed_tokens.weight", "lm_head.weight")}
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt: got {fmt!r}, expected one of {FORMATS}")
+
+
+def expected_shapes(cfg: DFlashExportConfig) -> dict[str, tuple[int, ...]]:
+    """Engine name -> shape of every exported tensor (= the DFlashDraft parameter names)."""
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (h, len(cfg.target_layer_ids) * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    for n in range(cfg.num_hidden_layers):
+        p = f"layers.{n}."
+        shapes.update({
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+            p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        })
+    return shapes
+
+
+def _refuse_names(names: Any, where: str) -> None:
+    for name in names:
+        if name in REFUSED:
+            raise ValueError(f"{where}: tensor {name!r} must not be exported: {REFUSED[name]}")
+        if MASK_HIDDEN in name:
+            raise ValueError(f"{where}: tensor {name!r} must not be exported: vLLM asserts on any "
+                             "'mask_hidden' weight (DFlash embeds MASK slots via mask_token_id)")
+
+
+def check_tensors(tensors: Mapping[str, Tensor], cfg: DFlashExportConfig, where: str = "DFlash export") -> None:
+    """Refuse, naming the tensor: engine-refused names, missing/unexpected names, an fc width that
+    is not len(target_layer_ids) x hidden_size, wrong shapes, a dtype other than `cfg.dtype`,
+    non-finite values."""
+    _refuse_names(tensors, where)
+    want = expected_shapes(cfg)
+    missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
+    if missing or extra:
+        raise ValueError(f"{where}: missing tensors {missing}, unexpected tensors {extra} "
+                         f"(expected the {len(want)} tensors of a {cfg.num_hidden_layers}-layer DFlash draft)")
+    fc = tuple(tensors["fc.weight"].shape)
+    m, h = len(cfg.target_layer_ids), cfg.hidden_size
+    if len(fc) != 2 or fc[1] != m * h:
+        raise ValueError(f"{where}: tensor 'fc.weight' has shape {fc}: input width {fc[-1]}, expected "
+                         f"len(target_layer_ids)={m} x hidden_size={h} = {m * h} (vLLM sizes fc from the "
+                         "captured layer ids)")
+    want_dtype = getattr(torch, cfg.dtype)
+    for name, shape in want.items():
+        t = tensors[name]
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, expected {shape}")
+        if t.dtype != want_dtype:
+            raise ValueError(f"{where}: tensor {name!r} has dtype {t.dtype}, expected {want_dtype} (config dtype)")
+        if not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{where}: tensor {name!r} has non-finite values "
+                             f"({int((~torch.isfinite(t)).sum())} of {t.numel()}), expected all finite")
+
+
+def engine_tensors(state_dict: Mapping[str, Tensor], cfg: DFlashExportConfig, fmt: str = "native",
+                   dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """The tensors of an export, engine names, on CPU: what `model.safetensors` holds and what a
+    live publish sends. `state_dict` is a `DFlashDraft`'s (its frozen target buffers are dropped
+    if present); every tensor in `dtype`, by default `cfg.dtype` (which must then agree)."""
+    _check_format(fmt)
+    cast = dtype if dtype is not None else getattr(torch, cfg.dtype)
+    name = str(cast).removeprefix("torch.")
+    if name != cfg.dtype:
+        cfg = replace(cfg, dtype=name)  # checked against the dtype actually written
+    tensors = {k: v.detach().to("cpu").to(cast).contiguous() for k, v in state_dict.items() if k not in FROZEN}
+    check_tensors(tensors, cfg, "DFlash state dict")
+    return tensors
+
+
+def native_config(cfg: DFlashExportConfig) -> dict[str, Any]:
+    """config.json of the `native` format (engines.md 2.4, 4.5); never an `eagle_config`."""
+    return {
+        "architectures": list(ARCHITECTURES), "model_type": MODEL_TYPE,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
+        "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": cfg.dtype, "dtype": cfg.dtype,
+        "block_size": cfg.block_size, "num_target_layers": cfg.num_target_layers,
+        "layer_types": ["full_attention"] * cfg.num_hidden_layers,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
+                          "use_aux_hidden_state": True, "causal": False},
+        "eagle_aux_hidden_state_layer_ids": list(cfg.vllm_capture_ids()),
+    }
+
+
+def export_dflash(state_dict: Mapping[str, Tensor], cfg: DFlashExportConfig, out_dir: str | Path, *,
+                  dtype: torch.dtype | None = None, meta: Mapping[str, Any] | None = None) -> Path:
+    """Write the `native` directory; returns it. `meta` (JSON-able) goes to verl_speco_meta.json."""
+    tensors = engine_tensors(state_dict, cfg, "native", dtype)
+    cfg = replace(cfg, dtype=str(tensors["fc.weight"].dtype).removeprefix("torch."))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(native_config(cfg), indent=2) + "\n")
+    meta_doc = {"family": cfg.family, "format": "native", "export_config": cfg.to_dict(),
+                "engine_format": cfg.to_dict(), **dict(meta or {})}
+    (out / META_FILE).write_text(json.dumps(meta_doc, indent=2) + "\n")
+    return out
+
+
+def export(model: DFlashDraft, cfg: DFlashConfig, target_spec: TargetSpec, out_dir: str | Path,
+           fmt: str = "native", **kwargs: Any) -> Path:
+    """`FAMILY.export`: a `drafters.dflash` model -> `export_dflash` (kwargs: dtype, meta)."""
+    _check_format(fmt)
+    drafter = asdict(model.cfg)
+    drafter["target_layer_ids"] = list(model.cfg.target_layer_ids or ())
+    meta = {"drafter_config": drafter, **dict(kwargs.pop("meta", None) or {})}
+    return export_dflash(model.state_dict(), DFlashExportConfig.from_drafter(cfg, target_spec), out_dir,
+                         meta=meta, **kwargs)
+
+
+_JSON_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+              "rms_norm_eps", "rope_theta", "vocab_size", "max_position_embeddings", "num_hidden_layers",
+              "block_size", "num_target_layers", "hidden_act")
+
+
+def _config_from_json(config: Mapping[str, Any], where: str) -> DFlashExportConfig:
+    """Check config.json against the dual-engine DFlash layout and rebuild its export config."""
+    if "eagle_config" in config:
+        raise ValueError(f"{where}: key 'eagle_config' = {config['eagle_config']!r}, expected absent (vLLM V1 "
+                         "lets an eagle_config dict override the DFlash layer ids silently, engines.md 1.3)")
+    if tuple(config.get("architectures") or ()) != ARCHITECTURES:
+        raise ValueError(f"{where}: architectures {config.get('architectures')}, expected {list(ARCHITECTURES)}")
+    if config.get("model_type") != MODEL_TYPE:
+        raise ValueError(f"{where}: model_type {config.get('model_type')!r}, expected {MODEL_TYPE!r}")
+    missing = [k for k in (*_JSON_KEYS, "dflash_config", "eagle_aux_hidden_state_layer_ids") if k not in config]
+    if missing:
+        raise ValueError(f"{where}: missing keys {missing}")
+    dflash = config["dflash_config"]
+    if not isinstance(dflash, dict) or "mask_token_id" not in dflash or "target_layer_ids" not in dflash:
+        raise ValueError(f"{where}: dflash_config {dflash!r}, expected a dict with mask_token_id and "
+                         "target_layer_ids")
+    try:
+        cfg = DFlashExportConfig(**{k: config[k] for k in _JSON_KEYS},
+                                 target_layer_ids=tuple(dflash["target_layer_ids"]),
+                                 mask_token_id=int(dflash["mask_token_id"]),
+                                 dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from None
+    vllm_ids = [int(i) for i in config["eagle_aux_hidden_state_layer_ids"]]
+    if vllm_ids != list(cfg.vllm_capture_ids()):
+        raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids {vllm_ids} disagrees with "
+                         f"dflash_config.target_layer_ids {list(cfg.target_layer_ids)}: expected "
+                         f"{list(cfg.vllm_capture_ids())} (vLLM capture index = output-of-layer id + 1)")
+    want = native_config(cfg)
+    for key, value in want.items():
+        if config.get(key) != value:
+            raise ValueError(f"{where}: key {key!r} = {config.get(key)!r}, expected {value!r}")
+    extra = sorted(set(config) - set(want))
+    if extra:
+        raise ValueError(f"{where}: unexpected keys {extra} (they may change how an engine serves the draft; "
+                         f"expected exactly {sorted(want)})")
+    return cfg
+
+
+def check_export(export_dir: str | Path) -> DFlashExportConfig:
+    """Check a directory is a servable DFlash export (config and every tensor); returns its config.
+
+    Refuses, naming the file and key or tensor: an `eagle_config` dict, layer ids that disagree
+    between `dflash_config.target_layer_ids` and `eagle_aux_hidden_state_layer_ids`, a wrong
+    architecture or any config value other than the one `native_config` writes; an engine-refused,
+    missing, unexpected, wrong-shape, wrong-dtype or non-finite tensor; an fc width other than
+    len(target_layer_ids) x hidden_size."""
+    root = Path(export_dir)
+    config = json.loads((root / "config.json").read_text())
+    cfg = _config_from_json(config, str(root / "config.json"))
+    weights = root / "model.safetensors"
+    with safe_open(str(weights), framework="pt") as f:
+        names = list(f.keys())
+    _refuse_names(names, str(weights))  # before reading any value: the name alone disqualifies
+    check_tensors(load_file(str(weights)), cfg, str(weights))
+    return cfg
+
+
+def load_dflash_export(export_dir: str | Path, target: TargetHead) -> DFlashDraft:
+    """Read an export back into a `DFlashDraft` on `target` (its frozen embedding and head):
+    checked (`check_export`), sizes matched against the target, weights exact, eval mode."""
+    from drafters.dflash.config import DFlashConfig
+    from drafters.dflash.model import DFlashDraft
+
+    root = Path(export_dir)
+    cfg = check_export(root)
+    meta_path = root / META_FILE
+    settings = dict(json.loads(meta_path.read_text()).get("drafter_config", {})) if meta_path.is_file() else {}
+    settings.update(num_layers=cfg.num_hidden_layers, block_size=cfg.block_size,
+                    target_layer_ids=cfg.target_layer_ids, num_target_features=len(cfg.target_layer_ids),
+                    mask_token_id=cfg.mask_token_id)
+    drafter = DFlashConfig(**settings)
+    want = DFlashExportConfig.from_drafter(drafter, target.spec, max_position_embeddings=cfg.max_position_embeddings,
+                                           hidden_act=cfg.hidden_act, dtype=cfg.dtype)
+    if want != cfg:
+        raise ValueError(f"{root}: export config {cfg} does not match the target's sizes {want}")
+    tensors = load_file(str(root / "model.safetensors"))
+    model = DFlashDraft(drafter, target)
+    model.to(getattr(torch, cfg.dtype))
+    model.load_state_dict(tensors, strict=True)
+    return model.eval()
