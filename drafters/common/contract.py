@@ -13,7 +13,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
@@ -29,6 +29,23 @@ if TYPE_CHECKING:  # drafters.common.tree imports this module
     from drafters.common.tree import TreeConfig, TreeProposer
 
 EXPORT_META_FILE = "verl_speco_meta.json"  # written into every export: {"family": name, "format": ..., ...}
+
+
+def format_fields(cls: Any, data: Mapping[str, Any], label: str) -> dict[str, Any]:
+    """The constructor keywords of the engine-format dataclass `cls` from its `to_dict()` JSON.
+
+    Refuses, naming them, another family, unknown keys and missing required keys; `label` names
+    the family in the message (e.g. "EAGLE-3")."""
+    if data.get("family", cls.family) != cls.family:
+        raise ValueError(f"engine format: family {data.get('family')!r}, expected {cls.family!r}")
+    body = {k: v for k, v in data.items() if k != "family"}
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(body) - names)
+    missing = sorted(f.name for f in fields(cls) if f.name not in body and f.default is MISSING)
+    if unknown or missing:
+        raise ValueError(f"{label} engine format: unknown keys {unknown}, missing keys {missing} "
+                         f"(expected the fields of {cls.__name__}: {sorted(names)})")
+    return body
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import MISSING, asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -36,6 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from drafters.common.contract import EXPORT_META_FILE, format_fields
 from drafters.common.layer_ids import check_servable_aux_ids, from_engine_layer_ids, to_engine_layer_ids
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 
 FORMATS = ("native",)
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
-META_FILE = "verl_speco_meta.json"  # = drafters.common.contract.EXPORT_META_FILE
+META_FILE = EXPORT_META_FILE
 ARCHITECTURES = ("DFlashDraftModel",)
 MODEL_TYPE = "qwen3"
 DFLASH_KEY = "vllm.dflash_config.target_layer_ids"  # output-of-layer ids (internal - 1)
@@ -139,15 +140,7 @@ class DFlashExportConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DFlashExportConfig:
-        if data.get("family", cls.family) != cls.family:
-            raise ValueError(f"engine format: family {data.get('family')!r}, expected {cls.family!r}")
-        body = {k: v for k, v in data.items() if k != "family"}
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(body) - names)
-        missing = sorted(f.name for f in fields(cls) if f.name not in body and f.default is MISSING)
-        if unknown or missing:
-            raise ValueError(f"DFlash engine format: unknown keys {unknown}, missing keys {missing} "
-                             f"(expected the fields of DFlashExportConfig: {sorted(names)})")
+        body = format_fields(cls, data, "DFlash")
         body["target_layer_ids"] = tuple(body["target_layer_ids"])
         return cls(**body)
 

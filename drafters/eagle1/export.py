@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import MISSING, asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -29,6 +29,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from drafters.common.contract import EXPORT_META_FILE, format_fields
+
 if TYPE_CHECKING:
     from drafters.common.target import TargetHead, TargetSpec
     from drafters.eagle1.config import Eagle1Config
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
 
 FORMATS = ("native",)
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
-META_FILE = "verl_speco_meta.json"  # = drafters.common.contract.EXPORT_META_FILE
+META_FILE = EXPORT_META_FILE
 ARCHITECTURES = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")  # SGLang name first, then vLLM's
 FC_BIAS = "fc.bias"
 FROZEN = ("embed_tokens.weight",)  # the target's embedding: in the model, never in an export
@@ -95,16 +97,7 @@ class Eagle1ExportConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Eagle1ExportConfig:
-        if data.get("family", cls.family) != cls.family:
-            raise ValueError(f"engine format: family {data.get('family')!r}, expected {cls.family!r}")
-        body = {k: v for k, v in data.items() if k != "family"}
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(body) - names)
-        missing = sorted(f.name for f in fields(cls) if f.name not in body and f.default is MISSING)
-        if unknown or missing:
-            raise ValueError(f"EAGLE-1 engine format: unknown keys {unknown}, missing keys {missing} "
-                             f"(expected the fields of Eagle1ExportConfig: {sorted(names)})")
-        return cls(**body)
+        return cls(**format_fields(cls, data, "EAGLE-1"))
 
     def engine_tensors(self, state_dict: Mapping[str, Tensor], fmt: str = "native",
                        dtype: torch.dtype | None = None) -> dict[str, Tensor]:

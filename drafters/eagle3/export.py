@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import MISSING, asdict, dataclass, replace
-from dataclasses import fields as dataclass_fields
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -39,7 +38,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from drafters.common.contract import EXPORT_META_FILE
+from drafters.common.contract import EXPORT_META_FILE, format_fields
 from drafters.common.layer_ids import from_engine_layer_ids, to_engine_layer_ids
 from drafters.common.vocab import check_vocab_map
 
@@ -103,16 +102,7 @@ class Eagle3ExportConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Eagle3ExportConfig:
-        fields = {f.name for f in dataclass_fields(cls)}
-        body = {k: v for k, v in data.items() if k != "family"}
-        if data.get("family", cls.family) != cls.family:
-            raise ValueError(f"engine format: family {data.get('family')!r}, expected {cls.family!r}")
-        unknown, missing = sorted(set(body) - fields), sorted(
-            f.name for f in dataclass_fields(cls) if f.name not in body and f.default is MISSING)
-        if unknown or missing:
-            raise ValueError(f"EAGLE-3 engine format: unknown keys {unknown}, missing keys {missing} "
-                             f"(expected the fields of Eagle3ExportConfig: {sorted(fields)})")
-        return cls(**body)
+        return cls(**format_fields(cls, data, "EAGLE-3"))
 
     def engine_tensors(self, state_dict: Mapping[str, Tensor], fmt: str = "native",
                        dtype: torch.dtype | None = None) -> dict[str, Tensor]:
