@@ -17,6 +17,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -227,3 +229,37 @@ def train_draft(family: Any, cfg: Any, target_dir: Path, steps: int = 120, lr: f
         loss.backward()
         opt.step()
     return model.eval()
+
+
+# -- vLLM engine runs shared by the parity tests (test_family_vllm_parity, test_vllm_eagle1) ------
+K = 3  # num_speculative_tokens
+MAX_TOKENS = 24
+PROMPTS = [[5, 9, 13, 40, 2], [7, 7, 8], list(range(10, 30)), [90, 3, 3, 61], [44, 12]]
+
+
+@contextmanager
+def engine(target: Path, draft: Path | None = None, spec: dict[str, Any] | None = None) -> Iterator[Any]:
+    """A vLLM engine on `target` with `spec` (a family's `vllm_speculative_config`) when given."""
+    from verl_speco.engines import vllm_engine
+
+    spec = spec or {}
+    extra = {k: v for k, v in spec.items() if k not in ("method", "model", "num_speculative_tokens")}
+    llm = vllm_engine.build_llm(target, draft, method=spec.get("method", "eagle3"),
+                                num_speculative_tokens=spec.get("num_speculative_tokens", K),
+                                speculative_extra=extra)
+    try:
+        yield llm
+    finally:
+        vllm_engine.shutdown(llm)
+
+
+def greedy_run(llm: Any) -> tuple[list[list[int]], dict[str, Any]]:
+    """PROMPTS decoded greedily for MAX_TOKENS tokens, with this call's acceptance figures."""
+    from verl_speco.engines.vllm_engine import generate_with_metrics
+
+    return generate_with_metrics(llm, PROMPTS, MAX_TOKENS)
+
+
+def vllm_counts(m: dict[str, Any]) -> tuple[int, int, list[int]]:
+    return m["num_drafts"], m["num_accepted_tokens"], list(m["accepted_per_pos"])
+

@@ -51,8 +51,6 @@ import dataclasses
 import hashlib
 import json
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -65,14 +63,20 @@ from drafters.common.target import TargetHead, TargetSpec
 from drafters.registry import available_families, get_family
 from drafters.spec_decode import autoregressive_generate, speculative_generate
 
-from .conftest import build_normed_target, train_draft
+from .conftest import (
+    MAX_TOKENS,
+    PROMPTS,
+    K,
+    build_normed_target,
+    engine,
+    greedy_run,
+    train_draft,
+    vllm_counts,
+)
 
 pytestmark = pytest.mark.vllm
 
 FAMILIES = available_families()
-K = 3  # num_speculative_tokens
-MAX_TOKENS = 24
-PROMPTS = [[5, 9, 13, 40, 2], [7, 7, 8], list(range(10, 30)), [90, 3, 3, 61], [44, 12]]
 TRAIN_SETTINGS: dict[str, dict[str, Any]] = {  # anything absent keeps the config's default
     "eagle1": {"feature_noise": 0.0},
     "eagle2": {"feature_noise": 0.0},
@@ -88,37 +92,11 @@ def _counts(s: AcceptanceStats) -> Counts:
     return s.num_drafts, s.num_accepted, list(s.accepted_per_pos)
 
 
-def _vllm_counts(m: dict[str, Any]) -> Counts:
-    return m["num_drafts"], m["num_accepted_tokens"], list(m["accepted_per_pos"])
-
-
-@contextmanager
-def engine(target: Path, draft: Path | None = None, spec: dict[str, Any] | None = None) -> Iterator[Any]:
-    """A vLLM engine on `target` with `spec` (a family's `vllm_speculative_config`) when given."""
-    from verl_speco.engines import vllm_engine
-
-    spec = spec or {}
-    extra = {k: v for k, v in spec.items() if k not in ("method", "model", "num_speculative_tokens")}
-    llm = vllm_engine.build_llm(target, draft, method=spec.get("method", "eagle3"),
-                                num_speculative_tokens=spec.get("num_speculative_tokens", K),
-                                speculative_extra=extra)
-    try:
-        yield llm
-    finally:
-        vllm_engine.shutdown(llm)
-
-
-def _run(llm: Any) -> tuple[list[list[int]], dict[str, Any]]:
-    from verl_speco.engines.vllm_engine import generate_with_metrics
-
-    return generate_with_metrics(llm, PROMPTS, MAX_TOKENS)
-
-
 def _serve(target: Path, draft: Path | None, spec: dict[str, Any] | None = None) -> tuple[list[list[int]], Counts]:
     with engine(target, draft, spec) as llm:
-        outputs, m = _run(llm)
+        outputs, m = greedy_run(llm)
     assert m["num_drafts"] > 0 and m["num_draft_tokens"] == K * m["num_drafts"]
-    return outputs, _vllm_counts(m)
+    return outputs, vllm_counts(m)
 
 
 def _fingerprint(export_dir: Path, spec: dict[str, Any]) -> str:
@@ -176,14 +154,14 @@ class World:
             from verl_speco.engines.vllm_engine import read_spec_metrics
 
             with engine(self.target, draft, spec) as llm:
-                outputs, m1 = _run(llm)
-                again, m2 = _run(llm)
+                outputs, m1 = greedy_run(llm)
+                again, m2 = greedy_run(llm)
                 total = read_spec_metrics(llm)
             assert again == outputs and m2 == m1  # each call's own figures, not the running totals
             assert (total["num_drafts"], total["num_accepted_tokens"]) == (2 * m1["num_drafts"],
                                                                          2 * m1["num_accepted_tokens"])
             assert m1["num_draft_tokens"] == K * m1["num_drafts"]
-            served_as, counts = name, _vllm_counts(m1)
+            served_as, counts = name, vllm_counts(m1)
             self.by_fingerprint[key] = (name, counts)
         ref_outputs, ref = self.reference(family.proposer(model, self.spec))
         self.families[name] = {"family": family, "cfg": cfg, "model": model, "draft": draft, "spec": spec,

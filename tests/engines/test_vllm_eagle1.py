@@ -11,8 +11,6 @@ Three engine starts; each test reads its engine's metrics before the next starts
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +23,19 @@ from drafters.eagle1 import FAMILY, Eagle1Config, Eagle1Model
 from drafters.eagle1.export import check_export
 from drafters.spec_decode import speculative_generate
 
-from .conftest import build_normed_target, train_draft
+from .conftest import (
+    MAX_TOKENS,
+    PROMPTS,
+    K,
+    build_normed_target,
+    engine,
+    greedy_run,
+    train_draft,
+    vllm_counts,
+)
 
 pytestmark = pytest.mark.vllm
-
-K = 3  # num_speculative_tokens
-MAX_TOKENS = 24
-PROMPTS = [[5, 9, 13, 40, 2], [7, 7, 8], list(range(10, 30)), [90, 3, 3, 61], [44, 12]]
+EAGLE = {"method": "eagle"}  # vLLM's EAGLE-1 method, K = conftest.K
 
 
 def _train_draft(target_dir: Path, steps: int = 120) -> Eagle1Model:
@@ -58,27 +62,6 @@ def _counts(s: AcceptanceStats) -> tuple[int, int, list[int]]:
     return s.num_drafts, s.num_accepted, s.accepted_per_pos
 
 
-def _vllm_counts(m: dict[str, Any]) -> tuple[int, int, list[int]]:
-    return m["num_drafts"], m["num_accepted_tokens"], list(m["accepted_per_pos"])
-
-
-@contextmanager
-def engine(target: Path, draft: Path | None = None) -> Iterator[Any]:
-    from verl_speco.engines import vllm_engine
-
-    llm = vllm_engine.build_llm(target, draft, method="eagle", num_speculative_tokens=K)
-    try:
-        yield llm
-    finally:
-        vllm_engine.shutdown(llm)
-
-
-def _run(llm: Any) -> tuple[list[list[int]], dict[str, Any]]:
-    from verl_speco.engines.vllm_engine import generate_with_metrics
-
-    return generate_with_metrics(llm, PROMPTS, MAX_TOKENS)
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("eagle1")
@@ -86,8 +69,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model = _train_draft(target)
     draft = FAMILY.export(model, model.cfg, TargetSpec.from_pretrained(target), root / "draft")
     check_export(draft)
-    with engine(target) as llm:
-        baseline, plain = _run(llm)
+    with engine(target, spec=EAGLE) as llm:
+        baseline, plain = greedy_run(llm)
     assert plain["num_drafts"] == 0
     return {"root": root, "target": target, "model": model, "draft": draft, "baseline": baseline}
 
@@ -116,21 +99,21 @@ def _with_fc_bias(model: Eagle1Model, bias: torch.Tensor) -> Eagle1Model:
 
 
 def test_vllm_serves_the_export_losslessly_with_our_drafts(setup: dict[str, Any]) -> None:
-    with engine(setup["target"], setup["draft"]) as llm:
-        outputs, m = _run(llm)
+    with engine(setup["target"], setup["draft"], spec=EAGLE) as llm:
+        outputs, m = greedy_run(llm)
     assert outputs == setup["baseline"]  # greedy speculative decoding is lossless
     ref_outputs, ref = _reference(setup["target"], setup["model"])
     assert ref_outputs == setup["baseline"]  # the reference decoder (HF target) is lossless too
-    print(f"vLLM {_vllm_counts(m)} reference {_counts(ref)}")
+    print(f"vLLM {vllm_counts(m)} reference {_counts(ref)}")
     assert m["num_draft_tokens"] == K * m["num_drafts"]
     # an informative draft (every position accepts sometimes): equal counters mean something
     assert ref.num_accepted > 0.05 * ref.num_draft_tokens and min(ref.accepted_per_pos) > 0  # chance: ~1/96
-    assert _vllm_counts(m) == _counts(ref)  # same drafts position by position (float32: exact)
+    assert vllm_counts(m) == _counts(ref)  # same drafts position by position (float32: exact)
     # Negative control 1: the [feature; embedding] order in the reference breaks the agreement.
     _, swapped = _reference(setup["target"], _swapped_fc(setup["model"]))
     print(f"swapped fc reference {_counts(swapped)}")
-    assert _counts(swapped) != _vllm_counts(m)
-    setup["vllm_counts"] = _vllm_counts(m)
+    assert _counts(swapped) != vllm_counts(m)
+    setup["vllm_counts"] = vllm_counts(m)
 
 
 def test_vllm_drops_a_non_zero_fc_bias_that_our_check_refuses(setup: dict[str, Any]) -> None:
@@ -145,12 +128,12 @@ def test_vllm_drops_a_non_zero_fc_bias_that_our_check_refuses(setup: dict[str, A
     save_file(tensors, str(biased / "model.safetensors"))
     with pytest.raises(ValueError, match="'fc.bias' is not zero"):
         check_export(biased)
-    with engine(setup["target"], biased) as llm:  # bypassing our check: vLLM loads it anyway
-        outputs, m = _run(llm)
+    with engine(setup["target"], biased, spec=EAGLE) as llm:  # bypassing our check: vLLM loads it anyway
+        outputs, m = greedy_run(llm)
     assert outputs == setup["baseline"]
-    assert _vllm_counts(m) == setup.get("vllm_counts", _vllm_counts(m))  # the bias changed nothing in vLLM
+    assert vllm_counts(m) == setup.get("vllm_counts", vllm_counts(m))  # the bias changed nothing in vLLM
     _, ref = _reference(setup["target"], model)
-    assert _vllm_counts(m) == _counts(ref)  # vLLM drafts as if fc.bias were 0 ...
+    assert vllm_counts(m) == _counts(ref)  # vLLM drafts as if fc.bias were 0 ...
     _, with_bias = _reference(setup["target"], _with_fc_bias(model, bias))
-    print(f"vLLM with fc.bias {_vllm_counts(m)}; reference with the bias {_counts(with_bias)}")
-    assert _counts(with_bias) != _vllm_counts(m)  # ... so a draft trained with a bias is not what vLLM serves
+    print(f"vLLM with fc.bias {vllm_counts(m)}; reference with the bias {_counts(with_bias)}")
+    assert _counts(with_bias) != vllm_counts(m)  # ... so a draft trained with a bias is not what vLLM serves
