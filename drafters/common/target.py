@@ -44,6 +44,15 @@ class TargetSpec:
     tie_word_embeddings: bool
     dtype: str = "float32"  # the checkpoint's dtype (HF `dtype` / `torch_dtype`): exports default to it
 
+    def layer_sizes(self) -> dict[str, Any]:
+        """The sizes a draft decoder layer copies from the target, and the export dtype default:
+        the keyword arguments every family's export config takes from the target."""
+        return {"hidden_size": self.hidden_size, "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+                "intermediate_size": self.intermediate_size, "rms_norm_eps": self.rms_norm_eps,
+                "rope_theta": self.rope_theta, "vocab_size": self.vocab_size,
+                "max_position_embeddings": self.max_position_embeddings, "dtype": self.dtype}
+
     @classmethod
     def from_hf_config(cls, config: dict[str, Any]) -> TargetSpec:
         """Sizes from a parsed HF `config.json` dict (its `text_config` when nested)."""

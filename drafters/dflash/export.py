@@ -89,14 +89,9 @@ class DFlashExportConfig:
         """The export config of a `drafters.dflash` model: sizes are the target's."""
         cfg = cfg.resolve(spec)
         assert cfg.target_layer_ids is not None and cfg.mask_token_id is not None
-        base = cls(hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
-                   num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
-                   intermediate_size=spec.intermediate_size, rms_norm_eps=spec.rms_norm_eps,
-                   rope_theta=spec.rope_theta, vocab_size=spec.vocab_size,
-                   max_position_embeddings=spec.max_position_embeddings, num_hidden_layers=cfg.num_layers,
-                   block_size=cfg.block_size, num_target_layers=spec.num_hidden_layers,
-                   target_layer_ids=tuple(cfg.target_layer_ids), mask_token_id=cfg.mask_token_id,
-                   dtype=str(getattr(spec, "dtype", "float32")))
+        base = cls(**spec.layer_sizes(), num_hidden_layers=cfg.num_layers, block_size=cfg.block_size,
+                   num_target_layers=spec.num_hidden_layers, target_layer_ids=tuple(cfg.target_layer_ids),
+                   mask_token_id=cfg.mask_token_id)
         return replace(base, **overrides)
 
     def __post_init__(self) -> None:

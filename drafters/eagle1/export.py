@@ -72,12 +72,7 @@ class Eagle1ExportConfig:
     def from_drafter(cls, cfg: Eagle1Config, spec: TargetSpec, **overrides: Any) -> Eagle1ExportConfig:
         """The export config of a `drafters.eagle1` model: every size is the target's."""
         cfg.resolve(spec)
-        base = cls(hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
-                   num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
-                   intermediate_size=spec.intermediate_size, rms_norm_eps=spec.rms_norm_eps,
-                   rope_theta=spec.rope_theta, vocab_size=spec.vocab_size,
-                   max_position_embeddings=spec.max_position_embeddings,
-                   dtype=str(getattr(spec, "dtype", "float32")))
+        base = cls(**spec.layer_sizes())
         return replace(base, **overrides)
 
     def __post_init__(self) -> None:

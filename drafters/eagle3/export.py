@@ -85,14 +85,9 @@ class Eagle3ExportConfig:
         """The export config of a `drafters.eagle3` model: the target's sizes, the drafter's choices."""
         cfg = cfg.resolve(spec)
         assert cfg.aux_layer_ids is not None and cfg.draft_vocab_size is not None
-        base = cls(hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
-                   num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
-                   intermediate_size=spec.intermediate_size, rms_norm_eps=spec.rms_norm_eps,
-                   rope_theta=spec.rope_theta, vocab_size=spec.vocab_size,
-                   draft_vocab_size=cfg.draft_vocab_size, target_hidden_size=spec.hidden_size,
-                   max_position_embeddings=spec.max_position_embeddings, aux_layer_ids=cfg.aux_layer_ids,
-                   target_num_hidden_layers=spec.num_hidden_layers, num_layers=cfg.num_layers,
-                   norm_before_residual=cfg.norm_before_residual, dtype=spec.dtype)
+        base = cls(**spec.layer_sizes(), draft_vocab_size=cfg.draft_vocab_size, target_hidden_size=spec.hidden_size,
+                   aux_layer_ids=cfg.aux_layer_ids, target_num_hidden_layers=spec.num_hidden_layers,
+                   num_layers=cfg.num_layers, norm_before_residual=cfg.norm_before_residual)
         return replace(base, **overrides)
 
     # -- EngineFormat (drafters.common.contract) ----------------------------------------------
