@@ -38,13 +38,16 @@ def sample_anchors(valid_mask: Tensor, block_size: int, num_anchors: int,
 
     valid_mask: bool [batch, seq] (e.g. loss_mask & attention_mask). Candidates of a row are the
     positions a with valid_mask[a] and a + block_size <= length, where length = last True index
-    + 1 (0 for an all-False row). Returns (anchors int64 [batch, num_anchors], anchor_valid bool
-    [batch, num_anchors]): the chosen anchors in increasing order, then padding entries (anchor
-    0, anchor_valid False) when a row has fewer than num_anchors candidates. The draw uses
-    `generator` only (same generator state -> same anchors), on the generator's device.
+    + 1 (0 for an all-False row). Returns (anchors int64 [batch, nb], anchor_valid bool
+    [batch, nb]) with nb = min(num_anchors, the largest candidate count of any row), at least 1
+    (so a short batch never pays for num_anchors blocks of padding): per row the chosen anchors
+    in increasing order, then padding entries (anchor 0, anchor_valid False) when the row has
+    fewer than nb candidates. The draw uses `generator` only (same generator state -> same
+    anchors), on the generator's device.
 
-    Worked example: valid_mask [[0, 1, 1, 1, 1, 0, 0]] (length 5), block_size 3: candidates are
-    1 and 2 (3 + 3 > 5); num_anchors 3 -> anchors [[1, 2, 0]], anchor_valid [[1, 1, 0]].
+    Worked example: valid_mask [[0, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1]], block_size 3: row 0
+    (length 5) has candidates 1 and 2 (3 + 3 > 5), row 1 has 0..4; num_anchors 3 -> nb 3, row 0
+    anchors [1, 2, 0] valid [1, 1, 0]; with row 0 alone, nb = 2: anchors [[1, 2]], valid [[1, 1]].
     """
     if valid_mask.dim() != 2:
         raise ValueError(f"valid_mask: got shape {tuple(valid_mask.shape)}, expected [batch, seq]")
@@ -61,13 +64,14 @@ def sample_anchors(valid_mask: Tensor, block_size: int, num_anchors: int,
     device = generator.device if generator is not None else valid.device
     keys = torch.rand(batch, seq, generator=generator, device=device).to(valid.device)  # uniform in [0, 1)
     keys = torch.where(candidate, keys, torch.full_like(keys, -1.0))
-    k = min(num_anchors, seq)
+    nb = max(1, min(num_anchors, int(candidate.sum(1).max()) if batch else 0))
+    k = min(nb, seq)
     top = keys.topk(k, dim=1)  # the k largest keys: a uniform random subset of the candidates
     chosen, chosen_valid = top.indices, top.values >= 0
     order = torch.where(chosen_valid, chosen, chosen + seq).argsort(dim=1)  # valid anchors first, ascending
     chosen, chosen_valid = chosen.gather(1, order), chosen_valid.gather(1, order)
-    anchors = torch.zeros(batch, num_anchors, dtype=torch.long, device=valid.device)
-    anchor_valid = torch.zeros(batch, num_anchors, dtype=torch.bool, device=valid.device)
+    anchors = torch.zeros(batch, nb, dtype=torch.long, device=valid.device)
+    anchor_valid = torch.zeros(batch, nb, dtype=torch.bool, device=valid.device)
     anchors[:, :k] = torch.where(chosen_valid, chosen, torch.zeros_like(chosen))
     anchor_valid[:, :k] = chosen_valid
     return anchors, anchor_valid

@@ -1,6 +1,7 @@
 """The frozen target pieces a drafter needs, read from an HF model directory without transformers.
 
-- `TargetSpec`: sizes from `config.json` (text decoders; a nested `text_config` is followed).
+- `TargetSpec`: sizes from `config.json` (text decoders; a nested `text_config` is followed), and
+  the tokenizer's mask token when it has one (`mask_token_discovery`: block drafters' MASK id).
 - `TargetHead`: frozen `embed_tokens [V, H]`, `lm_head [V, H]`, `final_norm [H]`, loaded from
   `model.safetensors` or a sharded `model.safetensors.index.json`. A checkpoint without
   `lm_head.weight` is accepted only when the config ties the embeddings (or says nothing).
@@ -9,7 +10,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,8 @@ class TargetSpec:
     model_type: str
     tie_word_embeddings: bool
     dtype: str = "float32"  # the checkpoint's dtype (HF `dtype` / `torch_dtype`): exports default to it
+    mask_token: str | None = None  # the tokenizer's mask token (block drafters' MASK), if it has one
+    mask_token_id: int | None = None
 
     def layer_sizes(self) -> dict[str, Any]:
         """The sizes a draft decoder layer copies from the target, and the export dtype default:
@@ -83,10 +86,43 @@ class TargetSpec:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> TargetSpec:
+        """Sizes from config.json plus the tokenizer's mask token (`mask_token_discovery`)."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise TargetLoadError(f"{path}: no config.json in the target directory")
-        return cls.from_hf_config(json.loads(path.read_text()))
+        spec = cls.from_hf_config(json.loads(path.read_text()))
+        found = mask_token_discovery(Path(model_dir))
+        if found is None:
+            return spec
+        token, token_id = found
+        if not 0 <= token_id < spec.vocab_size:
+            raise TargetLoadError(f"{model_dir}: mask token {token!r} has id {token_id}, expected an id in "
+                                  f"0..{spec.vocab_size - 1} (config.json vocab_size)")
+        return replace(spec, mask_token=token, mask_token_id=token_id)
+
+
+MASK_TOKEN_NAMES = ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]")  # SGLang's DFlash default first
+
+
+def mask_token_discovery(model_dir: Path) -> tuple[str, int] | None:
+    """(token, id) of the tokenizer's mask token: tokenizer_config.json `mask_token` if set, else
+    the first added token of tokenizer.json named in MASK_TOKEN_NAMES; None without either file or
+    token. A `mask_token` that tokenizer.json does not define is refused."""
+    tok_path, cfg_path = model_dir / "tokenizer.json", model_dir / "tokenizer_config.json"
+    if not tok_path.is_file():
+        return None
+    added = {t["content"]: int(t["id"]) for t in json.loads(tok_path.read_text()).get("added_tokens", [])}
+    named = json.loads(cfg_path.read_text()).get("mask_token") if cfg_path.is_file() else None
+    if isinstance(named, dict):  # transformers may store an AddedToken as a dict
+        named = named.get("content")
+    if named:
+        if named not in added:
+            raise TargetLoadError(f"{cfg_path}: mask_token {named!r} is not an added token of {tok_path}")
+        return str(named), added[named]
+    for name in MASK_TOKEN_NAMES:
+        if name in added:
+            return name, added[name]
+    return None
 
 
 def _tensor_files(model_dir: Path) -> dict[str, Path]:

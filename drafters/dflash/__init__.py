@@ -1,9 +1,8 @@
-"""DFlash block-diffusion drafter (algorithms.md section 4): config, backbone and objective.
-
-The family object (registry entry, export, proposer) comes in a later increment.
-"""
+"""DFlash block-diffusion drafter (algorithms.md section 4): config, backbone, objective, export,
+block proposer and the catalog's family object."""
 
 from drafters.dflash.config import DFlashConfig
+from drafters.dflash.family import FAMILY
 from drafters.dflash.model import DFlashDraft
 
-__all__ = ["DFlashConfig", "DFlashDraft"]
+__all__ = ["FAMILY", "DFlashConfig", "DFlashDraft"]

@@ -34,7 +34,8 @@ class DFlashConfig:
         0..L-2; None = z-lab's default [1 + round(i * (L - 4) / (m - 1))] ([1, 9, 17, 25, 33] for
         L = 36, m = 5).
     num_target_features: m, how many target layers feed `fc` (m * H -> H).
-    mask_token_id: the MASK token id (Qwen3: 151669); required, checked against the target vocab.
+    mask_token_id: the MASK token id (Qwen3: 151669); None = the target tokenizer's mask token
+        (`TargetSpec.mask_token_id`); checked against the target vocab.
     loss_gamma: slot k >= 1 has loss weight exp(-(k - 1) / gamma) (7 for B = 16).
     num_anchors: blocks sampled per sequence per step (512).
     attn_backend: "auto" (flex on CUDA, else SDPA), "sdpa" or "flex".
@@ -85,10 +86,12 @@ class DFlashConfig:
         except ValueError:
             raise ValueError(f"target_layer_ids: got {ids}, expected strictly increasing output-of-layer ids "
                              f"within 0..{num_layers - 2} ({num_layers}-layer target)") from None
-        if self.mask_token_id is None or not 0 <= self.mask_token_id < vocab:
-            raise ValueError(f"mask_token_id: got {self.mask_token_id}, expected a token id in 0..{vocab - 1} "
-                             "(target vocab; Qwen3 uses 151669)")
-        return replace(self, target_layer_ids=ids)
+        mask = self.mask_token_id if self.mask_token_id is not None else target_spec.mask_token_id
+        if mask is None or not 0 <= mask < vocab:
+            raise ValueError(f"mask_token_id: got {mask}, expected a token id in 0..{vocab - 1} (target vocab; "
+                             "Qwen3 uses 151669); None takes the target tokenizer's mask token, and this target's "
+                             "tokenizer has none")
+        return replace(self, target_layer_ids=ids, mask_token_id=mask)
 
     def hidden_state_ids(self, target_spec: TargetSpec) -> tuple[int, ...]:
         """Internal (HF hidden_states index) ids of the context layers: target_layer_ids + 1."""

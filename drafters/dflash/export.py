@@ -6,7 +6,7 @@ engines.md 2.4 and 4.5:
   `num_hidden_layers` = the draft's layers and `vocab_size` = the target's; `block_size`,
   `num_target_layers` (the target's L), `layer_types` all `"full_attention"`;
   `dflash_config: {mask_token_id, target_layer_ids (output-of-layer ids), use_aux_hidden_state:
-  true, causal: false}` and the top-level `eagle_aux_hidden_state_layer_ids` = vLLM capture
+  true, causal: false[, mask_token: the tokenizer's string for that id]}` and the top-level `eagle_aux_hidden_state_layer_ids` = vLLM capture
   indices (output-of-layer id + 1, through drafters.common.layer_ids).
 - Never an `eagle_config` dict: vLLM V1 lets `eagle_config` override the DFlash layer ids
   silently (engines.md 1.3).
@@ -81,6 +81,7 @@ class DFlashExportConfig:
     mask_token_id: int
     hidden_act: str = "silu"
     dtype: str = "float32"  # of the exported tensors: the target's by default
+    mask_token: str | None = None  # the tokenizer's token of mask_token_id (SGLang checks they agree)
 
     family: ClassVar[str] = "dflash"
 
@@ -91,7 +92,8 @@ class DFlashExportConfig:
         assert cfg.target_layer_ids is not None and cfg.mask_token_id is not None
         base = cls(**spec.layer_sizes(), num_hidden_layers=cfg.num_layers, block_size=cfg.block_size,
                    num_target_layers=spec.num_hidden_layers, target_layer_ids=tuple(cfg.target_layer_ids),
-                   mask_token_id=cfg.mask_token_id)
+                   mask_token_id=cfg.mask_token_id,
+                   mask_token=spec.mask_token if spec.mask_token_id == cfg.mask_token_id else None)
         return replace(base, **overrides)
 
     def __post_init__(self) -> None:
@@ -272,7 +274,9 @@ def native_config(cfg: DFlashExportConfig) -> dict[str, Any]:
         "block_size": cfg.block_size, "num_target_layers": cfg.num_target_layers,
         "layer_types": ["full_attention"] * cfg.num_hidden_layers,
         "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
-                          "use_aux_hidden_state": True, "causal": False},
+                          "use_aux_hidden_state": True, "causal": False,
+                          # SGLang resolves this string in the tokenizer and refuses a different id
+                          **({"mask_token": cfg.mask_token} if cfg.mask_token is not None else {})},
         "eagle_aux_hidden_state_layer_ids": list(cfg.vllm_capture_ids()),
     }
 
@@ -327,7 +331,7 @@ def _config_from_json(config: Mapping[str, Any], where: str) -> DFlashExportConf
     try:
         cfg = DFlashExportConfig(**{k: config[k] for k in _JSON_KEYS},
                                  target_layer_ids=tuple(dflash["target_layer_ids"]),
-                                 mask_token_id=int(dflash["mask_token_id"]),
+                                 mask_token_id=int(dflash["mask_token_id"]), mask_token=dflash.get("mask_token"),
                                  dtype=str(config.get("torch_dtype") or config.get("dtype") or "float32"))
     except (TypeError, ValueError) as err:
         raise ValueError(f"{where}: {err}") from None
@@ -381,7 +385,7 @@ def load_dflash_export(export_dir: str | Path, target: TargetHead) -> DFlashDraf
                     mask_token_id=cfg.mask_token_id)
     drafter = DFlashConfig(**settings)
     want = DFlashExportConfig.from_drafter(drafter, target.spec, max_position_embeddings=cfg.max_position_embeddings,
-                                           hidden_act=cfg.hidden_act, dtype=cfg.dtype)
+                                           hidden_act=cfg.hidden_act, dtype=cfg.dtype, mask_token=cfg.mask_token)
     if want != cfg:
         raise ValueError(f"{root}: export config {cfg} does not match the target's sizes {want}")
     tensors = load_file(str(root / "model.safetensors"))

@@ -113,13 +113,13 @@ class DFlashDraft(nn.Module):
         """Post-norm block hidden states [batch, nb, B, H].
 
         features: [batch, n, m*H] target features at positions 0..n-1 (row p = position p);
-        block_ids: int64 [batch, nb, B] block input tokens (target ids; normally
+        block_ids: int64 [batch, nb, B] block input tokens, B <= block_size rows (target ids; normally
         `blocks.block_input_ids`: anchor then MASKs); anchors: int64 [batch, nb] block starts;
         anchor_valid: bool [batch, nb] (False = padding block: sees its own block only).
         """
         batch, nb, bs = block_ids.shape
-        if bs != self.cfg.block_size:
-            raise ValueError(f"block_ids: blocks of {bs} rows, expected block_size={self.cfg.block_size}")
+        if not 2 <= bs <= self.cfg.block_size:  # training: block_size rows; drafting K < B - 1: K + 1 rows
+            raise ValueError(f"block_ids: blocks of {bs} rows, expected 2..block_size={self.cfg.block_size}")
         if tuple(anchors.shape) != (batch, nb):
             raise ValueError(f"anchors: got {tuple(anchors.shape)}, expected {(batch, nb)}")
         n = features.shape[1]

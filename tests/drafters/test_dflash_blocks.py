@@ -108,6 +108,11 @@ def test_sample_anchors_candidates_padding_and_determinism() -> None:
         a, m = sample_anchors(valid[:1], 4, 3, torch.Generator().manual_seed(s))
         seen |= set(a[m].tolist())
     assert seen == set(range(2, 15))
+    # nb shrinks to the largest candidate count: rows 1 and 2 alone have at most 2 candidates
+    short, short_ok = sample_anchors(valid[1:], 4, 5, torch.Generator().manual_seed(0))
+    assert short.tolist() == [[1, 3], [0, 0]] and short_ok.tolist() == [[True, True], [False, False]]
+    none, none_ok = sample_anchors(valid[2:], 4, 5)  # no candidate at all: one padding block
+    assert none.tolist() == [[0]] and none_ok.tolist() == [[False]]
     with pytest.raises(ValueError, match="num_anchors: got 0"):
         sample_anchors(valid, 4, 0)
 

@@ -63,16 +63,23 @@ SPEC = TargetSpec(vocab_size=37, hidden_size=21, num_hidden_layers=7, num_attent
                   max_position_embeddings=128, model_type="qwen3", tie_word_embeddings=False)
 SAMPLING_SPEC = dataclasses.replace(SPEC, vocab_size=3, num_hidden_layers=4)  # 27 cells; 4 layers: cheaper
 
+K = 3  # chain draft length
 # Per-family debug settings (functions of the target spec); anything absent keeps its default.
 DEBUG_SETTINGS: dict[str, Any] = {
     "eagle1": lambda spec: {"feature_noise": 0.0},
     "eagle2": lambda spec: {"feature_noise": 0.0, "top_k": 2, "depth": 3, "total_tokens": 5},
     "eagle3": lambda spec: {"draft_vocab_size": (2 * spec.vocab_size) // 3, "ttt_steps": 3,  # 7 layers: (1, 3, 6)
                             "aux_layer_ids": (1, spec.num_hidden_layers // 2, spec.num_hidden_layers - 1)},
+    # block K + 1 = 4 (3 drafts per block), 3 non-default context layers (7 layers: (0, 3, 5)), the last id as MASK
+    "dflash": lambda spec: {"block_size": K + 1, "num_target_features": 3, "mask_token_id": spec.vocab_size - 1,
+                            "target_layer_ids": (0, (spec.num_hidden_layers - 1) // 2, spec.num_hidden_layers - 2)},
 }
+# Training sequences of the `trained` fixture (default 12). DFlash drafts a block in parallel from
+# mid-stack features: on 12 sequences it memorises (loss 0.02, greedy acceptance 9/159, near chance);
+# on 48 it generalises (29/93 observed).
+TRAIN_SEQUENCES: dict[str, int] = {"dflash": 48}
 EXPORT_FORMATS: dict[str, tuple[str, ...]] = {"eagle3": ("native", "speculators")}  # default: ("native",)
 CHI2_26_DOF_P001 = 54.05  # 27 cells, 26 degrees of freedom: P(chi2 > 54.05) = 0.001 under the null
-K = 3  # chain draft length
 
 
 def _config(family: DrafterFamily, spec: TargetSpec) -> Any:
@@ -153,7 +160,7 @@ def trained(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
     family = get_family(request.param)
     target = _target(SPEC, seed=3)
     cfg = _config(family, SPEC)
-    samples = _greedy_samples(family, cfg, target, 12, seed=11)
+    samples = _greedy_samples(family, cfg, target, TRAIN_SEQUENCES.get(request.param, 12), seed=11)
     model = _build(family, cfg, target, samples, seed=1).train()
     batch = family.collate(samples)
     opt = torch.optim.AdamW([p for _, p in _trainable(model)], lr=3e-3)
@@ -195,7 +202,8 @@ def test_objective_runs_and_gives_finite_gradients(name: str) -> None:
     den = sum(p.denominators for p in parts)
     num = sum(p.numerators for p in parts)
     assert isinstance(den, torch.Tensor) and isinstance(num, torch.Tensor)
-    assert torch.equal(den, whole.denominators)
+    # equal up to float summation order (DFlash's slot weights are not integers)
+    torch.testing.assert_close(den, whole.denominators, rtol=1e-6, atol=0.0)
     split = dataclasses.replace(whole, numerators=num).loss(den)
     torch.testing.assert_close(split, whole.loss(), rtol=1e-5, atol=1e-6)
 

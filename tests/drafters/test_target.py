@@ -63,3 +63,35 @@ def test_spec_errors_and_nested_text_config(tmp_path: Path) -> None:
                                                         "num_attention_heads": 2, "rope_theta": 7.0}}
     spec = TargetSpec.from_hf_config(nested)
     assert (spec.vocab_size, spec.head_dim, spec.num_key_value_heads, spec.rope_theta) == (8, 2, 2, 7.0)
+
+
+def _tokenizer_files(root: Path, added: dict[str, int], mask_token: str | None = None) -> None:
+    (root / "tokenizer.json").write_text(json.dumps(
+        {"added_tokens": [{"id": i, "content": c, "special": True} for c, i in added.items()]}))
+    (root / "tokenizer_config.json").write_text(json.dumps({} if mask_token is None else {"mask_token": mask_token}))
+
+
+def test_mask_token_comes_from_the_tokenizer(tmp_path: Path) -> None:
+    """The block drafters' MASK id default: tokenizer_config's `mask_token`, else an added token
+    with a mask name (SGLang's `<|MASK|>` first); none -> None; a bad one is refused."""
+    from drafters.dflash.config import DFlashConfig
+
+    _save_qwen3(tmp_path, tie=False)
+    assert TargetSpec.from_pretrained(tmp_path).mask_token_id is None  # no tokenizer files
+    _tokenizer_files(tmp_path, {"<pad>": 0, "<|mask|>": 7, "<|MASK|>": 9})
+    spec = TargetSpec.from_pretrained(tmp_path)
+    assert (spec.mask_token, spec.mask_token_id) == ("<|MASK|>", 9)
+    _tokenizer_files(tmp_path, {"<pad>": 0, "<|mask|>": 7, "<|MASK|>": 9}, mask_token="<|mask|>")
+    spec = TargetSpec.from_pretrained(tmp_path)
+    assert (spec.mask_token, spec.mask_token_id) == ("<|mask|>", 7)
+    assert DFlashConfig(num_target_features=2, target_layer_ids=(0, 2)).resolve(spec).mask_token_id == 7
+    assert DFlashConfig(num_target_features=2, target_layer_ids=(0, 2), mask_token_id=5).resolve(spec).mask_token_id == 5
+    _tokenizer_files(tmp_path, {"<pad>": 0})
+    with pytest.raises(ValueError, match="mask_token_id: got None.*tokenizer has none"):
+        DFlashConfig(num_target_features=2, target_layer_ids=(0, 2)).resolve(TargetSpec.from_pretrained(tmp_path))
+    _tokenizer_files(tmp_path, {"<pad>": 0}, mask_token="<m>")
+    with pytest.raises(TargetLoadError, match="mask_token '<m>' is not an added token"):
+        TargetSpec.from_pretrained(tmp_path)
+    _tokenizer_files(tmp_path, {"<|mask|>": 10_000})
+    with pytest.raises(TargetLoadError, match=r"mask token '<\|mask\|>' has id 10000, expected an id in 0\.\.63"):
+        TargetSpec.from_pretrained(tmp_path)

@@ -209,7 +209,7 @@ def greedy_samples(family: Any, cfg: Any, target_dir: Path, num: int = 16, promp
 
 
 def train_draft(family: Any, cfg: Any, target_dir: Path, steps: int = 120, lr: float = 5e-3,
-                seed: int = 0) -> torch.nn.Module:
+                seed: int = 0, num_sequences: int = 16) -> torch.nn.Module:
     """A draft of `family` trained for a few seconds on the target's greedy continuations
     (`greedy_samples`), so its acceptance is well above chance: equal acceptance counters then
     mean equal drafts at many positions. Eval mode on return."""
@@ -217,7 +217,7 @@ def train_draft(family: Any, cfg: Any, target_dir: Path, steps: int = 120, lr: f
     from drafters.common.target import TargetHead
     from drafters.common.vocab import token_counts_from_samples
 
-    samples = greedy_samples(family, cfg, target_dir)
+    samples = greedy_samples(family, cfg, target_dir, num=num_sequences)
     batch = family.collate(samples)
     torch.manual_seed(seed)
     model = family.build(cfg, TargetHead.from_pretrained(target_dir),

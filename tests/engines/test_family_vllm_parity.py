@@ -81,7 +81,12 @@ TRAIN_SETTINGS: dict[str, dict[str, Any]] = {  # anything absent keeps the confi
     "eagle1": {"feature_noise": 0.0},
     "eagle2": {"feature_noise": 0.0},
     "eagle3": {"aux_layer_ids": (1, 3, 6), "draft_vocab_size": 64, "ttt_steps": 3},
+    # block K + 1 (K = B - 1 drafts), NON-DEFAULT context layers (0, 3, 6) (default (1, 3, 5)), MASK = id 95
+    "dflash": {"block_size": K + 1, "num_target_features": 3, "target_layer_ids": (0, 3, 6), "mask_token_id": 95},
 }
+# Training sequences per family (default 16): DFlash drafts a block in parallel from mid-stack
+# features and needs more data to accept at its third position (on 16: per position [17, 7, 0]).
+TRAIN_SEQUENCES = {"dflash": 64}
 # Families vLLM 0.32 cannot serve on CPU -> why (engines.md section 3); none is implemented today.
 CPU_UNSERVABLE = {"dspark": "vLLM's V1 model runner does not support dspark and V2 requires Triton"}
 
@@ -143,7 +148,7 @@ class World:
         cfg = family.config_cls()
         settings = {"attn_backend": "sdpa"} if "attn_backend" in {f.name for f in dataclasses.fields(cfg)} else {}
         cfg = family.resolve(dataclasses.replace(cfg, **settings, **TRAIN_SETTINGS.get(name, {})), self.spec)
-        model = train_draft(family, cfg, self.target)
+        model = train_draft(family, cfg, self.target, num_sequences=TRAIN_SEQUENCES.get(name, 16))
         draft = family.export(model, cfg, self.spec, self.root / name)
         spec = family.engine_format(cfg, self.spec).vllm_speculative_config(draft, K)
         key = _fingerprint(draft, spec)
@@ -270,3 +275,57 @@ def test_eagle3_speculators_export_served_by_directory(world: World) -> None:
     outputs, counts = _serve(spec_dir, None)
     assert outputs == world.baseline
     assert counts == r["ref"] == r["vllm"]
+
+
+def test_dflash_layer_ids_shifted_by_one_break_parity(world: World) -> None:
+    _need("dflash")
+    r = world.served("dflash")
+    ids = r["cfg"].target_layer_ids
+    shifted_cfg = dataclasses.replace(r["cfg"], target_layer_ids=(ids[0] + 1, ids[1] + 1, ids[2]))  # (1, 4, 6)
+    shifted = r["family"].export(r["model"], shifted_cfg, world.spec, world.root / "dflash_shifted")
+    config = json.loads((shifted / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == [1, 4, 6]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 5, 7]  # vLLM's capture index = output-of-layer + 1
+    _, planted = world.reference(r["family"].proposer(_load(world, "dflash", shifted), world.spec))
+    print(f"dflash ids {ids} exported as (1, 4, 6): reference {planted}, vLLM (correct export) {r['vllm']}")
+    assert planted != r["vllm"]
+
+
+def test_dflash_swapped_norms_break_parity(world: World) -> None:
+    _need("dflash")
+    r = world.served("dflash")
+    bad = _copy_export(r["draft"], world.root / "dflash_norms_swapped")
+    tensors = load_file(str(bad / "model.safetensors"))
+    a, b = "hidden_norm.weight", "norm.weight"  # the context norm and the final norm
+    assert not torch.equal(tensors[a], tensors[b])
+    tensors[a], tensors[b] = tensors[b], tensors[a]
+    save_file(tensors, str(bad / "model.safetensors"))
+    _, swapped = world.reference(r["family"].proposer(_load(world, "dflash", bad), world.spec))
+    print(f"dflash {a} <-> {b}: reference {swapped}, vLLM (correct export) {r['vllm']}")
+    assert swapped != r["vllm"]
+
+
+def test_vllm_cpu_dflash_context_k_norm_bug_b_and_its_fix() -> None:
+    """Bug B (verl_speco/engines/vllm_cpu_dflash.py): vLLM's CPU `rms_norm` given DFlash's grouped
+    k_norm weights [L, head_dim] applies row 0 to every layer; our replacement of
+    `_normalize_context_k` applies row i to layer i (the parity above holds with it installed)."""
+    import vllm._custom_ops as ops
+    from vllm.model_executor.models import qwen3_dflash
+
+    from verl_speco.engines import vllm_cpu_dflash
+
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(3, 5, 2, 32, generator=g)  # [L, n, kv_heads, head_dim]
+    w = torch.rand(3, 32, generator=g) + 0.5  # [L, head_dim], distinct per layer
+    unit = k * torch.rsqrt(k.pow(2).mean(-1, keepdim=True) + 1e-6)
+    out = torch.empty_like(k)
+    ops.rms_norm(out, k, w, 1e-6)
+    torch.testing.assert_close(out, unit * w[0])  # the bug: layer 0's weight everywhere
+    assert not torch.allclose(out, unit * w[:, None, None, :], atol=1e-2)
+
+    class _Layers:
+        _k_norm_weights, _rms_norm_eps = w, 1e-6
+
+    torch.testing.assert_close(vllm_cpu_dflash.normalize_context_k(_Layers(), k), unit * w[:, None, None, :])
+    vllm_cpu_dflash.install_dflash_k_norm_fix()
+    assert qwen3_dflash.DFlashQwen3Model._normalize_context_k is vllm_cpu_dflash.normalize_context_k

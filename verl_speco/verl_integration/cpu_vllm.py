@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from verl_speco.engines.vllm_cpu_dflash import install_dflash_k_norm_fix
 from verl_speco.engines.vllm_cpu_sampling import install_spec_sampling_fix
 from verl_speco.verl_integration.vllm_server import SpecoWorkerExtension
 
@@ -61,3 +62,4 @@ class CPUSpecoWorkerExtension(SpecoWorkerExtension):
 
 
 install_spec_sampling_fix()
+install_dflash_k_norm_fix()

@@ -1,0 +1,106 @@
+"""The DFlash family object registered in the catalog (docs/internals.md contract)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor, nn
+
+from drafters.common.collate import collate
+from drafters.common.contract import DrafterFamily, StoreStats
+from drafters.common.losses import ObjectiveOutput
+from drafters.common.target import TargetHead, TargetSpec
+from drafters.dflash.config import DFlashConfig
+from drafters.dflash.export import DFlashExportConfig, load_dflash_export
+from drafters.dflash.model import DFlashDraft
+from drafters.dflash.objective import REQUIRED_FIELDS, dflash_objective
+from drafters.dflash.proposer import DFlashProposer
+from feature_store import Layout
+
+EXPORT_MODULE = "drafters.dflash.export"
+
+
+def _as_model(model: nn.Module) -> DFlashDraft:
+    if not isinstance(model, DFlashDraft):
+        raise TypeError(f"model: got {type(model).__name__}, expected DFlashDraft (unwrap DDP/compile first)")
+    return model
+
+
+class DFlashFamily:
+    name = "dflash"
+    config_cls = DFlashConfig
+    # training-only choices: they shape the objective or the kernel, not the exported function
+    mutable_settings = ("loss_gamma", "num_anchors", "attn_backend")
+
+    def resolve(self, cfg: DFlashConfig, target_spec: TargetSpec) -> DFlashConfig:
+        return cfg.resolve(target_spec)
+
+    def config_of(self, model: nn.Module) -> DFlashConfig:
+        return _as_model(model).cfg
+
+    def with_settings(self, model: nn.Module, **settings: Any) -> DFlashDraft:
+        m = _as_model(model)
+        other = sorted(set(settings) - set(self.mutable_settings))
+        if other:
+            raise ValueError(f"settings: {other} cannot change a loaded DFlash drafter (its architecture comes "
+                             f"from the export); only {list(self.mutable_settings)} can")
+        m.cfg = replace(m.cfg, **settings)
+        return m
+
+    def set_target_head(self, model: nn.Module, embed_tokens: Tensor, lm_head: Tensor) -> None:
+        """embed_tokens [V, H] / lm_head [V, H] -> the frozen target buffers (block inputs, logits)."""
+        m = _as_model(model)
+        m.target_embed_tokens = embed_tokens.to(m.target_embed_tokens.device, m.target_embed_tokens.dtype)
+        m.target_lm_head = lm_head.to(m.target_lm_head.device, m.target_lm_head.dtype)
+
+    def engine_format(self, cfg: DFlashConfig, target_spec: TargetSpec) -> DFlashExportConfig:
+        return DFlashExportConfig.from_drafter(cfg, target_spec)
+
+    def format_from_dict(self, data: Mapping[str, Any]) -> DFlashExportConfig:
+        return DFlashExportConfig.from_dict(data)
+
+    def load_export(self, export_dir: str | Path, target: TargetHead) -> DFlashDraft:
+        return load_dflash_export(export_dir, target)
+
+    def build(self, cfg: DFlashConfig, target: TargetHead, store_stats: StoreStats | None = None) -> DFlashDraft:
+        """A fresh draft (full target vocab: DFlash has no draft vocab, `store_stats` is unused)."""
+        return DFlashDraft(cfg, target)
+
+    def required_fields(self, cfg: DFlashConfig) -> tuple[str, ...]:
+        return REQUIRED_FIELDS
+
+    def required_layout(self, cfg: DFlashConfig, target_spec: TargetSpec) -> Layout:
+        """The context layers in the internal convention (output-of-layer id + 1)."""
+        return Layout(layer_ids=cfg.hidden_state_ids(target_spec), last_hidden="post_norm")
+
+    def collate(self, samples: list[dict[str, Tensor]]) -> dict[str, Tensor]:
+        missing = [f for f in REQUIRED_FIELDS if samples and f not in samples[0]]
+        if missing:
+            raise KeyError(f"DFlash samples: missing fields {missing} (have {sorted(samples[0])})")
+        return collate(samples)
+
+    def objective(self, model: nn.Module, batch: dict[str, Tensor], progress: float = 0.0) -> ObjectiveOutput:
+        """No curriculum. Anchors are drawn from torch's global generator: a fresh draw every step."""
+        return dflash_objective(_as_model(model), batch)
+
+    def export(self, model: nn.Module, cfg: DFlashConfig, target_spec: TargetSpec, out_dir: str | Path,
+               fmt: str = "native", **kwargs: Any) -> Path:
+        """Delegates to `drafters.dflash.export.export` (format "native"; kwargs dtype, meta)."""
+        module = importlib.import_module(EXPORT_MODULE)
+        out: Path = module.export(_as_model(model), cfg, target_spec, Path(out_dir), fmt, **kwargs)
+        return out
+
+    def proposer(self, model: nn.Module, target_spec: TargetSpec) -> DFlashProposer:
+        m = _as_model(model)
+        if m.spec.vocab_size != target_spec.vocab_size or m.spec.hidden_size != target_spec.hidden_size:
+            raise ValueError(f"proposer: model built for vocab/hidden {m.spec.vocab_size}/{m.spec.hidden_size}, "
+                             f"target has {target_spec.vocab_size}/{target_spec.hidden_size}")
+        return DFlashProposer(m)
+
+
+FAMILY = DFlashFamily()
+_CONFORMS: DrafterFamily = FAMILY  # mypy checks the family against the catalog protocol

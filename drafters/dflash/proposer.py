@@ -1,0 +1,70 @@
+"""DFlash block drafting for the reference decoder, as vLLM's `DFlashProposer` does it (engines.md 2.4).
+
+Round with committed tokens x_0..x_n (x_n just emitted by the target, no target features yet)
+and target features at positions 0..n-1: ONE draft forward over the block
+    [x_n, MASK x K]  at positions n .. n + K            (K = num_tokens <= block_size - 1)
+with the context = fc + hidden_norm of the target features at positions 0..n-1 as extra
+keys/values (anchor n: every context position < n is visible; the block is non-causal). Slot k
+(k = 1..K) predicts the token at its own position n + k, i.e. draft d_k.
+Worked example, n = 4, K = 3: the block [x_4, M, M, M] sits at positions 4, 5, 6, 7, sees the
+context rows 0..3, and slots 1, 2, 3 give d_1, d_2, d_3 (the tokens at positions 5, 6, 7).
+
+A smaller K than block_size - 1 drafts with a shorter block (K + 1 rows), as vLLM does when
+`num_speculative_tokens` < B - 1 (our export refuses that K for serving; the reference decoder
+allows it). Greedy drafting takes each slot's argmax; probabilistic drafting samples every slot
+independently from its own distribution q_k and reports q (each d_k is drawn from q_k whatever
+the other drafts are, so rejection sampling with q stays lossless).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drafters.common.contract import DraftContext, Proposal
+from drafters.common.sampling import SamplingParams, logits_to_probs, sample
+from drafters.dflash.model import DFlashDraft
+
+
+def context_features(ctx: DraftContext, hidden_state_ids: tuple[int, ...]) -> torch.Tensor:
+    """cat of the target hidden states at `hidden_state_ids` (HF indices): [n, m*H_t]."""
+    num = len(ctx.target_hidden_states)
+    for i in hidden_state_ids:
+        if not 0 <= i < num:
+            raise ValueError(f"context layer id {i}: the context has {num} hidden states (0..{num - 1})")
+    return torch.cat([ctx.target_hidden_states[i] for i in hidden_state_ids], dim=-1)
+
+
+class DFlashProposer:
+    def __init__(self, model: DFlashDraft):
+        self.model = model
+        self.hidden_state_ids = model.cfg.hidden_state_ids(model.spec)
+
+    def block_logits(self, ctx: DraftContext, num_tokens: int) -> torch.Tensor:
+        """float32 [num_tokens, V]: the logits of slots 1..num_tokens of the block [x_n, MASK x K]."""
+        model = self.model
+        bs = model.cfg.block_size
+        ids = ctx.token_ids
+        n = ids.numel() - 1
+        if n < 1 or not 1 <= num_tokens <= bs - 1:
+            raise ValueError(f"propose: need >= 2 committed tokens and 1 <= num_tokens <= block_size - 1 = {bs - 1}; "
+                             f"got {n + 1} tokens and num_tokens={num_tokens}")
+        features = context_features(ctx, self.hidden_state_ids)
+        if features.shape[0] != n:
+            raise ValueError(f"target_hidden_states: {features.shape[0]} positions, expected {n} (tokens 0..n-1)")
+        device = model.fc.weight.device
+        assert model.cfg.mask_token_id is not None
+        block = torch.full((1, 1, num_tokens + 1), model.cfg.mask_token_id, dtype=torch.long, device=device)
+        block[0, 0, 0] = ids[-1]
+        anchors = torch.full((1, 1), n, dtype=torch.long, device=device)
+        valid = torch.ones(1, 1, dtype=torch.bool, device=device)
+        hidden = model.hidden(features.to(device)[None], block, anchors, valid)  # [1, 1, K + 1, H]
+        return model.logits(hidden[0, 0, 1:]).float()  # [K, V]
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext, num_tokens: int, sampling: SamplingParams,
+                generator: torch.Generator | None = None) -> Proposal:
+        logits = self.block_logits(ctx, num_tokens)
+        if sampling.greedy:
+            return Proposal(logits.argmax(-1).long().cpu(), None)
+        q = logits_to_probs(logits, sampling)  # [K, V]
+        return Proposal(sample(q, generator).long().cpu(), q.cpu())  # one independent draw per slot
