@@ -74,18 +74,7 @@ class DFlashConfig:
 
     def resolve(self, target_spec: TargetSpec) -> DFlashConfig:
         """Fill `target_layer_ids` from the target and check them and `mask_token_id` against it."""
-        num_layers, vocab = target_spec.num_hidden_layers, target_spec.vocab_size
-        if self.target_layer_ids is None:
-            ids = to_engine_layer_ids(default_dflash_layer_ids(num_layers, self.num_target_features),
-                                      LAYER_ID_KEY, num_layers)
-        else:
-            ids = self.target_layer_ids
-        internal = tuple(i + 1 for i in ids)
-        try:
-            check_servable_aux_ids(internal, num_layers)
-        except ValueError:
-            raise ValueError(f"target_layer_ids: got {ids}, expected strictly increasing output-of-layer ids "
-                             f"within 0..{num_layers - 2} ({num_layers}-layer target)") from None
+        ids, vocab = self._layer_ids(target_spec), target_spec.vocab_size
         mask = self.mask_token_id if self.mask_token_id is not None else target_spec.mask_token_id
         if mask is None or not 0 <= mask < vocab:
             raise ValueError(f"mask_token_id: got {mask}, expected a token id in 0..{vocab - 1} (target vocab; "
@@ -93,9 +82,23 @@ class DFlashConfig:
                              "tokenizer has none")
         return replace(self, target_layer_ids=ids, mask_token_id=mask)
 
+    def _layer_ids(self, target_spec: TargetSpec) -> tuple[int, ...]:
+        """The output-of-layer context ids (the default when None), checked against the target."""
+        num_layers = target_spec.num_hidden_layers
+        if self.target_layer_ids is None:
+            ids = to_engine_layer_ids(default_dflash_layer_ids(num_layers, self.num_target_features),
+                                      LAYER_ID_KEY, num_layers)
+        else:
+            ids = self.target_layer_ids
+        try:
+            check_servable_aux_ids(tuple(i + 1 for i in ids), num_layers)
+        except ValueError:
+            raise ValueError(f"target_layer_ids: got {ids}, expected strictly increasing output-of-layer ids "
+                             f"within 0..{num_layers - 2} ({num_layers}-layer target)") from None
+        return ids
+
     def hidden_state_ids(self, target_spec: TargetSpec) -> tuple[int, ...]:
-        """Internal (HF hidden_states index) ids of the context layers: target_layer_ids + 1."""
-        cfg = self.resolve(target_spec)
-        assert cfg.target_layer_ids is not None
-        return from_engine_layer_ids(cfg.target_layer_ids, LAYER_ID_KEY, target_spec.num_hidden_layers)
+        """Internal (HF hidden_states index) ids of the context layers: target_layer_ids + 1 (the
+        store layout; needs no mask token)."""
+        return from_engine_layer_ids(self._layer_ids(target_spec), LAYER_ID_KEY, target_spec.num_hidden_layers)
 

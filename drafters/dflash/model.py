@@ -109,8 +109,10 @@ class DFlashDraft(nn.Module):
         """[batch, n, m*H] concatenated target features -> H_ctx [batch, n, H]."""
         return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
 
-    def hidden(self, features: Tensor, block_ids: Tensor, anchors: Tensor, anchor_valid: Tensor) -> Tensor:
-        """Post-norm block hidden states [batch, nb, B, H].
+    def forward(self, features: Tensor, block_ids: Tensor, anchors: Tensor, anchor_valid: Tensor) -> Tensor:
+        """Post-norm block hidden states [batch, nb, B, H] (`logits` maps them through the frozen
+        target head; the objective does so on the loss rows only). The forward, so FSDP's hooks
+        gather the sharded parameters around it.
 
         features: [batch, n, m*H] target features at positions 0..n-1 (row p = position p);
         block_ids: int64 [batch, nb, B] block input tokens, B <= block_size rows (target ids; normally
@@ -135,7 +137,3 @@ class DFlashDraft(nn.Module):
     def logits(self, hidden: Tensor) -> Tensor:
         """[..., H] post-norm draft hidden -> [..., V] logits through the frozen target lm_head."""
         return hidden @ self.target_lm_head.to(hidden.dtype).T
-
-    def forward(self, features: Tensor, block_ids: Tensor, anchors: Tensor, anchor_valid: Tensor) -> Tensor:
-        """Logits [batch, nb, B, V] of every block row (see `hidden` for the inputs)."""
-        return self.logits(self.hidden(features, block_ids, anchors, anchor_valid))

@@ -108,7 +108,7 @@ def dflash_objective(model: DFlashDraft, batch: dict[str, Tensor],
     loss_mask = batch["loss_mask"].to(torch.bool) & batch["attention_mask"].to(torch.bool)  # [batch, seq]
     anchors, anchor_valid = sample_anchors(loss_mask, bs, cfg.num_anchors, generator)  # [batch, nb]
     ids = batch["input_ids"]
-    hidden = model.hidden(batch["aux_hidden"], block_input_ids(ids, anchors, bs, cfg.mask_token_id),
+    hidden = model(batch["aux_hidden"], block_input_ids(ids, anchors, bs, cfg.mask_token_id),
                           anchors, anchor_valid)  # [batch, nb, B, H]
     valid = label_mask(loss_mask, anchors, anchor_valid, bs)  # [batch, nb, B]
     labels = block_labels(ids, anchors, bs)  # [batch, nb, B]

@@ -57,7 +57,7 @@ class DFlashProposer:
         block[0, 0, 0] = ids[-1]
         anchors = torch.full((1, 1), n, dtype=torch.long, device=device)
         valid = torch.ones(1, 1, dtype=torch.bool, device=device)
-        hidden = model.hidden(features.to(device)[None], block, anchors, valid)  # [1, 1, K + 1, H]
+        hidden = model(features.to(device)[None], block, anchors, valid)  # [1, 1, K + 1, H]
         return model.logits(hidden[0, 0, 1:]).float()  # [K, V]
 
     @torch.no_grad()

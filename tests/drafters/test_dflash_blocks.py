@@ -207,7 +207,7 @@ def test_backbone_matches_per_block_reference() -> None:
     model = _model()
     features, block_ids, anchors, valid = _inputs()
     with torch.no_grad():
-        logits = model(features, block_ids, anchors, valid)
+        logits = model.logits(model(features, block_ids, anchors, valid))
         assert logits.shape == (2, 3, BS, 32)
         for b in range(2):
             for j in range(3):
@@ -221,24 +221,24 @@ def test_queries_see_only_the_masked_keys() -> None:
     model = _model()
     features, block_ids, anchors, valid = _inputs()
     with torch.no_grad():
-        base = model(features, block_ids, anchors, valid)
+        base = model.logits(model(features, block_ids, anchors, valid))
         # row 0: anchors (1, 4, 6). Changing context position 4 must leave blocks 0 (a=1) and 1
         # (a=4) unchanged and change block 2 (a=6).
         f2 = features.clone()
         f2[0, 4] += 1.0
-        out = model(f2, block_ids, anchors, valid)
+        out = model.logits(model(f2, block_ids, anchors, valid))
         torch.testing.assert_close(out[0, :2], base[0, :2], atol=0, rtol=0)
         assert (out[0, 2] - base[0, 2]).abs().amax(-1).min() > 1e-4  # every slot of block 2 moves
         torch.testing.assert_close(out[1], base[1], atol=0, rtol=0)  # other sequence untouched
         # changing context position 0 changes every valid block of row 0
         f3 = features.clone()
         f3[0, 0] += 1.0
-        out = model(f3, block_ids, anchors, valid)
+        out = model.logits(model(f3, block_ids, anchors, valid))
         assert all((out[0, j] - base[0, j]).abs().amax(-1).min() > 1e-4 for j in range(3))
         # a token inside block 1 (its last slot): all of block 1 changes (non-causal), other blocks do not
         ids2 = block_ids.clone()
         ids2[0, 1, BS - 1] = 7
-        out = model(features, ids2, anchors, valid)
+        out = model.logits(model(features, ids2, anchors, valid))
         assert (out[0, 1] - base[0, 1]).abs().amax(-1).min() > 1e-4
         torch.testing.assert_close(out[0, [0, 2]], base[0, [0, 2]], atol=0, rtol=0)
 
@@ -246,6 +246,6 @@ def test_queries_see_only_the_masked_keys() -> None:
 def test_gradients_reach_the_draft_only() -> None:
     model = _model()
     features, block_ids, anchors, valid = _inputs()
-    model(features, block_ids, anchors, valid).sum().backward()
+    model.logits(model(features, block_ids, anchors, valid)).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
     assert model.target_lm_head.grad is None and model.target_embed_tokens.grad is None

@@ -91,7 +91,7 @@ def test_objective_matches_explicit_loop() -> None:
     anchors, valid = sample_anchors(loss_mask.bool() & attn, 4, 3, torch.Generator().manual_seed(5))
     assert valid[1].tolist() == [True, True, False]  # row 1 has candidates 1, 2 only (length 6)
     with torch.no_grad():
-        logits = model(batch["aux_hidden"], block_input_ids(ids, anchors, 4, 31), anchors, valid)
+        logits = model.logits(model(batch["aux_hidden"], block_input_ids(ids, anchors, 4, 31), anchors, valid))
     num = den = 0.0
     count = 0
     for b in range(2):

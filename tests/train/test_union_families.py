@@ -1,10 +1,11 @@
-"""ONE union-layout store, collected once (`verl-speco-collect --layout-of eagle1,eagle3`), trains
-BOTH EAGLE-1 and EAGLE-3 with `verl-speco-draft-train` (single process, presets quickstart_eagle1 /
-quickstart_eagle3 with tiny overrides), and each run's export is accepted by its family's
+"""ONE union-layout store, collected once (`verl-speco-collect --layout-of eagle1,eagle3,dflash`),
+trains EAGLE-1, EAGLE-3 and DFlash with `verl-speco-draft-train` (single process, presets
+quickstart_<family> with tiny overrides), and each run's export is accepted by its family's
 `load_export` (weights equal to the trainer's final checkpoint).
 
 Target: a tiny random 8-layer HF Qwen3 with a WordLevel chat tokenizer, saved locally. The union
-layout is EAGLE-3's default aux ids (2, 4, 5) plus the post-norm last hidden state EAGLE-1 reads.
+layout is EAGLE-3's default aux ids (2, 4, 5) and DFlash's default context layers (2, 3, 4, 5, 6;
+the preset reads (2, 4, 6) of them) plus the post-norm last hidden state EAGLE-1 reads.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from feature_store import Layout, load_store
 from verl_speco.capture.collect import main as collect_main
 from verl_speco.train.launcher import main as train_main
 
-FAMILIES = ("eagle1", "eagle3")
+FAMILIES = ("eagle1", "eagle3", "dflash")
 WORDS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>", "\n", "system", "user", "assistant",
          *(f"w{i}" for i in range(56))]
 TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
@@ -70,11 +71,12 @@ def union(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"target": target, "store": store, "root": root}
 
 
-def test_the_union_store_holds_both_layouts(union: dict[str, Path]) -> None:
-    assert load_store(union["store"]).schema.layout == Layout((2, 4, 5), last_hidden="post_norm")
+def test_the_union_store_holds_every_layout(union: dict[str, Path]) -> None:
+    assert load_store(union["store"]).schema.layout == Layout((2, 3, 4, 5, 6), last_hidden="post_norm")
 
 
-PRESET_OVERRIDES = {"eagle1": (), "eagle3": ("drafter.settings.ttt_steps=2",)}
+PRESET_OVERRIDES = {"eagle1": (), "eagle3": ("drafter.settings.ttt_steps=2",),
+                    "dflash": ("drafter.settings.mask_token_id=63",)}  # this tokenizer has no mask token
 
 
 @pytest.mark.parametrize("name", FAMILIES)
