@@ -75,8 +75,11 @@ CATALOG: Mapping[str, CatalogEntry] = MappingProxyType({e.name: e for e in (
                  "drafters.dflash.family:FAMILY",
                  (_m("vllm", "dflash", note="num_speculative_tokens = block_size - 1"),
                   _m("sglang", "DFLASH", note="--speculative-num-draft-tokens = block_size"))),
-    CatalogEntry("dspark", "DSpark: DFlash backbone + Markov head + confidence head", None,
-                 (_m("vllm", "dspark", note="num_speculative_tokens = block_size"),)),
+    CatalogEntry("dspark", "DSpark: DFlash backbone + Markov head + confidence head",
+                 "drafters.dspark.family:FAMILY",
+                 (_m("vllm", "dspark", note="num_speculative_tokens = block_size; V2 runner only (GPU), vanilla "
+                                            "Markov head only"),
+                  _m("sglang", "DSPARK", note="--speculative-dspark-block-size = block_size; CUDA/NPU/XPU"))),
     CatalogEntry("domino", "Domino: DFlash backbone + causal GRU correction head", None,
                  (_m("vllm", "dflash", note="unverified (cited as vllm#48241)", projector_type="domino"),
                   _m("sglang", "DFLASH", note="greedy, CUDA, bf16, full vocab", projector_type="domino"))),

@@ -108,7 +108,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                                args.max_new_tokens)
     reference_outputs = report["reference"].pop("outputs")
     t = _stage("reference decoder evaluated", t)
-    if not args.skip_vllm:
+    from verl_speco.engines.vllm_engine import CPU_UNSERVABLE
+
+    if not args.skip_vllm and args.algorithm in CPU_UNSERVABLE:
+        print(f"[quickstart] vLLM skipped: {CPU_UNSERVABLE[args.algorithm]}", flush=True)
+        report["vllm_skipped"] = CPU_UNSERVABLE[args.algorithm]
+    elif not args.skip_vllm:
         untrained = export_untrained_like(export_dir, target, out / "untrained_export", seed=args.seed)
         report["vllm"] = vllm_acceptance(target, {"trained": export_dir, "untrained": untrained}, prompts,
                                          args.num_speculative_tokens, args.max_new_tokens, reference_outputs)

@@ -12,6 +12,7 @@ the internal HF `hidden_states` index (+1) through drafters.common.layer_ids.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Self
 
 from drafters.common.attention import BACKENDS
 from drafters.common.layer_ids import (
@@ -72,7 +73,7 @@ class DFlashConfig:
                 raise ValueError(f"target_layer_ids: got {ids} ({len(ids)} ids), expected "
                                  f"num_target_features={self.num_target_features} ids")
 
-    def resolve(self, target_spec: TargetSpec) -> DFlashConfig:
+    def resolve(self, target_spec: TargetSpec) -> Self:
         """Fill `target_layer_ids` from the target and check them and `mask_token_id` against it."""
         ids, vocab = self._layer_ids(target_spec), target_spec.vocab_size
         mask = self.mask_token_id if self.mask_token_id is not None else target_spec.mask_token_id

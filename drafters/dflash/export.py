@@ -208,7 +208,7 @@ def expected_shapes(cfg: DFlashExportConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _refuse_names(names: Any, where: str) -> None:
+def refuse_names(names: Any, where: str) -> None:
     for name in names:
         if name in REFUSED:
             raise ValueError(f"{where}: tensor {name!r} must not be exported: {REFUSED[name]}")
@@ -217,16 +217,18 @@ def _refuse_names(names: Any, where: str) -> None:
                              "'mask_hidden' weight (DFlash embeds MASK slots via mask_token_id)")
 
 
-def check_tensors(tensors: Mapping[str, Tensor], cfg: DFlashExportConfig, where: str = "DFlash export") -> None:
+def check_tensors(tensors: Mapping[str, Tensor], cfg: DFlashExportConfig, where: str = "DFlash export",
+                  want: Mapping[str, tuple[int, ...]] | None = None) -> None:
     """Refuse, naming the tensor: engine-refused names, missing/unexpected names, an fc width that
     is not len(target_layer_ids) x hidden_size, wrong shapes, a dtype other than `cfg.dtype`,
-    non-finite values."""
-    _refuse_names(tensors, where)
-    want = expected_shapes(cfg)
+    non-finite values. `want`: the expected name -> shape (default: `expected_shapes(cfg)`; DSpark
+    passes its backbone + heads)."""
+    refuse_names(tensors, where)
+    want = expected_shapes(cfg) if want is None else want
     missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
     if missing or extra:
         raise ValueError(f"{where}: missing tensors {missing}, unexpected tensors {extra} "
-                         f"(expected the {len(want)} tensors of a {cfg.num_hidden_layers}-layer DFlash draft)")
+                         f"(expected the {len(want)} tensors of a {cfg.num_hidden_layers}-layer {cfg.family} draft)")
     fc = tuple(tensors["fc.weight"].shape)
     m, h = len(cfg.target_layer_ids), cfg.hidden_size
     if len(fc) != 2 or fc[1] != m * h:
@@ -312,7 +314,7 @@ _JSON_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head
               "block_size", "num_target_layers", "hidden_act")
 
 
-def _config_from_json(config: Mapping[str, Any], where: str) -> DFlashExportConfig:
+def config_from_json(config: Mapping[str, Any], where: str) -> DFlashExportConfig:
     """Check config.json against the dual-engine DFlash layout and rebuild its export config."""
     if "eagle_config" in config:
         raise ValueError(f"{where}: key 'eagle_config' = {config['eagle_config']!r}, expected absent (vLLM V1 "
@@ -361,11 +363,11 @@ def check_export(export_dir: str | Path) -> DFlashExportConfig:
     len(target_layer_ids) x hidden_size."""
     root = Path(export_dir)
     config = json.loads((root / "config.json").read_text())
-    cfg = _config_from_json(config, str(root / "config.json"))
+    cfg = config_from_json(config, str(root / "config.json"))
     weights = root / "model.safetensors"
     with safe_open(str(weights), framework="pt") as f:
         names = list(f.keys())
-    _refuse_names(names, str(weights))  # before reading any value: the name alone disqualifies
+    refuse_names(names, str(weights))  # before reading any value: the name alone disqualifies
     check_tensors(load_file(str(weights)), cfg, str(weights))
     return cfg
 

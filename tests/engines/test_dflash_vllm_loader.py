@@ -12,7 +12,7 @@ parameter starts as NaN; after its `load_weights(export tensors)`:
   `mask_embedding.pt` file, which our exports never ship);
 - vLLM read config.json as meant: capture ids = output-of-layer ids + 1 on both runners' paths,
   fc width = 3 x hidden, mask id from dflash_config, every layer non-causal.
-Draft-token parity with a reference proposer needs the DFlash block proposer (a later increment).
+Draft-token parity with the reference proposer: tests/engines/test_family_vllm_parity.py.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _draft_state(spec: TargetSpec) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -85,7 +85,7 @@ def vllm_draft(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
     with set_current_vllm_config(vllm_config):
         if ours:
             init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+                                         distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
             initialize_model_parallel(1, 1)
         try:
             model = DFlashQwen3ForCausalLM(vllm_config=vllm_config)
@@ -109,7 +109,7 @@ def vllm_draft(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
                 cleanup_dist_env_and_memory()
 
 
-def _expected_params(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def expected_backbone_params(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """vLLM parameter name -> the value it must hold after loading the export."""
     out: dict[str, torch.Tensor] = {}
     stacked = {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
@@ -131,7 +131,7 @@ def test_every_exported_tensor_is_consumed_and_every_draft_parameter_loaded(vllm
     model, tensors = vllm_draft["model"], vllm_draft["tensors"]
     assert sorted(vllm_draft["consumed"]) == sorted(tensors)  # no unknown name raised, all read
     params = dict(model.named_parameters())
-    want = _expected_params(tensors)
+    want = expected_backbone_params(tensors)
     assert set(want) == set(params) - SHARED - OPTIONAL, (sorted(set(want) ^ (set(params) - SHARED - OPTIONAL)))
     for name, value in want.items():
         got = params[name].detach()

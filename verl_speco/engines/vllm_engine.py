@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from vllm import LLM
 
 DRAFT_METHODS = vllm_methods()  # from the drafter catalog
+# Families vLLM 0.32 cannot serve on its CPU platform -> why (engines.md 1.2 and section 3)
+CPU_UNSERVABLE = {"dspark": "vLLM 0.32's V1 model runner (the only one on CPU) refuses dspark, and V2 needs Triton"}
 _COUNTER_KEYS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
     "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",

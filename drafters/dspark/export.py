@@ -1,0 +1,254 @@
+"""DSpark draft export for vLLM (`method="dspark"`) and SGLang (`DSPARK`), its check, and the reader.
+
+One format, `native` (config.json + model.safetensors + verl_speco_meta.json), engines.md 2.5, 4.7
+and 5.5: the DFlash export (drafters/dflash/export.py: Qwen3 keys, `dflash_config` with the mask id
+and output-of-layer ids, top-level `eagle_aux_hidden_state_layer_ids` = ids + 1, never an
+`eagle_config`) with
+- `architectures: ["Qwen3DSparkModel"]` (both engines; `DSparkDraftModel` would be read as
+  DeepSeek-V4 by vLLM unless model_type is qwen3);
+- every key either engine reads written explicitly and consistently: `block_size` /
+  `dspark_block_size` (= gamma drafts), `markov_rank` / `dspark_markov_rank`, `markov_head_type` /
+  `dspark_markov_head_type`, `enable_confidence_head`, `confidence_head_with_markov` (the engines'
+  defaults disagree), `sample_from_anchor: true` (the anchor predicts the first token),
+  `dspark_target_layer_ids`, `mask_token_id` / `dspark_noise_token_id`, `draft_vocab_size` = V;
+- tensors: the backbone's plus `markov_head.markov_w1.weight [V, r]`, `markov_head.markov_w2.weight
+  [V, r]`, `markov_head.gate_proj.{weight, bias}` (gated head), `confidence_head.proj.{weight [1,
+  H (+ r)], bias [1]}` (with the confidence head).
+K rule: vLLM `num_speculative_tokens` = block_size; SGLang `--speculative-dspark-block-size` =
+block_size. vLLM 0.32 serves only the vanilla Markov head: `vllm_speculative_config` refuses a gated one.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from drafters.common.contract import EXPORT_META_FILE, format_fields
+from drafters.dflash import export as dflash_export
+from drafters.dflash.export import DFlashExportConfig
+
+if TYPE_CHECKING:
+    from drafters.common.target import TargetHead, TargetSpec
+    from drafters.dspark.config import DSparkConfig
+    from drafters.dspark.model import DSparkDraft
+
+FORMATS = ("native",)
+ARCHITECTURES = ("Qwen3DSparkModel",)
+
+
+@dataclass(frozen=True)
+class DSparkExportConfig(DFlashExportConfig):
+    """The engine side of a DSpark draft: the DFlash export fields (block_size = gamma) plus the heads."""
+
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    enable_confidence_head: bool = False
+    confidence_head_with_markov: bool = False
+
+    family: ClassVar[str] = "dspark"
+
+    @classmethod
+    def from_drafter(cls, cfg: DSparkConfig, spec: TargetSpec, **overrides: Any) -> DSparkExportConfig:  # type: ignore[override]
+        base = DFlashExportConfig.from_drafter(cfg, spec)
+        body = {f.name: getattr(base, f.name) for f in fields(DFlashExportConfig)}
+        out = cls(**body, markov_rank=cfg.markov_rank, markov_head_type=cfg.markov_head_type,
+                  enable_confidence_head=cfg.enable_confidence_head,
+                  confidence_head_with_markov=cfg.confidence_head_with_markov and cfg.enable_confidence_head)
+        return replace(out, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        body = asdict(self)
+        body["target_layer_ids"] = list(self.target_layer_ids)
+        return {"family": self.family, **body}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> DSparkExportConfig:
+        body = format_fields(cls, data, "DSpark")
+        body["target_layer_ids"] = tuple(body["target_layer_ids"])
+        return cls(**body)
+
+    def engine_tensors(self, state_dict: Mapping[str, Tensor], fmt: str = "native",
+                       dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+        return engine_tensors(state_dict, self, fmt, dtype)
+
+    def export(self, state_dict: Mapping[str, Tensor], out_dir: str | Path, fmt: str = "native",
+               **kwargs: Any) -> Path:
+        _check_format(fmt)
+        return export_dspark(state_dict, self, out_dir, **kwargs)
+
+    def _check_dspark_k(self, num_speculative_tokens: int, engine: str) -> None:
+        if int(num_speculative_tokens) != self.block_size:
+            raise ValueError(f"{engine} DSpark: num_speculative_tokens={num_speculative_tokens}, expected block_size = "
+                             f"{self.block_size} (every slot of [anchor, MASK x {self.block_size - 1}] drafts)")
+
+    def vllm_speculative_config(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
+        """`{"method": "dspark", "model": dir, "num_speculative_tokens": block_size}` (GPU: vLLM's V2
+        runner; the CPU V1 runner refuses dspark); a gated Markov head is refused."""
+        from drafters.registry import engine_method
+
+        if self.markov_head_type != "vanilla" and self.markov_rank:
+            raise ValueError(f"vLLM DSpark: markov_head_type={self.markov_head_type!r}, expected 'vanilla' (vLLM 0.32 "
+                             "builds only the vanilla low-rank head and refuses the gate_proj weights; serve a gated "
+                             "DSpark draft with SGLang)")
+        self._check_dspark_k(num_speculative_tokens, "vLLM")
+        method = engine_method(self.family, "vllm")
+        return {"method": method.method, "model": str(draft_dir), "num_speculative_tokens": int(num_speculative_tokens),
+                **dict(method.extra)}
+
+    def sglang_server_args(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
+        from drafters.registry import engine_method
+
+        self._check_dspark_k(num_speculative_tokens, "SGLang")
+        return {"speculative_algorithm": engine_method(self.family, "sglang").method,
+                "speculative_draft_model_path": str(draft_dir), "speculative_dspark_block_size": self.block_size}
+
+    def sglang_expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        return expected_shapes(self)
+
+
+def _check_format(fmt: str) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"fmt: got {fmt!r}, expected one of {FORMATS}")
+
+
+def expected_shapes(cfg: DSparkExportConfig) -> dict[str, tuple[int, ...]]:
+    """Engine name -> shape of every exported tensor (= the DSparkDraft parameter names)."""
+    shapes = dflash_export.expected_shapes(cfg)
+    v, h, r = cfg.vocab_size, cfg.hidden_size, cfg.markov_rank
+    if r:
+        shapes.update({"markov_head.markov_w1.weight": (v, r), "markov_head.markov_w2.weight": (v, r)})
+        if cfg.markov_head_type == "gated":
+            shapes.update({"markov_head.gate_proj.weight": (r, h + r), "markov_head.gate_proj.bias": (r,)})
+    if cfg.enable_confidence_head:
+        width = h + (r if cfg.confidence_head_with_markov else 0)
+        shapes.update({"confidence_head.proj.weight": (1, width), "confidence_head.proj.bias": (1,)})
+    return shapes
+
+
+def check_tensors(tensors: Mapping[str, Tensor], cfg: DSparkExportConfig, where: str = "DSpark export") -> None:
+    """The DFlash checks (drafters/dflash/export.py `check_tensors`) against DSpark's tensor set."""
+    dflash_export.check_tensors(tensors, cfg, where, expected_shapes(cfg))
+
+
+def engine_tensors(state_dict: Mapping[str, Tensor], cfg: DSparkExportConfig, fmt: str = "native",
+                   dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    _check_format(fmt)
+    cast = dtype if dtype is not None else getattr(torch, cfg.dtype)
+    name = str(cast).removeprefix("torch.")
+    if name != cfg.dtype:
+        cfg = replace(cfg, dtype=name)
+    frozen = dflash_export.FROZEN
+    tensors = {k: v.detach().to("cpu").to(cast).contiguous() for k, v in state_dict.items() if k not in frozen}
+    check_tensors(tensors, cfg, "DSpark state dict")
+    return tensors
+
+
+def native_config(cfg: DSparkExportConfig) -> dict[str, Any]:
+    """config.json of the `native` format (module docstring)."""
+    out = dflash_export.native_config(cfg)
+    ids = list(cfg.target_layer_ids)
+    out.update({
+        "architectures": list(ARCHITECTURES), "draft_vocab_size": cfg.vocab_size,
+        "dspark_block_size": cfg.block_size, "markov_rank": cfg.markov_rank, "dspark_markov_rank": cfg.markov_rank,
+        "markov_head_type": cfg.markov_head_type, "dspark_markov_head_type": cfg.markov_head_type,
+        "enable_confidence_head": cfg.enable_confidence_head,
+        "confidence_head_with_markov": cfg.confidence_head_with_markov, "sample_from_anchor": True,
+        "dspark_target_layer_ids": ids, "mask_token_id": cfg.mask_token_id, "dspark_noise_token_id": cfg.mask_token_id,
+    })
+    return out
+
+
+def export_dspark(state_dict: Mapping[str, Tensor], cfg: DSparkExportConfig, out_dir: str | Path, *,
+                  dtype: torch.dtype | None = None, meta: Mapping[str, Any] | None = None) -> Path:
+    tensors = engine_tensors(state_dict, cfg, "native", dtype)
+    cfg = replace(cfg, dtype=str(tensors["fc.weight"].dtype).removeprefix("torch."))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(native_config(cfg), indent=2) + "\n")
+    meta_doc = {"family": cfg.family, "format": "native", "export_config": cfg.to_dict(),
+                "engine_format": cfg.to_dict(), **dict(meta or {})}
+    (out / EXPORT_META_FILE).write_text(json.dumps(meta_doc, indent=2) + "\n")
+    return out
+
+
+def export(model: DSparkDraft, cfg: DSparkConfig, target_spec: TargetSpec, out_dir: str | Path,
+           fmt: str = "native", **kwargs: Any) -> Path:
+    _check_format(fmt)
+    drafter = asdict(model.cfg)
+    drafter["target_layer_ids"] = list(model.cfg.target_layer_ids or ())
+    meta = {"drafter_config": drafter, **dict(kwargs.pop("meta", None) or {})}
+    return export_dspark(model.state_dict(), DSparkExportConfig.from_drafter(cfg, target_spec), out_dir,
+                         meta=meta, **kwargs)
+
+
+def check_export(export_dir: str | Path) -> DSparkExportConfig:
+    """A servable DSpark export: config.json exactly as `native_config` writes it (no eagle_config,
+    consistent layer ids), every tensor present, named, shaped, typed and finite."""
+    root = Path(export_dir)
+    where = str(root / "config.json")
+    config = json.loads((root / "config.json").read_text())
+    if "eagle_config" in config:
+        raise ValueError(f"{where}: key 'eagle_config' = {config['eagle_config']!r}, expected absent (vLLM V1 lets an "
+                         "eagle_config dict override the layer ids silently, engines.md 1.3)")
+    if tuple(config.get("architectures") or ()) != ARCHITECTURES:
+        raise ValueError(f"{where}: architectures {config.get('architectures')}, expected {list(ARCHITECTURES)}")
+    as_dflash = dict(config, architectures=list(dflash_export.ARCHITECTURES))
+    for key in ("draft_vocab_size", "dspark_block_size", "markov_rank", "dspark_markov_rank", "markov_head_type",
+                "dspark_markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+                "sample_from_anchor", "dspark_target_layer_ids", "mask_token_id", "dspark_noise_token_id"):
+        if key not in config:
+            raise ValueError(f"{where}: missing key {key!r}")
+        as_dflash.pop(key)
+    try:
+        base = dflash_export.config_from_json(as_dflash, where)
+        body = {f.name: getattr(base, f.name) for f in fields(DFlashExportConfig)}
+        cfg = DSparkExportConfig(**body, markov_rank=int(config["markov_rank"]),
+                                 markov_head_type=str(config["markov_head_type"]),
+                                 enable_confidence_head=bool(config["enable_confidence_head"]),
+                                 confidence_head_with_markov=bool(config["confidence_head_with_markov"]))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from None
+    want = native_config(cfg)
+    for key, value in want.items():
+        if config.get(key) != value:
+            raise ValueError(f"{where}: key {key!r} = {config.get(key)!r}, expected {value!r}")
+    weights = root / "model.safetensors"
+    with safe_open(str(weights), framework="pt") as f:
+        names = list(f.keys())
+    dflash_export.refuse_names(names, str(weights))
+    check_tensors(load_file(str(weights)), cfg, str(weights))
+    return cfg
+
+
+def load_dspark_export(export_dir: str | Path, target: TargetHead) -> DSparkDraft:
+    """Read an export back into a `DSparkDraft` on `target`: checked, sizes matched, weights exact, eval mode."""
+    from drafters.dspark.config import DSparkConfig
+    from drafters.dspark.model import DSparkDraft
+
+    root = Path(export_dir)
+    cfg = check_export(root)
+    meta_path = root / EXPORT_META_FILE
+    settings = dict(json.loads(meta_path.read_text()).get("drafter_config", {})) if meta_path.is_file() else {}
+    settings.update(num_layers=cfg.num_hidden_layers, block_size=cfg.block_size,
+                    target_layer_ids=cfg.target_layer_ids, num_target_features=len(cfg.target_layer_ids),
+                    mask_token_id=cfg.mask_token_id, markov_rank=cfg.markov_rank,
+                    markov_head_type=cfg.markov_head_type, enable_confidence_head=cfg.enable_confidence_head,
+                    confidence_head_with_markov=cfg.confidence_head_with_markov)
+    drafter = DSparkConfig(**settings)
+    want = DSparkExportConfig.from_drafter(drafter, target.spec, max_position_embeddings=cfg.max_position_embeddings,
+                                           hidden_act=cfg.hidden_act, dtype=cfg.dtype, mask_token=cfg.mask_token)
+    if want != cfg:
+        raise ValueError(f"{root}: export config {cfg} does not match the target's sizes {want}")
+    model = DSparkDraft(drafter, target)
+    model.to(getattr(torch, cfg.dtype))
+    model.load_state_dict(load_file(str(root / "model.safetensors")), strict=True)
+    return model.eval()

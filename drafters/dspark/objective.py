@@ -1,0 +1,159 @@
+"""DSpark training objective (algorithms.md section 5; DeepSpec loss).
+
+Layout, per sequence (block size B = gamma, anchors a):
+    candidates: a with valid[a] and valid[a + 1]  (valid = loss_mask & attention_mask)
+    block input [x_a, MASK x (B - 1)] at positions a .. a + B - 1
+    slot k label x_{a+k+1}; Markov predecessor x_{a+k} (the anchor for k = 0)
+    target distribution p_t = softmax(target_lm_head(last_hidden[a + k])) (post-norm last hidden)
+    eval mask: slot k counts iff a + k + 1 < seq and valid[a + j + 1] for every j <= k (the
+    contiguous valid prefix: the first invalid label ends the run, `prefix_mask`)
+Worked example, valid [0, 1, 1, 1, 0, 1], B 3, anchor 1: labels x2, x3, x4; valid labels
+    [1, 1, 0] -> prefix [1, 1, 0] (x4 is invalid; nothing after it counts even if valid).
+
+Per counted row (weights w_k = exp(-k / gamma) on slot k):
+    ce   = CE(p_d, label)            (full, restricted or sampled: `ce_rows`)
+    l1   = sum_v |p_d - p_t|         (= 2 TV, always over the full vocabulary)
+    conf = BCE(c_k, 1 - 0.5 * l1)    (target detached; 0 without a confidence head)
+    row  = ce_weight * ce + l1_weight * l1 + conf_weight * conf
+    loss = sum(w * row) / sum(w)     over the finite rows; non-finite rows are dropped and counted
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from drafters.common.blocks import block_input_ids, block_labels, block_position_ids, sample_anchors
+from drafters.common.losses import ObjectiveOutput
+from drafters.dspark.config import DSparkConfig
+from drafters.dspark.model import DSparkDraft
+
+REQUIRED_FIELDS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
+
+
+def slot_weights(block_size: int, gamma: float) -> Tensor:
+    """float32 [B]: slot k weight exp(-k / gamma). Worked example: B 3, gamma 2 -> [1, 0.6065, 0.3679]."""
+    return torch.exp(-torch.arange(block_size, dtype=torch.float32) / gamma)
+
+
+def anchor_candidates(valid: Tensor) -> Tensor:
+    """bool [batch, seq]: a with valid[a] and valid[a + 1]. Worked example: [[0, 1, 1, 1, 0, 1]] ->
+    [[0, 1, 1, 0, 0, 0]]."""
+    nxt = torch.zeros_like(valid)
+    nxt[:, :-1] = valid[:, 1:]
+    return valid & nxt
+
+
+def prefix_mask(valid: Tensor, anchors: Tensor, anchor_valid: Tensor, block_size: int) -> Tensor:
+    """bool [batch, nb, B]: slot k counts iff labels a + 1 .. a + k + 1 are all valid (module
+    docstring). valid bool [batch, seq]."""
+    seq = valid.shape[1]
+    pos = block_position_ids(anchors + 1, block_size).view(*anchors.shape, block_size)  # label positions
+    ok = valid.gather(1, pos.clamp(max=seq - 1).flatten(1)).view_as(pos) & (pos < seq)
+    return ok.long().cumprod(-1).bool() & anchor_valid[:, :, None]
+
+
+def ce_rows(logits: Tensor, labels: Tensor, target_probs: Tensor, cfg: DSparkConfig,
+            generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Per-row CE [N] and the candidate count per row [N] (V for "full").
+
+    restricted: -z_y + logsumexp(z over S), S = the target's top ce_vocab tokens plus the label;
+    sampled: -z_y + logsumexp([z_y, z_neg + log((V - 1) / n)]) with n = ce_vocab negatives drawn
+    uniformly (without replacement) from the vocabulary minus the label, the same draw for every
+    row except where it hits the row's label (that negative is dropped)."""
+    z = logits.float()
+    n_rows, vocab = z.shape
+    if cfg.ce_mode == "full":
+        return F.cross_entropy(z, labels, reduction="none"), torch.full((n_rows,), float(vocab), device=z.device)
+    zy = z.gather(1, labels[:, None]).squeeze(1)
+    if cfg.ce_mode == "restricted":
+        top = target_probs.topk(cfg.ce_vocab, dim=-1).indices  # [N, c]
+        member = torch.zeros_like(z, dtype=torch.bool).scatter_(1, top, True)
+        member.scatter_(1, labels[:, None], True)
+        lse = torch.logsumexp(z.masked_fill(~member, float("-inf")), dim=-1)
+        return lse - zy, member.sum(-1).float()
+    device = generator.device if generator is not None else z.device
+    neg = torch.randperm(vocab, generator=generator, device=device)[: cfg.ce_vocab].to(z.device)  # [n]
+    keep = neg[None, :] != labels[:, None]  # [N, n]
+    corr = math.log((vocab - 1) / cfg.ce_vocab)
+    zneg = (z[:, neg] + corr).masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(torch.cat([zy[:, None], zneg], dim=1), dim=-1)
+    return lse - zy, 1.0 + keep.sum(-1).float()
+
+
+def check_batch(batch: dict[str, Tensor]) -> None:
+    missing = [k for k in (*REQUIRED_FIELDS, "attention_mask") if k not in batch]
+    if missing:
+        raise KeyError(f"DSpark batch: missing fields {missing} (has {sorted(batch)})")
+    b, t = batch["input_ids"].shape
+    for key in ("loss_mask", "attention_mask"):
+        if tuple(batch[key].shape) != (b, t):
+            raise ValueError(f"DSpark batch: {key} is {tuple(batch[key].shape)}, expected {(b, t)}")
+    for key in ("aux_hidden", "last_hidden"):
+        if tuple(batch[key].shape[:2]) != (b, t):
+            raise ValueError(f"DSpark batch: {key} is {tuple(batch[key].shape)}, expected ({b}, {t}, ...)")
+
+
+def dspark_objective(model: DSparkDraft, batch: dict[str, Tensor],
+                     generator: torch.Generator | None = None) -> ObjectiveOutput:
+    """One micro-batch (module docstring). batch: input_ids, loss_mask, attention_mask [batch, seq],
+    aux_hidden [batch, seq, m*H], last_hidden [batch, seq, H] (post-norm)."""
+    check_batch(batch)
+    cfg = model.cfg
+    assert cfg.mask_token_id is not None
+    bs = cfg.block_size
+    ids = batch["input_ids"]
+    valid = batch["loss_mask"].to(torch.bool) & batch["attention_mask"].to(torch.bool)  # [batch, seq]
+    anchors, anchor_valid = sample_anchors(anchor_candidates(valid), 1, cfg.num_anchors, generator)  # [batch, nb]
+    select = prefix_mask(valid, anchors, anchor_valid, bs)  # [batch, nb, B]
+    labels = block_labels(ids, anchors + 1, bs)[select]  # [N]
+    prev = block_labels(ids, anchors, bs)  # [batch, nb, B]: x_{a+k}
+    rows = model(batch["aux_hidden"], block_input_ids(ids, anchors, bs, cfg.mask_token_id), anchors, anchor_valid,
+                 prev, select)
+    b, j, k = select.nonzero(as_tuple=True)
+    with torch.no_grad():
+        pos = (anchors[b, j] + k).clamp(max=ids.shape[1] - 1)  # [N]: p_t from the last hidden at a + k
+        target_probs = torch.softmax(model.logits(batch["last_hidden"][b, pos]).float(), dim=-1)  # [N, V]
+    draft_probs = torch.softmax(rows.logits.float(), dim=-1)  # [N, V]
+    l1 = (draft_probs - target_probs).abs().sum(-1)  # [N]
+    ce, ce_size = ce_rows(rows.logits, labels, target_probs, cfg, generator)
+    conf_target = torch.nan_to_num((1.0 - 0.5 * l1).detach(), nan=0.0).clamp(0.0, 1.0)  # a NaN row is dropped below
+    if rows.confidence is not None:
+        conf = F.binary_cross_entropy(rows.confidence.clamp(1e-6, 1 - 1e-6), conf_target, reduction="none")
+    else:
+        conf = torch.zeros_like(l1)
+    per_row = cfg.ce_weight * ce + cfg.l1_weight * l1 + cfg.conf_weight * conf  # [N]
+    finite = torch.isfinite(per_row)
+    w = slot_weights(bs, cfg.loss_gamma).to(per_row.device)[k] * finite.float()  # [N]
+    safe = torch.where(finite, per_row, torch.zeros_like(per_row))
+    num = (w * safe).sum()
+    den = w.sum().detach()
+    return ObjectiveOutput(num.view(1), den.view(1), torch.ones(1, device=num.device),
+                           _metrics(rows.logits, labels, k, w, finite, ce, l1, conf, ce_size, bs))
+
+
+def _metrics(logits: Tensor, labels: Tensor, slot: Tensor, w: Tensor, finite: Tensor, ce: Tensor, l1: Tensor,
+             conf: Tensor, ce_size: Tensor, bs: int) -> dict[str, tuple[Tensor, Tensor]]:
+    """(sum, count) metrics: weighted ce / l1 / conf terms, top-1 and top-5 accuracy, per-slot
+    accuracy and weighted loss, valid and non-finite row counts, mean CE candidate count."""
+    with torch.no_grad():
+        d = logits.detach()
+        n = torch.tensor(float(labels.numel()), device=d.device)
+        top5 = d.topk(min(5, d.shape[-1]), dim=-1).indices
+        hit1 = (top5[:, 0] == labels).float()
+        hit5 = (top5 == labels[:, None]).any(-1).float()
+        den = w.sum()
+        z = lambda t: torch.where(finite, t, torch.zeros_like(t))  # noqa: E731
+        out: dict[str, tuple[Tensor, Tensor]] = {
+            "ce": ((w * z(ce)).sum(), den), "l1": ((w * z(l1)).sum(), den), "conf_bce": ((w * z(conf)).sum(), den),
+            "acc": (hit1.sum(), n), "top5": (hit5.sum(), n), "valid_tokens": (n, torch.ones_like(n)),
+            "nonfinite_rows": ((~finite).sum().float(), torch.ones_like(n)),
+            "ce_vocab": (ce_size.sum(), n),
+        }
+        for pos in range(bs):
+            at = slot == pos
+            out[f"acc_pos{pos + 1}"] = (hit1[at].sum(), at.sum().float())
+        return out

@@ -1,0 +1,61 @@
+"""DSpark block drafting for the reference decoder (algorithms.md section 5, inference).
+
+Round with committed tokens x_0..x_n and target features at 0..n-1: ONE backbone forward over
+    [x_n, MASK x (K - 1)]  at positions n .. n + K - 1     (K = num_tokens <= block_size)
+gives base logits U_1..U_K (slot k - 1 predicts d_k: the anchor predicts the first new token);
+then left to right, d_0 = x_n:
+    d_k ~ softmax((U_k + W2 e(d_{k-1}, h_k)) / T)   (greedy: argmax)
+and q_k is that distribution, so rejection sampling with q is lossless (d_k is drawn from q_k
+given the drafts before it, which is what verification assumes).
+Worked example, n = 4, K = 3: block [x_4, M, M] at positions 4, 5, 6; slot 0 with prev x_4 gives
+d_1, slot 1 with prev d_1 gives d_2, slot 2 with prev d_2 gives d_3.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drafters.common.contract import DraftContext, Proposal
+from drafters.common.sampling import SamplingParams, logits_to_probs, sample
+from drafters.dflash.proposer import context_features
+from drafters.dspark.model import DSparkDraft
+
+
+class DSparkProposer:
+    def __init__(self, model: DSparkDraft):
+        self.model = model
+        self.hidden_state_ids = model.cfg.hidden_state_ids(model.spec)
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext, num_tokens: int, sampling: SamplingParams,
+                generator: torch.Generator | None = None) -> Proposal:
+        model = self.model
+        bs = model.cfg.block_size
+        ids = ctx.token_ids
+        n = ids.numel() - 1
+        if n < 1 or not 1 <= num_tokens <= bs:
+            raise ValueError(f"propose: need >= 2 committed tokens and 1 <= num_tokens <= block_size = {bs}; "
+                             f"got {n + 1} tokens and num_tokens={num_tokens}")
+        features = context_features(ctx, self.hidden_state_ids)
+        if features.shape[0] != n:
+            raise ValueError(f"target_hidden_states: {features.shape[0]} positions, expected {n} (tokens 0..n-1)")
+        device = model.fc.weight.device
+        assert model.cfg.mask_token_id is not None
+        block = torch.full((1, 1, num_tokens), model.cfg.mask_token_id, dtype=torch.long, device=device)
+        block[0, 0, 0] = ids[-1]
+        anchors = torch.full((1, 1), n, dtype=torch.long, device=device)
+        valid = torch.ones(1, 1, dtype=torch.bool, device=device)
+        hidden = model.block_hidden(features.to(device)[None], block, anchors, valid)[0, 0]  # [K, H]
+        prev = ids[-1].to(device).view(1)
+        tokens, probs = [], []
+        for k in range(num_tokens):
+            logits, _ = model.head_logits(hidden[k : k + 1], prev)  # [1, V]
+            if sampling.greedy:
+                token = logits[0].argmax().view(1)
+            else:
+                q = logits_to_probs(logits[0], sampling)
+                token = sample(q, generator).view(1)
+                probs.append(q)
+            tokens.append(token)
+            prev = token
+        return Proposal(torch.cat(tokens).long().cpu(), torch.stack(probs).cpu() if probs else None)
