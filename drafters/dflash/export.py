@@ -178,7 +178,15 @@ class DFlashExportConfig:
 
     def sglang_expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """SGLang's `DFlashDraftModel` takes every export tensor (engines.md 4.5)."""
+        return self.tensor_shapes()
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Engine name -> shape of every exported tensor (a subclass adds its heads)."""
         return expected_shapes(self)
+
+    def config_json(self) -> dict[str, Any]:
+        """config.json of the `native` format (a subclass adds its keys)."""
+        return native_config(self)
 
     def sglang_never_published(self) -> Mapping[str, str]:
         return {k: REFUSED[k] for k in ("embed_tokens.weight", "lm_head.weight")}
@@ -224,7 +232,7 @@ def check_tensors(tensors: Mapping[str, Tensor], cfg: DFlashExportConfig, where:
     non-finite values. `want`: the expected name -> shape (default: `expected_shapes(cfg)`; DSpark
     passes its backbone + heads)."""
     refuse_names(tensors, where)
-    want = expected_shapes(cfg) if want is None else want
+    want = cfg.tensor_shapes() if want is None else want
     missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
     if missing or extra:
         raise ValueError(f"{where}: missing tensors {missing}, unexpected tensors {extra} "
@@ -258,7 +266,7 @@ def engine_tensors(state_dict: Mapping[str, Tensor], cfg: DFlashExportConfig, fm
     if name != cfg.dtype:
         cfg = replace(cfg, dtype=name)  # checked against the dtype actually written
     tensors = {k: v.detach().to("cpu").to(cast).contiguous() for k, v in state_dict.items() if k not in FROZEN}
-    check_tensors(tensors, cfg, "DFlash state dict")
+    check_tensors(tensors, cfg, f"{cfg.family} state dict")
     return tensors
 
 
@@ -291,7 +299,7 @@ def export_dflash(state_dict: Mapping[str, Tensor], cfg: DFlashExportConfig, out
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(native_config(cfg), indent=2) + "\n")
+    (out / "config.json").write_text(json.dumps(cfg.config_json(), indent=2) + "\n")
     meta_doc = {"family": cfg.family, "format": "native", "export_config": cfg.to_dict(),
                 "engine_format": cfg.to_dict(), **dict(meta or {})}
     (out / META_FILE).write_text(json.dumps(meta_doc, indent=2) + "\n")

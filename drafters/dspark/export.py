@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-from torch import Tensor
+from safetensors.torch import load_file
 
 from drafters.common.contract import EXPORT_META_FILE, format_fields
 from drafters.dflash import export as dflash_export
@@ -75,14 +74,11 @@ class DSparkExportConfig(DFlashExportConfig):
         body["target_layer_ids"] = tuple(body["target_layer_ids"])
         return cls(**body)
 
-    def engine_tensors(self, state_dict: Mapping[str, Tensor], fmt: str = "native",
-                       dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-        return engine_tensors(state_dict, self, fmt, dtype)
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        return expected_shapes(self)
 
-    def export(self, state_dict: Mapping[str, Tensor], out_dir: str | Path, fmt: str = "native",
-               **kwargs: Any) -> Path:
-        _check_format(fmt)
-        return export_dspark(state_dict, self, out_dir, **kwargs)
+    def config_json(self) -> dict[str, Any]:
+        return native_config(self)
 
     def _check_dspark_k(self, num_speculative_tokens: int, engine: str) -> None:
         if int(num_speculative_tokens) != self.block_size:
@@ -110,8 +106,6 @@ class DSparkExportConfig(DFlashExportConfig):
         return {"speculative_algorithm": engine_method(self.family, "sglang").method,
                 "speculative_draft_model_path": str(draft_dir), "speculative_dspark_block_size": self.block_size}
 
-    def sglang_expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        return expected_shapes(self)
 
 
 def _check_format(fmt: str) -> None:
@@ -133,24 +127,6 @@ def expected_shapes(cfg: DSparkExportConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def check_tensors(tensors: Mapping[str, Tensor], cfg: DSparkExportConfig, where: str = "DSpark export") -> None:
-    """The DFlash checks (drafters/dflash/export.py `check_tensors`) against DSpark's tensor set."""
-    dflash_export.check_tensors(tensors, cfg, where, expected_shapes(cfg))
-
-
-def engine_tensors(state_dict: Mapping[str, Tensor], cfg: DSparkExportConfig, fmt: str = "native",
-                   dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-    _check_format(fmt)
-    cast = dtype if dtype is not None else getattr(torch, cfg.dtype)
-    name = str(cast).removeprefix("torch.")
-    if name != cfg.dtype:
-        cfg = replace(cfg, dtype=name)
-    frozen = dflash_export.FROZEN
-    tensors = {k: v.detach().to("cpu").to(cast).contiguous() for k, v in state_dict.items() if k not in frozen}
-    check_tensors(tensors, cfg, "DSpark state dict")
-    return tensors
-
-
 def native_config(cfg: DSparkExportConfig) -> dict[str, Any]:
     """config.json of the `native` format (module docstring)."""
     out = dflash_export.native_config(cfg)
@@ -166,28 +142,14 @@ def native_config(cfg: DSparkExportConfig) -> dict[str, Any]:
     return out
 
 
-def export_dspark(state_dict: Mapping[str, Tensor], cfg: DSparkExportConfig, out_dir: str | Path, *,
-                  dtype: torch.dtype | None = None, meta: Mapping[str, Any] | None = None) -> Path:
-    tensors = engine_tensors(state_dict, cfg, "native", dtype)
-    cfg = replace(cfg, dtype=str(tensors["fc.weight"].dtype).removeprefix("torch."))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(native_config(cfg), indent=2) + "\n")
-    meta_doc = {"family": cfg.family, "format": "native", "export_config": cfg.to_dict(),
-                "engine_format": cfg.to_dict(), **dict(meta or {})}
-    (out / EXPORT_META_FILE).write_text(json.dumps(meta_doc, indent=2) + "\n")
-    return out
-
-
 def export(model: DSparkDraft, cfg: DSparkConfig, target_spec: TargetSpec, out_dir: str | Path,
            fmt: str = "native", **kwargs: Any) -> Path:
     _check_format(fmt)
     drafter = asdict(model.cfg)
     drafter["target_layer_ids"] = list(model.cfg.target_layer_ids or ())
     meta = {"drafter_config": drafter, **dict(kwargs.pop("meta", None) or {})}
-    return export_dspark(model.state_dict(), DSparkExportConfig.from_drafter(cfg, target_spec), out_dir,
-                         meta=meta, **kwargs)
+    return dflash_export.export_dflash(model.state_dict(), DSparkExportConfig.from_drafter(cfg, target_spec),
+                                       out_dir, meta=meta, **kwargs)
 
 
 def check_export(export_dir: str | Path) -> DSparkExportConfig:
@@ -225,7 +187,7 @@ def check_export(export_dir: str | Path) -> DSparkExportConfig:
     with safe_open(str(weights), framework="pt") as f:
         names = list(f.keys())
     dflash_export.refuse_names(names, str(weights))
-    check_tensors(load_file(str(weights)), cfg, str(weights))
+    dflash_export.check_tensors(load_file(str(weights)), cfg, str(weights))
     return cfg
 
 

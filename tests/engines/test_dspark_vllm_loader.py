@@ -24,7 +24,7 @@ import torch
 
 from drafters.common.target import TargetHead, TargetSpec
 from drafters.dspark import DSparkConfig, DSparkDraft
-from drafters.dspark.export import DSparkExportConfig, export_dspark
+from drafters.dspark.export import DSparkExportConfig
 
 from .conftest import VOCAB, build_target
 from .test_dflash_vllm_loader import OPTIONAL, SHARED, expected_backbone_params, free_port
@@ -65,7 +65,7 @@ def vllm_draft(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
     target = build_target(root / "target", seed=6)
     spec = TargetSpec.from_pretrained(target)
     export_cfg = DSparkExportConfig.from_drafter(CFG, spec)
-    draft = export_dspark(_draft_state(spec), export_cfg, root / "draft")
+    draft = export_cfg.export(_draft_state(spec), root / "draft")
     common = {"model": str(target), "tokenizer": str(target), "dtype": "float32", "max_model_len": 128,
               "enforce_eager": True}
     vllm_config = EngineArgs(**common).create_engine_config()
