@@ -80,9 +80,10 @@ CATALOG: Mapping[str, CatalogEntry] = MappingProxyType({e.name: e for e in (
                  (_m("vllm", "dspark", note="num_speculative_tokens = block_size; V2 runner only (GPU), vanilla "
                                             "Markov head only"),
                   _m("sglang", "DSPARK", note="--speculative-dspark-block-size = block_size; CUDA/NPU/XPU"))),
-    CatalogEntry("domino", "Domino: DFlash backbone + causal GRU correction head", None,
-                 (_m("vllm", "dflash", note="unverified (cited as vllm#48241)", projector_type="domino"),
-                  _m("sglang", "DFLASH", note="greedy, CUDA, bf16, full vocab", projector_type="domino"))),
+    CatalogEntry("domino", "Domino: DFlash backbone + causal GRU correction head",
+                 "drafters.domino.family:FAMILY",
+                 (_m("sglang", "DFLASH", note="dflash_config.projector_type domino; --speculative-num-draft-tokens = "
+                                              "block_size; greedy, CUDA, bf16, full vocab"),)),
     CatalogEntry("peagle", "P-EAGLE: EAGLE-3 with parallel drafting of K tokens in one pass", None,
                  (_m("vllm", "eagle3", note="vLLM >= 0.16", parallel_drafting=True),)),
 )})

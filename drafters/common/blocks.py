@@ -121,6 +121,35 @@ def block_labels(input_ids: Tensor, anchors: Tensor, block_size: int) -> Tensor:
     return torch.where(inside, tok, torch.zeros_like(tok))
 
 
+def next_token_anchor_candidates(valid: Tensor) -> Tensor:
+    """bool [batch, seq]: anchors of the "anchor predicts the first token" layout (DSpark, Domino):
+    a with valid[a] and valid[a + 1]. Worked example: [[0, 1, 1, 1, 0, 1]] -> [[0, 1, 1, 0, 0, 0]]."""
+    nxt = torch.zeros_like(valid)
+    nxt[:, :-1] = valid[:, 1:]
+    return valid & nxt
+
+
+def next_token_prefix_mask(valid: Tensor, anchors: Tensor, anchor_valid: Tensor, block_size: int) -> Tensor:
+    """bool [batch, nb, B]: in the "anchor predicts the first token" layout (slot k's label is
+    x_{a+k+1}), slot k counts iff the labels a + 1 .. a + k + 1 are all inside the sequence and
+    valid (the contiguous valid prefix: the first invalid label ends the run). valid bool [batch, seq].
+
+    Worked example: valid [[0, 1, 1, 1, 0, 1]], B 3, anchors [[1, 2]] (both valid): block 1 labels
+    x2, x3, x4 -> valid [1, 1, 0] -> [1, 1, 0]; block 2 labels x3, x4, x5 -> [1, 0, 1] -> [1, 0, 0]
+    (x5 is valid but comes after the invalid x4).
+    """
+    seq = valid.shape[1]
+    pos = block_position_ids(anchors + 1, block_size).view(*anchors.shape, block_size)  # label positions
+    ok = valid.gather(1, pos.clamp(max=seq - 1).flatten(1)).view_as(pos) & (pos < seq)
+    return ok.long().cumprod(-1).bool() & anchor_valid[:, :, None]
+
+
+def next_token_slot_weights(num_slots: int, gamma: float) -> Tensor:
+    """float32 [num_slots]: slot k (label x_{a+k+1}, i.e. draft k + 1) weighs exp(-k / gamma), the
+    exp(-(j - 1) / gamma) of draft j. Worked example: 3 slots, gamma 2 -> [1, 0.6065, 0.3679]."""
+    return torch.exp(-torch.arange(num_slots, dtype=torch.float32) / gamma)
+
+
 def block_mask_mod(anchors: Tensor, anchor_valid: Tensor, ctx_len: int, block_size: int) -> MaskMod:
     """The block attention rule (module docstring) as a flex-attention mask function.
 

@@ -191,6 +191,18 @@ class DFlashExportConfig:
     def sglang_never_published(self) -> Mapping[str, str]:
         return {k: REFUSED[k] for k in ("embed_tokens.weight", "lm_head.weight")}
 
+    @classmethod
+    def from_config_json(cls, config: Mapping[str, Any], where: str) -> DFlashExportConfig:
+        """Rebuild the export config from config.json, refusing anything `config_json` would not
+        write (a subclass strips its own keys, parses the DFlash part, then matches the whole)."""
+        return config_from_json(config, where)
+
+    def drafter_settings(self) -> dict[str, Any]:
+        """The drafter-config fields the export fixes (the architecture; a subclass adds its heads)."""
+        return {"num_layers": self.num_hidden_layers, "block_size": self.block_size,
+                "target_layer_ids": self.target_layer_ids, "num_target_features": len(self.target_layer_ids),
+                "mask_token_id": self.mask_token_id}
+
 
 def _check_format(fmt: str) -> None:
     if fmt not in FORMATS:
@@ -307,14 +319,15 @@ def export_dflash(state_dict: Mapping[str, Tensor], cfg: DFlashExportConfig, out
 
 
 def export(model: DFlashDraft, cfg: DFlashConfig, target_spec: TargetSpec, out_dir: str | Path,
-           fmt: str = "native", **kwargs: Any) -> Path:
-    """`FAMILY.export`: a `drafters.dflash` model -> `export_dflash` (kwargs: dtype, meta)."""
+           fmt: str = "native", export_cls: type[DFlashExportConfig] | None = None, **kwargs: Any) -> Path:
+    """`FAMILY.export`: a model of the DFlash backbone -> `export_dflash` in the format of
+    `export_cls` (default DFlash; DSpark / Domino pass theirs). kwargs: dtype, meta."""
     _check_format(fmt)
+    cls = DFlashExportConfig if export_cls is None else export_cls
     drafter = asdict(model.cfg)
     drafter["target_layer_ids"] = list(model.cfg.target_layer_ids or ())
     meta = {"drafter_config": drafter, **dict(kwargs.pop("meta", None) or {})}
-    return export_dflash(model.state_dict(), DFlashExportConfig.from_drafter(cfg, target_spec), out_dir,
-                         meta=meta, **kwargs)
+    return export_dflash(model.state_dict(), cls.from_drafter(cfg, target_spec), out_dir, meta=meta, **kwargs)
 
 
 _JSON_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
@@ -350,7 +363,13 @@ def config_from_json(config: Mapping[str, Any], where: str) -> DFlashExportConfi
         raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids {vllm_ids} disagrees with "
                          f"dflash_config.target_layer_ids {list(cfg.target_layer_ids)}: expected "
                          f"{list(cfg.vllm_capture_ids())} (vLLM capture index = output-of-layer id + 1)")
-    want = native_config(cfg)
+    match_config(config, native_config(cfg), where)
+    return cfg
+
+
+def match_config(config: Mapping[str, Any], want: Mapping[str, Any], where: str) -> None:
+    """config.json must hold exactly `want`: every value equal, no other key (an unknown key may
+    change how an engine serves the draft)."""
     for key, value in want.items():
         if config.get(key) != value:
             raise ValueError(f"{where}: key {key!r} = {config.get(key)!r}, expected {value!r}")
@@ -358,20 +377,21 @@ def config_from_json(config: Mapping[str, Any], where: str) -> DFlashExportConfi
     if extra:
         raise ValueError(f"{where}: unexpected keys {extra} (they may change how an engine serves the draft; "
                          f"expected exactly {sorted(want)})")
-    return cfg
 
 
-def check_export(export_dir: str | Path) -> DFlashExportConfig:
-    """Check a directory is a servable DFlash export (config and every tensor); returns its config.
+def check_export(export_dir: str | Path, export_cls: type[DFlashExportConfig] | None = None) -> DFlashExportConfig:
+    """Check a directory is a servable export of `export_cls` (default DFlash; DSpark and Domino
+    pass theirs): config and every tensor; returns its config.
 
     Refuses, naming the file and key or tensor: an `eagle_config` dict, layer ids that disagree
     between `dflash_config.target_layer_ids` and `eagle_aux_hidden_state_layer_ids`, a wrong
-    architecture or any config value other than the one `native_config` writes; an engine-refused,
+    architecture or any config value other than the one `config_json` writes; an engine-refused,
     missing, unexpected, wrong-shape, wrong-dtype or non-finite tensor; an fc width other than
     len(target_layer_ids) x hidden_size."""
+    cls = DFlashExportConfig if export_cls is None else export_cls
     root = Path(export_dir)
     config = json.loads((root / "config.json").read_text())
-    cfg = config_from_json(config, str(root / "config.json"))
+    cfg = cls.from_config_json(config, str(root / "config.json"))
     weights = root / "model.safetensors"
     with safe_open(str(weights), framework="pt") as f:
         names = list(f.keys())
@@ -380,26 +400,31 @@ def check_export(export_dir: str | Path) -> DFlashExportConfig:
     return cfg
 
 
-def load_dflash_export(export_dir: str | Path, target: TargetHead) -> DFlashDraft:
-    """Read an export back into a `DFlashDraft` on `target` (its frozen embedding and head):
-    checked (`check_export`), sizes matched against the target, weights exact, eval mode."""
-    from drafters.dflash.config import DFlashConfig
-    from drafters.dflash.model import DFlashDraft
-
+def load_export(export_dir: str | Path, target: TargetHead, export_cls: type[DFlashExportConfig],
+                drafter_cls: type[DFlashConfig], model_cls: type[DFlashDraft]) -> DFlashDraft:
+    """Read an export back into a `model_cls` on `target` (its frozen embedding and head): checked
+    (`check_export`), sizes matched against the target, weights exact, eval mode. The training-only
+    settings come from verl_speco_meta.json, the architecture from config.json."""
     root = Path(export_dir)
-    cfg = check_export(root)
+    cfg = check_export(root, export_cls)
     meta_path = root / META_FILE
     settings = dict(json.loads(meta_path.read_text()).get("drafter_config", {})) if meta_path.is_file() else {}
-    settings.update(num_layers=cfg.num_hidden_layers, block_size=cfg.block_size,
-                    target_layer_ids=cfg.target_layer_ids, num_target_features=len(cfg.target_layer_ids),
-                    mask_token_id=cfg.mask_token_id)
-    drafter = DFlashConfig(**settings)
-    want = DFlashExportConfig.from_drafter(drafter, target.spec, max_position_embeddings=cfg.max_position_embeddings,
-                                           hidden_act=cfg.hidden_act, dtype=cfg.dtype, mask_token=cfg.mask_token)
+    settings.update(cfg.drafter_settings())
+    drafter = drafter_cls(**settings)
+    want = export_cls.from_drafter(drafter, target.spec, max_position_embeddings=cfg.max_position_embeddings,
+                                   hidden_act=cfg.hidden_act, dtype=cfg.dtype, mask_token=cfg.mask_token)
     if want != cfg:
         raise ValueError(f"{root}: export config {cfg} does not match the target's sizes {want}")
     tensors = load_file(str(root / "model.safetensors"))
-    model = DFlashDraft(drafter, target)
+    model = model_cls(drafter, target)
     model.to(getattr(torch, cfg.dtype))
     model.load_state_dict(tensors, strict=True)
     return model.eval()
+
+
+def load_dflash_export(export_dir: str | Path, target: TargetHead) -> DFlashDraft:
+    """`load_export` of a DFlash export."""
+    from drafters.dflash.config import DFlashConfig
+    from drafters.dflash.model import DFlashDraft
+
+    return load_export(export_dir, target, DFlashExportConfig, DFlashConfig, DFlashDraft)

@@ -6,7 +6,6 @@ and names its own pieces instead of copying the methods."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -19,7 +18,8 @@ from drafters.common.contract import DrafterFamily, StoreStats
 from drafters.common.losses import ObjectiveOutput
 from drafters.common.target import TargetHead, TargetSpec
 from drafters.dflash.config import DFlashConfig
-from drafters.dflash.export import DFlashExportConfig, load_dflash_export
+from drafters.dflash.export import DFlashExportConfig, load_export
+from drafters.dflash.export import export as export_model
 from drafters.dflash.model import DFlashDraft
 from drafters.dflash.objective import REQUIRED_FIELDS, dflash_objective
 from drafters.dflash.proposer import DFlashProposer
@@ -32,18 +32,13 @@ class DFlashFamily:
     config_cls: type[DFlashConfig] = DFlashConfig
     model_cls: type[DFlashDraft] = DFlashDraft
     export_cls: type[DFlashExportConfig] = DFlashExportConfig
-    export_module = "drafters.dflash.export"  # its `export(model, cfg, spec, out_dir, fmt, **kwargs)`
     required: tuple[str, ...] = REQUIRED_FIELDS
     # training-only choices: they shape the objective or the kernel, not the exported function
     mutable_settings: tuple[str, ...] = ("loss_gamma", "num_anchors", "attn_backend")
 
     @staticmethod
-    def _load(export_dir: str | Path, target: TargetHead) -> DFlashDraft:
-        return load_dflash_export(export_dir, target)
-
-    @staticmethod
-    def _objective(model: Any, batch: dict[str, Tensor]) -> ObjectiveOutput:
-        return dflash_objective(model, batch)
+    def _objective(model: Any, batch: dict[str, Tensor], progress: float) -> ObjectiveOutput:
+        return dflash_objective(model, batch)  # no curriculum
 
     proposer_cls: Callable[[Any], Any] = DFlashProposer
 
@@ -81,7 +76,7 @@ class DFlashFamily:
         return self.export_cls.from_dict(data)
 
     def load_export(self, export_dir: str | Path, target: TargetHead) -> DFlashDraft:
-        return self._load(export_dir, target)
+        return load_export(export_dir, target, self.export_cls, self.config_cls, self.model_cls)
 
     def build(self, cfg: DFlashConfig, target: TargetHead, store_stats: StoreStats | None = None) -> DFlashDraft:
         """A fresh draft (full target vocab: no draft vocab, `store_stats` is unused)."""
@@ -102,15 +97,14 @@ class DFlashFamily:
         return collate(samples)
 
     def objective(self, model: nn.Module, batch: dict[str, Tensor], progress: float = 0.0) -> ObjectiveOutput:
-        """No curriculum. Anchors are drawn from torch's global generator: a fresh draw every step."""
-        return self._objective(self._as_model(model), batch)
+        """`progress` drives a curriculum where the family has one (Domino). Anchors are drawn from
+        torch's global generator: a fresh draw every step."""
+        return self._objective(self._as_model(model), batch, progress)
 
     def export(self, model: nn.Module, cfg: DFlashConfig, target_spec: TargetSpec, out_dir: str | Path,
                fmt: str = "native", **kwargs: Any) -> Path:
-        """Delegates to `<export_module>.export` (format "native"; kwargs dtype, meta)."""
-        module = importlib.import_module(self.export_module)
-        out: Path = module.export(self._as_model(model), cfg, target_spec, Path(out_dir), fmt, **kwargs)
-        return out
+        """`drafters.dflash.export.export` in this family's format (format "native"; kwargs dtype, meta)."""
+        return export_model(self._as_model(model), cfg, target_spec, Path(out_dir), fmt, self.export_cls, **kwargs)
 
     def proposer(self, model: nn.Module, target_spec: TargetSpec) -> Any:
         m = self._as_model(model)

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from drafters.common.blocks import block_input_ids, block_labels, block_position_ids, sample_anchors
 from drafters.common.losses import ObjectiveOutput
+from drafters.common.metrics import block_row_metrics
 from drafters.dflash.model import DFlashDraft
 
 REQUIRED_FIELDS = ("input_ids", "loss_mask", "aux_hidden")
@@ -57,8 +58,8 @@ def dflash_loss(logits: Tensor, labels: Tensor, valid: Tensor, gamma: float) -> 
     """The weighted CE of the module docstring from full block logits.
 
     logits [batch, nb, B, V], labels int64 [batch, nb, B], valid bool [batch, nb, B]. Metrics
-    (sum, count): acc (top-1 over valid slots, unweighted), acc_pos{k} for k = 1..B-1, and
-    valid_tokens (number of valid slots, count 1).
+    (sum, count), common/metrics.block_row_metrics: acc / top5 over valid slots (unweighted),
+    acc_pos{k} / loss_pos{k} (mean CE) for k = 1..B-1, valid_tokens.
     """
     bs = logits.shape[2]
     w = slot_weights(bs, gamma).to(logits.device)  # [B]
@@ -72,12 +73,7 @@ def _loss_rows(row_logits: Tensor, row_labels: Tensor, slot: Tensor, w: Tensor, 
     wk = w[slot]  # [N]
     num = (wk * ce).sum()
     den = wk.sum().detach()
-    hit = (row_logits.detach().argmax(-1) == row_labels).float()  # [N]
-    n = torch.tensor(float(hit.numel()), device=hit.device)
-    metrics: dict[str, tuple[Tensor, Tensor]] = {"acc": (hit.sum(), n), "valid_tokens": (n, torch.ones_like(n))}
-    for pos in range(1, bs):
-        at = slot == pos
-        metrics[f"acc_pos{pos}"] = (hit[at].sum(), at.sum().float())
+    metrics = block_row_metrics(row_logits, row_labels, slot, ce, bs - 1)  # slot k drafts d_k
     return ObjectiveOutput(num.view(1), den.view(1), torch.ones(1, device=num.device), metrics)
 
 

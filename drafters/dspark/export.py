@@ -20,17 +20,12 @@ block_size. vLLM 0.32 serves only the vanilla Markov head: `vllm_speculative_con
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
-from safetensors import safe_open
-from safetensors.torch import load_file
-
-from drafters.common.contract import EXPORT_META_FILE, format_fields
+from drafters.common.contract import format_fields
 from drafters.dflash import export as dflash_export
 from drafters.dflash.export import DFlashExportConfig
 
@@ -41,6 +36,9 @@ if TYPE_CHECKING:
 
 FORMATS = ("native",)
 ARCHITECTURES = ("Qwen3DSparkModel",)
+DSPARK_KEYS = ("draft_vocab_size", "dspark_block_size", "markov_rank", "dspark_markov_rank", "markov_head_type",
+               "dspark_markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+               "sample_from_anchor", "dspark_target_layer_ids", "mask_token_id", "dspark_noise_token_id")
 
 
 @dataclass(frozen=True)
@@ -76,6 +74,36 @@ class DSparkExportConfig(DFlashExportConfig):
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         return expected_shapes(self)
+
+    @classmethod
+    def from_config_json(cls, config: Mapping[str, Any], where: str) -> DSparkExportConfig:
+        """DSpark's keys present, the rest parsed as a DFlash config, then the whole file matched
+        against `native_config` (every key, no eagle_config, consistent layer ids)."""
+        if "eagle_config" in config:
+            raise ValueError(f"{where}: key 'eagle_config' = {config['eagle_config']!r}, expected absent (vLLM V1 "
+                             "lets an eagle_config dict override the layer ids silently, engines.md 1.3)")
+        if tuple(config.get("architectures") or ()) != ARCHITECTURES:
+            raise ValueError(f"{where}: architectures {config.get('architectures')}, expected {list(ARCHITECTURES)}")
+        missing = [k for k in DSPARK_KEYS if k not in config]
+        if missing:
+            raise ValueError(f"{where}: missing keys {missing}")
+        as_dflash = {k: v for k, v in config.items() if k not in DSPARK_KEYS}
+        as_dflash["architectures"] = list(dflash_export.ARCHITECTURES)
+        try:
+            base = dflash_export.config_from_json(as_dflash, where)
+            body = {f.name: getattr(base, f.name) for f in fields(DFlashExportConfig)}
+            cfg = cls(**body, markov_rank=int(config["markov_rank"]), markov_head_type=str(config["markov_head_type"]),
+                      enable_confidence_head=bool(config["enable_confidence_head"]),
+                      confidence_head_with_markov=bool(config["confidence_head_with_markov"]))
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{where}: {err}") from None
+        dflash_export.match_config(config, native_config(cfg), where)
+        return cfg
+
+    def drafter_settings(self) -> dict[str, Any]:
+        return {**super().drafter_settings(), "markov_rank": self.markov_rank, "markov_head_type": self.markov_head_type,
+                "enable_confidence_head": self.enable_confidence_head,
+                "confidence_head_with_markov": self.confidence_head_with_markov}
 
     def config_json(self) -> dict[str, Any]:
         return native_config(self)
@@ -142,52 +170,10 @@ def native_config(cfg: DSparkExportConfig) -> dict[str, Any]:
     return out
 
 
-def export(model: DSparkDraft, cfg: DSparkConfig, target_spec: TargetSpec, out_dir: str | Path,
-           fmt: str = "native", **kwargs: Any) -> Path:
-    _check_format(fmt)
-    drafter = asdict(model.cfg)
-    drafter["target_layer_ids"] = list(model.cfg.target_layer_ids or ())
-    meta = {"drafter_config": drafter, **dict(kwargs.pop("meta", None) or {})}
-    return dflash_export.export_dflash(model.state_dict(), DSparkExportConfig.from_drafter(cfg, target_spec),
-                                       out_dir, meta=meta, **kwargs)
-
-
 def check_export(export_dir: str | Path) -> DSparkExportConfig:
-    """A servable DSpark export: config.json exactly as `native_config` writes it (no eagle_config,
-    consistent layer ids), every tensor present, named, shaped, typed and finite."""
-    root = Path(export_dir)
-    where = str(root / "config.json")
-    config = json.loads((root / "config.json").read_text())
-    if "eagle_config" in config:
-        raise ValueError(f"{where}: key 'eagle_config' = {config['eagle_config']!r}, expected absent (vLLM V1 lets an "
-                         "eagle_config dict override the layer ids silently, engines.md 1.3)")
-    if tuple(config.get("architectures") or ()) != ARCHITECTURES:
-        raise ValueError(f"{where}: architectures {config.get('architectures')}, expected {list(ARCHITECTURES)}")
-    as_dflash = dict(config, architectures=list(dflash_export.ARCHITECTURES))
-    for key in ("draft_vocab_size", "dspark_block_size", "markov_rank", "dspark_markov_rank", "markov_head_type",
-                "dspark_markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
-                "sample_from_anchor", "dspark_target_layer_ids", "mask_token_id", "dspark_noise_token_id"):
-        if key not in config:
-            raise ValueError(f"{where}: missing key {key!r}")
-        as_dflash.pop(key)
-    try:
-        base = dflash_export.config_from_json(as_dflash, where)
-        body = {f.name: getattr(base, f.name) for f in fields(DFlashExportConfig)}
-        cfg = DSparkExportConfig(**body, markov_rank=int(config["markov_rank"]),
-                                 markov_head_type=str(config["markov_head_type"]),
-                                 enable_confidence_head=bool(config["enable_confidence_head"]),
-                                 confidence_head_with_markov=bool(config["confidence_head_with_markov"]))
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{where}: {err}") from None
-    want = native_config(cfg)
-    for key, value in want.items():
-        if config.get(key) != value:
-            raise ValueError(f"{where}: key {key!r} = {config.get(key)!r}, expected {value!r}")
-    weights = root / "model.safetensors"
-    with safe_open(str(weights), framework="pt") as f:
-        names = list(f.keys())
-    dflash_export.refuse_names(names, str(weights))
-    dflash_export.check_tensors(load_file(str(weights)), cfg, str(weights))
+    """A servable DSpark export (dflash_export.check_export with the DSpark format)."""
+    cfg = dflash_export.check_export(export_dir, DSparkExportConfig)
+    assert isinstance(cfg, DSparkExportConfig)
     return cfg
 
 
@@ -196,21 +182,6 @@ def load_dspark_export(export_dir: str | Path, target: TargetHead) -> DSparkDraf
     from drafters.dspark.config import DSparkConfig
     from drafters.dspark.model import DSparkDraft
 
-    root = Path(export_dir)
-    cfg = check_export(root)
-    meta_path = root / EXPORT_META_FILE
-    settings = dict(json.loads(meta_path.read_text()).get("drafter_config", {})) if meta_path.is_file() else {}
-    settings.update(num_layers=cfg.num_hidden_layers, block_size=cfg.block_size,
-                    target_layer_ids=cfg.target_layer_ids, num_target_features=len(cfg.target_layer_ids),
-                    mask_token_id=cfg.mask_token_id, markov_rank=cfg.markov_rank,
-                    markov_head_type=cfg.markov_head_type, enable_confidence_head=cfg.enable_confidence_head,
-                    confidence_head_with_markov=cfg.confidence_head_with_markov)
-    drafter = DSparkConfig(**settings)
-    want = DSparkExportConfig.from_drafter(drafter, target.spec, max_position_embeddings=cfg.max_position_embeddings,
-                                           hidden_act=cfg.hidden_act, dtype=cfg.dtype, mask_token=cfg.mask_token)
-    if want != cfg:
-        raise ValueError(f"{root}: export config {cfg} does not match the target's sizes {want}")
-    model = DSparkDraft(drafter, target)
-    model.to(getattr(torch, cfg.dtype))
-    model.load_state_dict(load_file(str(root / "model.safetensors")), strict=True)
-    return model.eval()
+    model = dflash_export.load_export(export_dir, target, DSparkExportConfig, DSparkConfig, DSparkDraft)
+    assert isinstance(model, DSparkDraft)
+    return model

@@ -3,17 +3,15 @@ over DSpark's config, model, export, objective and proposer."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from torch import Tensor
 
 from drafters.common.contract import DrafterFamily
 from drafters.common.losses import ObjectiveOutput
-from drafters.common.target import TargetHead
 from drafters.dflash.family import DFlashFamily
 from drafters.dspark.config import DSparkConfig
-from drafters.dspark.export import DSparkExportConfig, load_dspark_export
+from drafters.dspark.export import DSparkExportConfig
 from drafters.dspark.model import DSparkDraft
 from drafters.dspark.objective import REQUIRED_FIELDS, dspark_objective
 from drafters.dspark.proposer import DSparkProposer
@@ -25,19 +23,14 @@ class DSparkFamily(DFlashFamily):
     config_cls = DSparkConfig
     model_cls = DSparkDraft
     export_cls = DSparkExportConfig
-    export_module = "drafters.dspark.export"
     required = REQUIRED_FIELDS
     mutable_settings = ("loss_gamma", "num_anchors", "attn_backend", "ce_weight", "l1_weight", "conf_weight",
                         "ce_mode", "ce_vocab")
     proposer_cls = DSparkProposer
 
     @staticmethod
-    def _load(export_dir: str | Path, target: TargetHead) -> DSparkDraft:
-        return load_dspark_export(export_dir, target)
-
-    @staticmethod
-    def _objective(model: Any, batch: dict[str, Tensor]) -> ObjectiveOutput:
-        return dspark_objective(model, batch)
+    def _objective(model: Any, batch: dict[str, Tensor], progress: float) -> ObjectiveOutput:
+        return dspark_objective(model, batch)  # no curriculum
 
 
 FAMILY = DSparkFamily()

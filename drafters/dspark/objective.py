@@ -6,7 +6,7 @@ Layout, per sequence (block size B = gamma, anchors a):
     slot k label x_{a+k+1}; Markov predecessor x_{a+k} (the anchor for k = 0)
     target distribution p_t = softmax(target_lm_head(last_hidden[a + k])) (post-norm last hidden)
     eval mask: slot k counts iff a + k + 1 < seq and valid[a + j + 1] for every j <= k (the
-    contiguous valid prefix: the first invalid label ends the run, `prefix_mask`)
+    contiguous valid prefix: the first invalid label ends the run, `blocks.next_token_prefix_mask`)
 Worked example, valid [0, 1, 1, 1, 0, 1], B 3, anchor 1: labels x2, x3, x4; valid labels
     [1, 1, 0] -> prefix [1, 1, 0] (x4 is invalid; nothing after it counts even if valid).
 
@@ -26,34 +26,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from drafters.common.blocks import block_input_ids, block_labels, block_position_ids, sample_anchors
+from drafters.common.blocks import (
+    block_input_ids,
+    block_labels,
+    next_token_anchor_candidates,
+    next_token_prefix_mask,
+    next_token_slot_weights,
+    sample_anchors,
+)
 from drafters.common.losses import ObjectiveOutput
+from drafters.common.metrics import block_row_metrics
 from drafters.dspark.config import DSparkConfig
 from drafters.dspark.model import DSparkDraft
 
 REQUIRED_FIELDS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
-
-
-def slot_weights(block_size: int, gamma: float) -> Tensor:
-    """float32 [B]: slot k weight exp(-k / gamma). Worked example: B 3, gamma 2 -> [1, 0.6065, 0.3679]."""
-    return torch.exp(-torch.arange(block_size, dtype=torch.float32) / gamma)
-
-
-def anchor_candidates(valid: Tensor) -> Tensor:
-    """bool [batch, seq]: a with valid[a] and valid[a + 1]. Worked example: [[0, 1, 1, 1, 0, 1]] ->
-    [[0, 1, 1, 0, 0, 0]]."""
-    nxt = torch.zeros_like(valid)
-    nxt[:, :-1] = valid[:, 1:]
-    return valid & nxt
-
-
-def prefix_mask(valid: Tensor, anchors: Tensor, anchor_valid: Tensor, block_size: int) -> Tensor:
-    """bool [batch, nb, B]: slot k counts iff labels a + 1 .. a + k + 1 are all valid (module
-    docstring). valid bool [batch, seq]."""
-    seq = valid.shape[1]
-    pos = block_position_ids(anchors + 1, block_size).view(*anchors.shape, block_size)  # label positions
-    ok = valid.gather(1, pos.clamp(max=seq - 1).flatten(1)).view_as(pos) & (pos < seq)
-    return ok.long().cumprod(-1).bool() & anchor_valid[:, :, None]
 
 
 def ce_rows(logits: Tensor, labels: Tensor, target_probs: Tensor, cfg: DSparkConfig,
@@ -107,8 +93,8 @@ def dspark_objective(model: DSparkDraft, batch: dict[str, Tensor],
     bs = cfg.block_size
     ids = batch["input_ids"]
     valid = batch["loss_mask"].to(torch.bool) & batch["attention_mask"].to(torch.bool)  # [batch, seq]
-    anchors, anchor_valid = sample_anchors(anchor_candidates(valid), 1, cfg.num_anchors, generator)  # [batch, nb]
-    select = prefix_mask(valid, anchors, anchor_valid, bs)  # [batch, nb, B]
+    anchors, anchor_valid = sample_anchors(next_token_anchor_candidates(valid), 1, cfg.num_anchors, generator)  # [batch, nb]
+    select = next_token_prefix_mask(valid, anchors, anchor_valid, bs)  # [batch, nb, B]
     labels = block_labels(ids, anchors + 1, bs)[select]  # [N]
     prev = block_labels(ids, anchors, bs)  # [batch, nb, B]: x_{a+k}
     rows = model(batch["aux_hidden"], block_input_ids(ids, anchors, bs, cfg.mask_token_id), anchors, anchor_valid,
@@ -127,33 +113,26 @@ def dspark_objective(model: DSparkDraft, batch: dict[str, Tensor],
         conf = torch.zeros_like(l1)
     per_row = cfg.ce_weight * ce + cfg.l1_weight * l1 + cfg.conf_weight * conf  # [N]
     finite = torch.isfinite(per_row)
-    w = slot_weights(bs, cfg.loss_gamma).to(per_row.device)[k] * finite.float()  # [N]
+    w = next_token_slot_weights(bs, cfg.loss_gamma).to(per_row.device)[k] * finite.float()  # [N]
     safe = torch.where(finite, per_row, torch.zeros_like(per_row))
     num = (w * safe).sum()
     den = w.sum().detach()
     return ObjectiveOutput(num.view(1), den.view(1), torch.ones(1, device=num.device),
-                           _metrics(rows.logits, labels, k, w, finite, ce, l1, conf, ce_size, bs))
+                           _metrics(rows.logits, labels, k, w, finite, ce, l1, conf, safe, ce_size, bs))
 
 
 def _metrics(logits: Tensor, labels: Tensor, slot: Tensor, w: Tensor, finite: Tensor, ce: Tensor, l1: Tensor,
-             conf: Tensor, ce_size: Tensor, bs: int) -> dict[str, tuple[Tensor, Tensor]]:
-    """(sum, count) metrics: weighted ce / l1 / conf terms, top-1 and top-5 accuracy, per-slot
-    accuracy and weighted loss, valid and non-finite row counts, mean CE candidate count."""
+             conf: Tensor, row_loss: Tensor, ce_size: Tensor, bs: int) -> dict[str, tuple[Tensor, Tensor]]:
+    """(sum, count) metrics: weighted ce / l1 / conf terms, non-finite row count, mean CE candidate
+    count, and common/metrics.block_row_metrics (top-1 / top-5, valid_tokens, per-draft accuracy
+    and row loss; slot k drafts d_{k+1}). Non-finite rows enter the sums as 0."""
     with torch.no_grad():
-        d = logits.detach()
-        n = torch.tensor(float(labels.numel()), device=d.device)
-        top5 = d.topk(min(5, d.shape[-1]), dim=-1).indices
-        hit1 = (top5[:, 0] == labels).float()
-        hit5 = (top5 == labels[:, None]).any(-1).float()
+        n = torch.tensor(float(labels.numel()), device=logits.device)
         den = w.sum()
         z = lambda t: torch.where(finite, t, torch.zeros_like(t))  # noqa: E731
         out: dict[str, tuple[Tensor, Tensor]] = {
             "ce": ((w * z(ce)).sum(), den), "l1": ((w * z(l1)).sum(), den), "conf_bce": ((w * z(conf)).sum(), den),
-            "acc": (hit1.sum(), n), "top5": (hit5.sum(), n), "valid_tokens": (n, torch.ones_like(n)),
-            "nonfinite_rows": ((~finite).sum().float(), torch.ones_like(n)),
-            "ce_vocab": (ce_size.sum(), n),
+            "nonfinite_rows": ((~finite).sum().float(), torch.ones_like(n)), "ce_vocab": (ce_size.sum(), n),
         }
-        for pos in range(bs):
-            at = slot == pos
-            out[f"acc_pos{pos + 1}"] = (hit1[at].sum(), at.sum().float())
+        out.update(block_row_metrics(logits, labels, slot + 1, z(row_loss), bs))
         return out

@@ -7,7 +7,12 @@ import torch
 
 from drafters import available_families, get_family, known_families
 from drafters.common.collate import collate
-from drafters.registry import FamilyUnavailableError, UnknownFamilyError, engine_method
+from drafters.registry import (
+    FamilyUnavailableError,
+    UnknownEngineMethodError,
+    UnknownFamilyError,
+    engine_method,
+)
 
 
 def test_collate_pads_right_with_attention_mask() -> None:
@@ -41,3 +46,6 @@ def test_catalog() -> None:
     assert engine_method("eagle3", "vllm").method == "eagle3"
     assert engine_method("eagle3", "sglang").method == "EAGLE3"
     assert dict(engine_method("peagle", "vllm").extra) == {"parallel_drafting": True}
+    assert engine_method("domino", "sglang").method == "DFLASH"  # DFLASH with dflash_config.projector_type domino
+    with pytest.raises(UnknownEngineMethodError, match="'domino' has no known vllm method"):
+        engine_method("domino", "vllm")  # vLLM 0.32 has no Domino (engines.md 2.6)

@@ -15,13 +15,20 @@ import pytest
 import torch
 from drafter_targets import tiny_spec
 
-from drafters.common.blocks import block_input_ids, block_labels, sample_anchors
+from drafters.common.blocks import (
+    block_input_ids,
+    block_labels,
+    next_token_anchor_candidates,
+    next_token_prefix_mask,
+    next_token_slot_weights,
+    sample_anchors,
+)
 from drafters.common.contract import DraftContext
 from drafters.common.sampling import SamplingParams
 from drafters.common.target import TargetHead
 from drafters.dspark.config import DSparkConfig
 from drafters.dspark.model import DSparkDraft
-from drafters.dspark.objective import anchor_candidates, dspark_objective, prefix_mask, slot_weights
+from drafters.dspark.objective import dspark_objective
 from drafters.dspark.proposer import DSparkProposer
 
 SPEC = tiny_spec(vocab=32, hidden=16, layers=8, heads=4, kv_heads=2)
@@ -47,16 +54,16 @@ def _model(seed: int = 0, **kw: object) -> DSparkDraft:
 
 def test_layout_golden() -> None:
     valid = torch.tensor([[0, 1, 1, 1, 0, 1]], dtype=torch.bool)
-    assert anchor_candidates(valid).int().tolist() == [[0, 1, 1, 0, 0, 0]]
+    assert next_token_anchor_candidates(valid).int().tolist() == [[0, 1, 1, 0, 0, 0]]
     anchors, ok = torch.tensor([[1, 2]]), torch.tensor([[True, True]])
     # anchor 1: labels at 2, 3, 4 -> valid 1, 1, 0 -> prefix [1, 1, 0]; anchor 2: labels 3, 4, 5 -> [1, 0, 0] (5 is
     # valid, but the run ended at 4)
-    assert prefix_mask(valid, anchors, ok, 3).int().tolist() == [[[1, 1, 0], [1, 0, 0]]]
+    assert next_token_prefix_mask(valid, anchors, ok, 3).int().tolist() == [[[1, 1, 0], [1, 0, 0]]]
     ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
     assert block_labels(ids, anchors + 1, 3).tolist() == [[[12, 13, 14], [13, 14, 15]]]  # slot k: x_{a+k+1}
     assert block_labels(ids, anchors, 3).tolist() == [[[11, 12, 13], [12, 13, 14]]]  # predecessors x_{a+k}
     assert block_input_ids(ids, anchors, 3, 31).tolist() == [[[11, 31, 31], [12, 31, 31]]]
-    torch.testing.assert_close(slot_weights(3, 2.0), torch.tensor([1.0, 0.60653066, 0.36787944]))
+    torch.testing.assert_close(next_token_slot_weights(3, 2.0), torch.tensor([1.0, 0.60653066, 0.36787944]))
 
 
 def _batch(seed: int = 1) -> dict[str, torch.Tensor]:
@@ -228,10 +235,11 @@ def test_proposer_drafts_left_to_right_through_the_markov_head() -> None:
 def test_export_writes_every_engine_key_and_check_export_refuses_damage(tmp_path: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    from drafters.dspark.export import check_export, export, load_dspark_export
+    from drafters.dspark import FAMILY
+    from drafters.dspark.export import check_export, load_dspark_export
 
     model = _model(markov_head_type="gated").eval()
-    out = export(model, model.cfg, SPEC, tmp_path / "ok")
+    out = FAMILY.export(model, model.cfg, SPEC, tmp_path / "ok")
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["Qwen3DSparkModel"] and "eagle_config" not in config
     assert (config["block_size"], config["dspark_block_size"], config["markov_rank"], config["dspark_markov_rank"]) == \
@@ -260,7 +268,7 @@ def test_export_writes_every_engine_key_and_check_export_refuses_damage(tmp_path
         return bad
 
     cases = [
-        (damaged("no_rank", edit_config=lambda c: c.pop("markov_rank")), "missing key 'markov_rank'"),
+        (damaged("no_rank", edit_config=lambda c: c.pop("markov_rank")), r"missing keys \['markov_rank'\]"),
         (damaged("eagle_cfg", edit_config=lambda c: c.update(eagle_config={})), "key 'eagle_config'"),
         (damaged("conf_default", edit_config=lambda c: c.update(confidence_head_with_markov=False)),
          "unexpected tensors|has shape"),

@@ -77,11 +77,16 @@ DEBUG_SETTINGS: dict[str, Any] = {
     "dspark": lambda spec: {"block_size": K, "num_target_features": 3, "mask_token_id": spec.vocab_size - 1,
                             "markov_rank": 4,
                             "target_layer_ids": (0, (spec.num_hidden_layers - 1) // 2, spec.num_hidden_layers - 2)},
+    # block K + 1 = 4 (3 drafts, shifted labels), a small GRU head trained from step 0 (no curriculum:
+    # the contract's trainer passes no progress), the same context layers and MASK as dflash
+    "domino": lambda spec: {"block_size": K + 1, "num_target_features": 3, "mask_token_id": spec.vocab_size - 1,
+                            "gru_hidden_dim": 8, "emb_dim": 8, "lambda_decay_fraction": 0.0,
+                            "target_layer_ids": (0, (spec.num_hidden_layers - 1) // 2, spec.num_hidden_layers - 2)},
 }
 # Training sequences of the `trained` fixture (default 12). DFlash drafts a block in parallel from
 # mid-stack features: on 12 sequences it memorises (loss 0.02, greedy acceptance 9/159, near chance);
 # on 48 it generalises (29/93 observed).
-TRAIN_SEQUENCES: dict[str, int] = {"dflash": 48, "dspark": 48}
+TRAIN_SEQUENCES: dict[str, int] = {"dflash": 48, "dspark": 48, "domino": 48}
 EXPORT_FORMATS: dict[str, tuple[str, ...]] = {"eagle3": ("native", "speculators")}  # default: ("native",)
 CHI2_26_DOF_P001 = 54.05  # 27 cells, 26 degrees of freedom: P(chi2 > 54.05) = 0.001 under the null
 

@@ -142,8 +142,8 @@ class World:
         from verl_speco.engines.vllm_engine import CPU_UNSERVABLE
 
         if name in CPU_UNSERVABLE:
-            pytest.skip(f"{name}: {CPU_UNSERVABLE[name]}; its export is loaded by vLLM's own model class in "
-                        "tests/engines/test_dspark_vllm_loader.py instead")
+            pytest.skip(f"{name}: {CPU_UNSERVABLE[name]} (its export is checked in tests/engines/"
+                        "test_dspark_vllm_loader.py / tests/drafters/test_domino.py instead)")
         family = get_family(name)
         cfg = family.config_cls()
         settings = {"attn_backend": "sdpa"} if "attn_backend" in {f.name for f in dataclasses.fields(cfg)} else {}
@@ -329,3 +329,42 @@ def test_vllm_cpu_dflash_context_k_norm_bug_b_and_its_fix() -> None:
     torch.testing.assert_close(vllm_cpu_dflash.normalize_context_k(_Layers(), k), unit * w[:, None, None, :])
     vllm_cpu_dflash.install_dflash_k_norm_fix()
     assert qwen3_dflash.DFlashQwen3Model._normalize_context_k is vllm_cpu_dflash.normalize_context_k
+
+
+def test_dflash_live_publish_serves_exactly_the_published_draft(world: World) -> None:
+    """An engine started from an UNTRAINED DFlash draft, then the trained one published live
+    (bucket by bucket, the worker extension's layer-wise reload): vLLM must then draft exactly
+    what the reference drafts with the trained model. Before `_rebuild_dflash_buffers` the first
+    step after the publish failed ("size mismatch ... vec (0)": DFlash's fused context K/V buffer
+    was built from the placeholders of the reload). A second publish of the untrained draft must
+    bring back the untrained counters (the buffers follow every version, not only the first)."""
+    _need("dflash")
+    from verl_speco.engines import vllm_engine
+    from verl_speco.online.publish import write_version
+
+    r = world.served("dflash")
+    family, cfg = r["family"], r["cfg"]
+    torch.manual_seed(7)
+    untrained = family.build(cfg, world.head)
+    start = family.export(untrained, cfg, world.spec, world.root / "dflash_untrained")
+    _, untrained_ref = world.reference(family.proposer(untrained.eval(), world.spec))
+    assert untrained_ref != r["ref"]  # the publish is visible in the counters
+    fmt = family.engine_format(cfg, world.spec)
+    versions = world.root / "dflash_versions"
+    llm = vllm_engine.build_llm(world.target, start, method="dflash", num_speculative_tokens=K,
+                                worker_extension_cls=vllm_engine.DRAFT_EXTENSION)
+    try:
+        seen = []
+        for version, model in ((1, r["model"]), (2, untrained)):
+            pub = write_version(versions, version, fmt.engine_tensors(model.state_dict()), bucket_bytes=32 << 10)
+            assert pub.num_buckets > 1  # the receiver loads bucket by bucket
+            answers = vllm_engine.publish_draft(llm, pub.path, pub.version)
+            assert [a["status"] for a in answers] == ["loaded"], answers
+            outputs, m = greedy_run(llm)
+            assert outputs == world.baseline
+            seen.append(vllm_counts(m))
+    finally:
+        vllm_engine.shutdown(llm)
+    print(f"dflash live publish: trained {seen[0]} (reference {r['ref']}), untrained {seen[1]} "
+          f"(reference {untrained_ref})")
+    assert seen == [r["ref"], untrained_ref]

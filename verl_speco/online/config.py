@@ -63,6 +63,9 @@ class DrafterRunConfig:
     train_interval: int = 1  # run a training round every N RL steps
     publish_interval: int = 1  # publish after every N training rounds
     train_steps_per_round: int = 8  # optimizer steps per training round
+    # online optimizer steps over which the objective's progress goes 0 -> 1 (curricula: Domino's
+    # lambda); 0 = progress 1 throughout (the drafter arrives trained, its curriculum done)
+    curriculum_steps: int = 0
     micro_batch_size: int = 8  # samples per optimizer step
     schedule: str = "serial"  # serial: after the actor update; overlap: during the next rollout
     # old_logprob: hooks on verl's old-logprob forward (no extra compute; rows of the policy before the
@@ -103,6 +106,8 @@ class DrafterRunConfig:
             raise bad("num_gpus", self.num_gpus, "a number >= 0")
         if self.max_staleness < 0:
             raise bad("max_staleness", self.max_staleness, "an integer >= 0")
+        if self.curriculum_steps < 0:
+            raise bad("curriculum_steps", self.curriculum_steps, "an integer >= 0 (0: no online curriculum)")
         for key in ("max_rows", "max_tokens", "min_response_tokens", "max_seq_len"):
             if getattr(self.caps, key) < 1:
                 raise bad(f"caps.{key}", getattr(self.caps, key), "an integer >= 1")

@@ -204,6 +204,14 @@ class DrafterSession:
         return [samples[i % len(samples)] for i in range(self.rank, max(len(samples), self.world), self.world)]
 
 
+    def progress(self) -> float:
+        """The objective's `progress` (curricula, e.g. Domino's base-anchored lambda): the fraction
+        of `curriculum_steps` optimizer steps done, 1.0 from the start when curriculum_steps is 0
+        (a drafter that arrives trained has finished its curriculum). Example: curriculum_steps
+        100, step 25 -> 0.25; step 300 -> 1.0."""
+        horizon = self.cfg.curriculum_steps
+        return 1.0 if horizon == 0 else min(1.0, self.step / horizon)
+
     def train_round(self, steps: int | None = None) -> dict[str, float]:
         """`steps` (default train_steps_per_round) optimizer steps on buffered rows; metrics."""
         started = time.perf_counter()
@@ -218,7 +226,7 @@ class DrafterSession:
             self._use_head(head)
             set_lr(self.optimizer, warmup_lr(self.step, self.cfg.optim.lr, self.cfg.optim.warmup_steps))
             result = train_step(self.model, self.family, [samples], self.optimizer,
-                                self.cfg.optim.grad_clip, self.device)
+                                self.cfg.optim.grad_clip, self.device, progress=self.progress())
             self.step += 1
             skipped += int(result.skipped)
             tokens += result.tokens

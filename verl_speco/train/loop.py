@@ -125,14 +125,16 @@ def _run(cfg: TrainerConfig, device: torch.device) -> dict[str, Any]:
         lr = lr_at(step, cfg.optim, total, warmup)
         set_lr(optimizer, lr)
         t0 = time.perf_counter()
-        res = train_step(model, family, [next(stream) for _ in range(cfg.optim.grad_accum)], optimizer,
-                         cfg.optim.grad_clip, device, cfg.optim.denominators,
+        micro = [next(stream) for _ in range(cfg.optim.grad_accum)]  # reading + decoding store shards
+        t_read = time.perf_counter() - t0
+        res = train_step(model, family, micro, optimizer, cfg.optim.grad_clip, device, cfg.optim.denominators,
                          progress=min(1.0, step / max(1, total)))  # training done so far (curricula)
         dt = time.perf_counter() - t0
         step, skipped, tokens_seen = step + 1, skipped + int(res.skipped), tokens_seen + res.tokens
         record = {"loss": res.loss, "lr": lr, "grad_norm": res.grad_norm, "skipped": int(res.skipped),
                   "skipped_steps": skipped, "tokens": res.tokens, "tokens_per_s": res.tokens / max(dt, 1e-9),
-                  "step_time_s": dt, **res.metrics}
+                  "step_time_s": dt, "time_read_s": t_read, **{f"time_{k}_s": v for k, v in res.timing.items()},
+                  **res.metrics}
         if step % cfg.run.log_every == 0 or res.skipped or step == stop_at:
             logger.log(step, "train", record)
         logger.advance()

@@ -10,12 +10,20 @@ holding num (3, 1) / den (2, 1) and another (1, 1) / (2, 1), D = (4, 2) and both
 and 2-process runs optimise w_0 * 4/4 + w_1 * 2/2.
 A step whose global loss or gradient norm is not finite is skipped (no optimizer update, gradients
 zeroed); all ranks see the same reduced values, so they agree on skipping.
+
+Stage timing (`StepResult.timing`, seconds, this rank): batch (collate + host-to-device), forward
+(inside the model's forward: hooks on the root module), loss (the objective minus its forward:
+anchors, masks, heads outside the forward, the loss itself), backward, optim (all-reduces, grad
+norm and clipping, optimizer step). On an accelerator each boundary synchronises the device, so
+the stages add up to the step's wall time.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +41,60 @@ class StepResult:
     skipped: bool
     tokens: int
     metrics: dict[str, float] = field(default_factory=dict)
+    timing: dict[str, float] = field(default_factory=dict)  # stage -> seconds (module docstring)
+
+
+STAGES = ("batch", "forward", "loss", "backward", "optim")
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (no-op on CPU), so a host clock measures it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":  # torch-npu registers the torch.npu module
+        npu: Any = getattr(torch, "npu")  # noqa: B009 (absent from torch's stubs)
+        npu.synchronize(device)
+
+
+class StageTimer:
+    """Accumulates seconds per stage; `forward` is measured by hooks on the model's root module,
+    so the objective's own work ("loss") is its total minus the forward time."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds = dict.fromkeys(STAGES, 0.0)
+        self._forward_started = 0.0
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        synchronize(self.device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            synchronize(self.device)
+            self.seconds[name] += time.perf_counter() - t0
+
+    @contextmanager
+    def objective(self, model: nn.Module) -> Iterator[None]:
+        """Time an objective call: its forward (hooks) goes to "forward", the rest to "loss"."""
+        def pre(*_: Any) -> None:
+            synchronize(self.device)
+            self._forward_started = time.perf_counter()
+
+        def post(*_: Any) -> None:
+            synchronize(self.device)
+            self.seconds["forward"] += time.perf_counter() - self._forward_started
+
+        handles = [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
+        before = self.seconds["forward"]
+        try:
+            with self.stage("loss"):
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+            self.seconds["loss"] -= self.seconds["forward"] - before
 
 
 def _metric_pack(outs: Sequence[Any]) -> tuple[list[str], Tensor]:
@@ -69,22 +131,28 @@ def _fork_rng(device: torch.device) -> Any:
 
 
 def _backward(model: nn.Module, family: Any, batches: list[dict[str, Tensor]], mode: str,
-              device: torch.device, progress: float) -> tuple[Tensor, list[Any]]:
+              device: torch.device, progress: float, timer: StageTimer) -> tuple[Tensor, list[Any]]:
     """Back-propagate the globally normalised loss; returns (this rank's loss part, outputs)."""
+    def objective(b: dict[str, Tensor]) -> Any:
+        with timer.objective(model):
+            return family.objective(model, b, progress)
+
     if mode == "retain":  # keep every micro-batch's graph until the denominators are known
-        outs = [family.objective(model, b, progress) for b in batches]
+        outs = [objective(b) for b in batches]
         global_den = all_reduce_sum(torch.stack([o.denominators.detach() for o in outs]).sum(0), device)
         local_loss = torch.stack([o.loss(global_den) for o in outs]).sum()
-        local_loss.backward()
+        with timer.stage("backward"):
+            local_loss.backward()
         return local_loss.detach(), outs
     with torch.no_grad(), _fork_rng(device):  # "prepass": denominators first, one extra forward
-        dens = torch.stack([family.objective(model, b, progress).denominators for b in batches]).sum(0)
+        dens = torch.stack([objective(b).denominators for b in batches]).sum(0)
     global_den = all_reduce_sum(dens, device)
     parts, outs = [], []
     for b in batches:  # then forward + backward one micro-batch at a time (constant memory)
-        out = family.objective(model, b, progress)
+        out = objective(b)
         part = out.loss(global_den)
-        part.backward()
+        with timer.stage("backward"):
+            part.backward()
         out.numerators = out.numerators.detach()
         parts.append(part.detach())
         outs.append(out)
@@ -102,20 +170,23 @@ def train_step(model: nn.Module, family: Any, micro: Sequence[list[dict[str, Ten
     if not 0.0 <= progress <= 1.0:
         raise ValueError(f"progress: got {progress}, expected within [0, 1]")
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    batches = [to_device(family.collate(samples), device) for samples in micro]
-    local_loss, outs = _backward(model, family, batches, mode, device, progress)
-    names, msums = _metric_pack(outs)
-    tokens = torch.stack([count_tokens(b) for b in batches]).sum()
-    packed = torch.cat([torch.stack([local_loss.float(), tokens.float()]), msums.reshape(-1)])
-    packed = all_reduce_sum(packed, device).cpu()
-    loss = float(packed[0])
-    grad_norm = _grad_norm(params, grad_clip)
-    skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
-    if not skipped:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    timer = StageTimer(device)
+    with timer.stage("batch"):
+        batches = [to_device(family.collate(samples), device) for samples in micro]
+    local_loss, outs = _backward(model, family, batches, mode, device, progress, timer)
+    with timer.stage("optim"):
+        names, msums = _metric_pack(outs)
+        tokens = torch.stack([count_tokens(b) for b in batches]).sum()
+        packed = torch.cat([torch.stack([local_loss.float(), tokens.float()]), msums.reshape(-1)])
+        packed = all_reduce_sum(packed, device).cpu()
+        loss = float(packed[0])
+        grad_norm = _grad_norm(params, grad_clip)
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if not skipped:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     metrics = _ratios(names, packed[2:].reshape(2, -1))
-    return StepResult(loss, grad_norm, skipped, int(packed[1]), metrics)
+    return StepResult(loss, grad_norm, skipped, int(packed[1]), metrics, dict(timer.seconds))
 
 
 @torch.no_grad()

@@ -1,0 +1,76 @@
+"""Domino draft: the DFlash backbone + a causal GRU correction head (algorithms.md section 6).
+
+Parameter names are the engines' (engines.md 4.6): the DFlash backbone's (drafters/dflash/model.py) plus
+    prefix_gru.weight_ih_l0 [3G, H], prefix_gru.weight_hh_l0 [3G, G]   (nn.GRU, 1 layer, no bias)
+    embed_proj.0.weight [E, H + G], embed_proj.2.weight [V, E]         (Linear, SiLU, Linear; no bias)
+
+Row math for one block [x_a, MASK x (B - 1)] with post-norm backbone hidden h_0..h_{B-1} and the
+tokens t_0 = x_a, t_1, t_2, ... that precede each draft (teacher-forced labels in training, the
+drafts themselves at inference):
+    U_k = target_lm_head(h_k)                               # [V] base logits, slot k -> x_{a+k+1}
+    g_k = GRU(target_embed_tokens[t_0 .. t_k]) output at step k   # [G]
+    final_0 = U_0                                           # pure_draft_prefix_len = 1
+    final_k = U_k + embed_proj([h_k ; g_k])                 # k >= 1
+Worked example, B 4 (3 drafts): slot 0 gives d_1 from U_0; slot 1 reads g_1 = GRU(x_a, d_1);
+slot 2 reads g_2 = GRU(x_a, d_1, d_2). Slot 3 (position a + 3) drafts nothing (its label would be
+x_{a+4}, past the B - 1 = 3 drafts SGLang verifies).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from drafters.common.target import TargetHead
+from drafters.dflash.model import DFlashDraft
+from drafters.domino.config import DominoConfig
+
+
+class DominoDraft(DFlashDraft):
+    """`cfg` is resolved against `target.spec` (the backbone's rules), then the head is built."""
+
+    cfg: DominoConfig
+
+    def __init__(self, cfg: DominoConfig, target: TargetHead):
+        super().__init__(cfg, target)
+        h, v = target.spec.hidden_size, target.spec.vocab_size
+        g, e = cfg.gru_hidden_dim, cfg.emb_dim
+        self.prefix_gru = nn.GRU(h, g, num_layers=1, batch_first=True, bias=False)
+        self.embed_proj = nn.Sequential(nn.Linear(h + g, e, bias=False), nn.SiLU(), nn.Linear(e, v, bias=False))
+
+    def block_hidden(self, features: Tensor, block_ids: Tensor, anchors: Tensor, anchor_valid: Tensor) -> Tensor:
+        """The backbone: post-norm block hidden [batch, nb, B, H] (DFlashDraft.forward)."""
+        return super().forward(features, block_ids, anchors, anchor_valid)
+
+    def gru_states(self, prev_ids: Tensor, state: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """prev_ids int64 [N, T] (t_0 .. t_{T-1} per row) -> (g [N, T, G] outputs, final state
+        [1, N, G]); `state` [1, N, G] continues an earlier call (the proposer's step-by-step rollout)."""
+        x = self.target_embed_tokens[prev_ids].to(self.fc.weight.dtype)  # [N, T, H]
+        out, last = self.prefix_gru(x, state)
+        return out, last
+
+    def correction(self, hidden: Tensor, gru: Tensor) -> Tensor:
+        """hidden [..., H], gru [..., G] -> the additive correction [..., V]."""
+        return self.embed_proj(torch.cat([hidden, gru.to(hidden.dtype)], dim=-1))
+
+    def forward(self, features: Tensor, block_ids: Tensor, anchors: Tensor,  # type: ignore[override]
+                anchor_valid: Tensor, prev_ids: Tensor, select: Tensor) -> tuple[Tensor, Tensor]:
+        """Training forward (teacher forcing) over the B - 1 drafting slots of every block; the
+        heads run on the rows where `select` holds (FSDP's hooks wrap this call).
+
+        prev_ids int64 [batch, nb, B - 1]: slot k's preceding token t_k (= x_{a+k}); select bool
+        [batch, nb, B - 1]. Returns (base logits U [N, V], final logits [N, V]) over the N selected
+        rows in `select.nonzero()` order."""
+        batch, nb, bs = block_ids.shape
+        if tuple(prev_ids.shape) != (batch, nb, bs - 1) or tuple(select.shape) != (batch, nb, bs - 1):
+            raise ValueError(f"prev_ids {tuple(prev_ids.shape)} / select {tuple(select.shape)}: expected "
+                             f"{(batch, nb, bs - 1)} (the B - 1 drafting slots)")
+        hidden = self.block_hidden(features, block_ids, anchors, anchor_valid)[:, :, : bs - 1]  # [batch, nb, B-1, H]
+        gru, _ = self.gru_states(prev_ids.reshape(batch * nb, bs - 1))  # [batch*nb, B-1, G]
+        gru = gru.view(batch, nb, bs - 1, -1)
+        h, g = hidden[select], gru[select]  # [N, H], [N, G]
+        base = self.logits(h)  # [N, V]
+        slot = select.nonzero(as_tuple=True)[2]  # [N]
+        corrected = (slot >= 1)[:, None]  # pure_draft_prefix_len = 1: slot 0 keeps U
+        final = torch.where(corrected, base + self.correction(h, g), base)
+        return base, final

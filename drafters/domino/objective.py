@@ -1,0 +1,92 @@
+"""Domino training objective (algorithms.md section 6; SpecForge `OnlineDominoModel`).
+
+Layout, per sequence (block size B, shifted labels, anchors a):
+    candidates: a with valid[a] and valid[a + 1]  (valid = loss_mask & attention_mask)
+    block input [x_a, MASK x (B - 1)] at positions a .. a + B - 1
+    slot k = 0 .. B - 2 drafts d_{k+1}: label x_{a+k+1}; GRU input t_k = x_{a+k} (teacher forcing)
+    a slot counts iff its label and every earlier one are valid (`blocks.next_token_prefix_mask`)
+Worked example, B 4, valid [1, 1, 1, 0, 1, 1], anchor 0: labels x1, x2, x3 -> valid [1, 1, 0]
+    -> slots 0 and 1 count; the GRU reads x0 at slot 0 and x0, x1 at slot 1.
+
+Per counted row (slot k, weight w_k = exp(-k / gamma)):
+    row = (1 - lam) * CE(final_k, label) + lam * CE(U_k, label)
+    loss = sum(w * row) / sum(w)
+with lam = `curriculum_lambda(cfg, progress)` (1 -> 0 over `lambda_decay_fraction` of training).
+Slot 0's final logits are its base logits, so its row is CE(U_0) whatever lam is.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from drafters.common.blocks import (
+    block_input_ids,
+    block_labels,
+    next_token_anchor_candidates,
+    next_token_prefix_mask,
+    next_token_slot_weights,
+    sample_anchors,
+)
+from drafters.common.losses import ObjectiveOutput
+from drafters.common.metrics import block_row_metrics
+from drafters.domino.config import curriculum_lambda
+from drafters.domino.model import DominoDraft
+
+REQUIRED_FIELDS = ("input_ids", "loss_mask", "aux_hidden")
+
+
+def check_batch(batch: dict[str, Tensor]) -> None:
+    missing = [k for k in (*REQUIRED_FIELDS, "attention_mask") if k not in batch]
+    if missing:
+        raise KeyError(f"Domino batch: missing fields {missing} (has {sorted(batch)})")
+    b, t = batch["input_ids"].shape
+    for key in ("loss_mask", "attention_mask"):
+        if tuple(batch[key].shape) != (b, t):
+            raise ValueError(f"Domino batch: {key} is {tuple(batch[key].shape)}, expected {(b, t)}")
+    if tuple(batch["aux_hidden"].shape[:2]) != (b, t):
+        raise ValueError(f"Domino batch: aux_hidden is {tuple(batch['aux_hidden'].shape)}, expected ({b}, {t}, ...)")
+
+
+def domino_loss(base: Tensor, final: Tensor, labels: Tensor, slot: Tensor, lam: float,
+                gamma: float, num_slots: int) -> ObjectiveOutput:
+    """The curriculum CE of the module docstring over N rows: base / final logits [N, V], labels
+    int64 [N], slot int64 [N] in 0..num_slots-1. Metrics: ce_final / ce_base (weighted means), lambda,
+    and common/metrics.block_row_metrics of the final logits (slot k drafts d_{k+1})."""
+    ce_final = F.cross_entropy(final.float(), labels, reduction="none")  # [N]
+    ce_base = F.cross_entropy(base.float(), labels, reduction="none")  # [N]
+    row = (1.0 - lam) * ce_final + lam * ce_base
+    w = next_token_slot_weights(num_slots, gamma).to(row.device)[slot]  # [N]
+    num, den = (w * row).sum(), w.sum().detach()
+    with torch.no_grad():
+        one = torch.ones((), device=row.device)
+        metrics: dict[str, tuple[Tensor, Tensor]] = {
+            "ce_final": ((w * ce_final).sum(), den), "ce_base": ((w * ce_base).sum(), den),
+            "lambda": (one * lam, one),
+            "acc_base": ((base.detach().argmax(-1) == labels).float().sum(), one * labels.numel()),
+        }
+        metrics.update(block_row_metrics(final, labels, slot + 1, row, num_slots))
+    return ObjectiveOutput(num.view(1), den.view(1), torch.ones(1, device=num.device), metrics)
+
+
+def domino_objective(model: DominoDraft, batch: dict[str, Tensor], progress: float = 0.0,
+                     generator: torch.Generator | None = None) -> ObjectiveOutput:
+    """One micro-batch: sample anchors (with `generator`), backbone + GRU head, curriculum CE.
+
+    batch: input_ids, loss_mask, attention_mask [batch, seq], aux_hidden [batch, seq, m*H];
+    progress in [0, 1] drives lam. The target lm_head and embed_proj run on the counted rows only."""
+    check_batch(batch)
+    cfg = model.cfg
+    assert cfg.mask_token_id is not None
+    bs, slots = cfg.block_size, cfg.block_size - 1
+    ids = batch["input_ids"]
+    valid = batch["loss_mask"].to(torch.bool) & batch["attention_mask"].to(torch.bool)  # [batch, seq]
+    anchors, anchor_valid = sample_anchors(next_token_anchor_candidates(valid), 1, cfg.num_anchors, generator)
+    select = next_token_prefix_mask(valid, anchors, anchor_valid, bs)[:, :, :slots]  # [batch, nb, B-1]
+    labels = block_labels(ids, anchors + 1, bs)[:, :, :slots][select]  # [N]: x_{a+k+1}
+    prev = block_labels(ids, anchors, bs)[:, :, :slots]  # [batch, nb, B-1]: x_{a+k}
+    base, final = model(batch["aux_hidden"], block_input_ids(ids, anchors, bs, cfg.mask_token_id), anchors,
+                        anchor_valid, prev, select)
+    slot = select.nonzero(as_tuple=True)[2]
+    return domino_loss(base, final, labels, slot, curriculum_lambda(cfg, progress), cfg.loss_gamma, slots)

@@ -1,0 +1,67 @@
+"""Domino block drafting for the reference decoder, as SGLang's greedy Domino rollout does it
+(engines.md 4.6; algorithms.md section 6, inference).
+
+Round with committed tokens x_0..x_n and target features at 0..n-1: ONE backbone forward over the
+full block [x_n, MASK x (B - 1)] at positions n .. n + B - 1 (always B rows, as in training and in
+SGLang) gives h_0..h_{B-1}; then left to right, t_0 = x_n:
+    d_1 from U_0                                   (slot 0 keeps the base logits)
+    g_k = GRU state after t_0 = x_n, t_1 = d_1, ..., t_k = d_k
+    d_{k+1} from U_k + embed_proj([h_k ; g_k])     (k = 1 .. K - 1)
+greedy: argmax; sampling: d_{k+1} ~ softmax(logits / T) with q_{k+1} reported, so rejection
+sampling stays lossless (each draft is drawn from its q given the drafts before it).
+Worked example, B 4, K 3: block [x_n, M, M, M]; d_1 = argmax U_0; GRU(x_n, d_1) -> g_1 -> d_2;
+GRU(.., d_2) -> g_2 -> d_3. K <= B - 1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drafters.common.contract import DraftContext, Proposal
+from drafters.common.sampling import SamplingParams, logits_to_probs, sample
+from drafters.dflash.proposer import context_features
+from drafters.domino.model import DominoDraft
+
+
+class DominoProposer:
+    def __init__(self, model: DominoDraft):
+        self.model = model
+        self.hidden_state_ids = model.cfg.hidden_state_ids(model.spec)
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext, num_tokens: int, sampling: SamplingParams,
+                generator: torch.Generator | None = None) -> Proposal:
+        model = self.model
+        bs = model.cfg.block_size
+        ids = ctx.token_ids
+        n = ids.numel() - 1
+        if n < 1 or not 1 <= num_tokens <= bs - 1:
+            raise ValueError(f"propose: need >= 2 committed tokens and 1 <= num_tokens <= block_size - 1 = {bs - 1}; "
+                             f"got {n + 1} tokens and num_tokens={num_tokens}")
+        features = context_features(ctx, self.hidden_state_ids)
+        if features.shape[0] != n:
+            raise ValueError(f"target_hidden_states: {features.shape[0]} positions, expected {n} (tokens 0..n-1)")
+        device = model.fc.weight.device
+        assert model.cfg.mask_token_id is not None
+        block = torch.full((1, 1, bs), model.cfg.mask_token_id, dtype=torch.long, device=device)
+        block[0, 0, 0] = ids[-1]
+        anchors = torch.full((1, 1), n, dtype=torch.long, device=device)
+        valid = torch.ones(1, 1, dtype=torch.bool, device=device)
+        hidden = model.block_hidden(features.to(device)[None], block, anchors, valid)[0, 0]  # [B, H]
+        prev = ids[-1].to(device).view(1, 1)  # t_0 = x_n
+        g, state = model.gru_states(prev)  # g_0 (slot 0 does not use it)
+        tokens, probs = [], []
+        for k in range(num_tokens):
+            logits = model.logits(hidden[k : k + 1])  # [1, V]
+            if k >= 1:
+                logits = logits + model.correction(hidden[k : k + 1], g[:, -1])
+            if sampling.greedy:
+                token = logits[0].argmax().view(1)
+            else:
+                q = logits_to_probs(logits[0], sampling)
+                token = sample(q, generator).view(1)
+                probs.append(q)
+            tokens.append(token)
+            if k + 1 < num_tokens:
+                g, state = model.gru_states(token.view(1, 1), state)  # g_{k+1}: after t_{k+1} = d_{k+1}
+        return Proposal(torch.cat(tokens).long().cpu(), torch.stack(probs).cpu() if probs else None)
