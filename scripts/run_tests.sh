@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 TOKENIZERS_PARALLELISM=false
-.venv/bin/ruff check feature_store drafters verl_speco tests scripts
+.venv/bin/ruff check feature_store drafters verl_speco tests scripts benchmarks
 .venv/bin/mypy
 .venv/bin/python -m pytest -q -ra -m "not cpu_grpo" "$@"
 # The real verl GRPO runs on the CPU platform (tests/verl/test_cpu_grpo.py) run after the rest and

@@ -22,9 +22,12 @@ fi
 "${PIP[@]}" accelerate codetiming datasets dill hydra-core pandas peft 'pyarrow>=19' pybind11 \
   pylatexenc 'ray[default]>=2.41' torchdata 'tensordict>=0.8,<=0.10,!=0.9.0' wandb tensorboard \
   cachetools uvicorn fastapi transferqueue==0.1.11
-# speculators: benchmark-only reference for the EAGLE-3 training step.
+# speculators: benchmark-only reference for the training-step benchmark (EAGLE-3, DFlash, DSpark).
 "${PIP[@]}" --no-deps speculators==0.9.0
 "${PIP[@]}" aiohttp click httpx openai protobuf hs-connectors==0.9.0
+# SGLang 0.5.23's source without its CUDA dependencies, off sys.path (verl probes for sglang): tests
+# load its torch-only modules from their files (tests/engines/sglang_ref.py), e.g. the Domino rollout.
+"${PIP[@]}" --no-deps --upgrade --target "$VENV/sglang_ref" sglang==0.5.23
 "${PIP[@]}" safetensors numpy tqdm matplotlib pytest pytest-timeout ruff mypy
 "${PIP[@]}" --no-deps -e .
 rm -f "$VENV"/.setup-*

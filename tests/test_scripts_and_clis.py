@@ -1,7 +1,10 @@
-"""Every script in scripts/ and every console script answers --help (or parses, for shell)."""
+"""Every script in scripts/ and every console script answers --help (or parses, for shell); the
+training-step benchmark also runs end to end at its --quick shapes."""
 
 from __future__ import annotations
 
+import math
+import os
 import subprocess
 import sys
 import tomllib
@@ -43,3 +46,34 @@ def test_ci_runs_the_readme_test_command() -> None:
     readme = (ROOT / "README.md").read_text()
     assert "bash scripts/run_tests.sh" in readme and "bash scripts/quickstart.sh" in readme
     assert "bash scripts/run_tests.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_bench_train_step_quick_every_family() -> None:
+    """`bench_train_step.py --quick --family all` runs every family's adapter end to end: the summary
+    table has one row per family with a numeric ratio, finite losses on both sides and an OK check."""
+    pytest.importorskip("speculators")
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.train_step_adapters import ADAPTERS
+
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_train_step.py"), "--quick", "--family", "all",
+                          "--no-memory"], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stdout[-6000:] + out.stderr[-6000:]
+    lines = out.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("family "))
+    columns = lines[header].split()
+    rows = {}
+    for line in lines[header + 1:]:
+        cells = line.split()
+        if len(cells) != len(columns):
+            break
+        rows[cells[0]] = dict(zip(columns, cells))
+    assert sorted(rows) == sorted(ADAPTERS), lines[header:]
+    for name, row in rows.items():
+        ratio = float(row["ratio"])
+        assert math.isfinite(ratio) and ratio > 0, (name, row)
+        assert all(math.isfinite(float(row[k])) for k in ("ours_loss", "spec_loss", "ours_ms", "spec_ms")), (name, row)
+        assert row["check"] == "OK", (name, row)
+        assert row["ours_params"] == row["spec_params"], (name, row)
+        assert row["verdict"] in ("GOAL", "PASS", "FAIL"), (name, row)

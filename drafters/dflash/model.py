@@ -134,6 +134,11 @@ class DFlashDraft(nn.Module):
             x = layer(x, ctx, block_pos, ctx_pos, mask, self.cfg.attn_backend)
         return self.norm(x).view(batch, nb, bs, -1)  # [batch, nb, B, H]
 
+    def block_hidden(self, features: Tensor, block_ids: Tensor, anchors: Tensor, anchor_valid: Tensor) -> Tensor:
+        """The backbone alone: `DFlashDraft.forward` whatever a subclass's forward adds (DSpark and
+        Domino heads; the proposers call it step by step)."""
+        return DFlashDraft.forward(self, features, block_ids, anchors, anchor_valid)
+
     def logits(self, hidden: Tensor) -> Tensor:
         """[..., H] post-norm draft hidden -> [..., V] logits through the frozen target lm_head."""
         return hidden @ self.target_lm_head.to(hidden.dtype).T

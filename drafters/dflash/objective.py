@@ -77,16 +77,20 @@ def _loss_rows(row_logits: Tensor, row_labels: Tensor, slot: Tensor, w: Tensor, 
     return ObjectiveOutput(num.view(1), den.view(1), torch.ones(1, device=num.device), metrics)
 
 
-def check_batch(batch: dict[str, Tensor]) -> None:
-    missing = [k for k in (*REQUIRED_FIELDS, "attention_mask") if k not in batch]
+def check_batch(batch: dict[str, Tensor], required: tuple[str, ...] = REQUIRED_FIELDS, label: str = "DFlash") -> None:
+    """A block drafter's batch: every `required` field plus attention_mask; input_ids [batch, seq];
+    loss_mask / attention_mask exactly that shape; any other field at least [batch, seq, ...]
+    (DSpark and Domino pass their own fields and label)."""
+    missing = [k for k in (*required, "attention_mask") if k not in batch]
     if missing:
-        raise KeyError(f"DFlash batch: missing fields {missing} (has {sorted(batch)})")
+        raise KeyError(f"{label} batch: missing fields {missing} (has {sorted(batch)})")
     b, t = batch["input_ids"].shape
     for key in ("loss_mask", "attention_mask"):
         if tuple(batch[key].shape) != (b, t):
-            raise ValueError(f"DFlash batch: {key} is {tuple(batch[key].shape)}, expected {(b, t)}")
-    if tuple(batch["aux_hidden"].shape[:2]) != (b, t):
-        raise ValueError(f"DFlash batch: aux_hidden is {tuple(batch['aux_hidden'].shape)}, expected ({b}, {t}, ...)")
+            raise ValueError(f"{label} batch: {key} is {tuple(batch[key].shape)}, expected {(b, t)}")
+    for key in required:
+        if key not in ("input_ids", "loss_mask") and tuple(batch[key].shape[:2]) != (b, t):
+            raise ValueError(f"{label} batch: {key} is {tuple(batch[key].shape)}, expected ({b}, {t}, ...)")
 
 
 def dflash_objective(model: DFlashDraft, batch: dict[str, Tensor],

@@ -34,6 +34,26 @@ def context_features(ctx: DraftContext, hidden_state_ids: tuple[int, ...]) -> to
     return torch.cat([ctx.target_hidden_states[i] for i in hidden_state_ids], dim=-1)
 
 
+def block_hidden(model: DFlashDraft, ctx: DraftContext, hidden_state_ids: tuple[int, ...], rows: int) -> torch.Tensor:
+    """ONE backbone forward for the round: the block [x_n, MASK x (rows - 1)] at positions
+    n .. n + rows - 1 over the context features at 0..n-1 -> post-norm hidden [rows, H] (DFlash,
+    DSpark and Domino proposers share it; each checks its own draft count first)."""
+    ids = ctx.token_ids
+    n = ids.numel() - 1
+    if n < 1:
+        raise ValueError(f"propose: need >= 2 committed tokens (context + the token just emitted), got {n + 1}")
+    features = context_features(ctx, hidden_state_ids)
+    if features.shape[0] != n:
+        raise ValueError(f"target_hidden_states: {features.shape[0]} positions, expected {n} (tokens 0..n-1)")
+    device = model.fc.weight.device
+    assert model.cfg.mask_token_id is not None
+    block = torch.full((1, 1, rows), model.cfg.mask_token_id, dtype=torch.long, device=device)
+    block[0, 0, 0] = ids[-1]
+    anchors = torch.full((1, 1), n, dtype=torch.long, device=device)
+    valid = torch.ones(1, 1, dtype=torch.bool, device=device)
+    return model.block_hidden(features.to(device)[None], block, anchors, valid)[0, 0]  # [rows, H]
+
+
 class DFlashProposer:
     def __init__(self, model: DFlashDraft):
         self.model = model
@@ -41,24 +61,11 @@ class DFlashProposer:
 
     def block_logits(self, ctx: DraftContext, num_tokens: int) -> torch.Tensor:
         """float32 [num_tokens, V]: the logits of slots 1..num_tokens of the block [x_n, MASK x K]."""
-        model = self.model
-        bs = model.cfg.block_size
-        ids = ctx.token_ids
-        n = ids.numel() - 1
-        if n < 1 or not 1 <= num_tokens <= bs - 1:
-            raise ValueError(f"propose: need >= 2 committed tokens and 1 <= num_tokens <= block_size - 1 = {bs - 1}; "
-                             f"got {n + 1} tokens and num_tokens={num_tokens}")
-        features = context_features(ctx, self.hidden_state_ids)
-        if features.shape[0] != n:
-            raise ValueError(f"target_hidden_states: {features.shape[0]} positions, expected {n} (tokens 0..n-1)")
-        device = model.fc.weight.device
-        assert model.cfg.mask_token_id is not None
-        block = torch.full((1, 1, num_tokens + 1), model.cfg.mask_token_id, dtype=torch.long, device=device)
-        block[0, 0, 0] = ids[-1]
-        anchors = torch.full((1, 1), n, dtype=torch.long, device=device)
-        valid = torch.ones(1, 1, dtype=torch.bool, device=device)
-        hidden = model(features.to(device)[None], block, anchors, valid)  # [1, 1, K + 1, H]
-        return model.logits(hidden[0, 0, 1:]).float()  # [K, V]
+        bs = self.model.cfg.block_size
+        if not 1 <= num_tokens <= bs - 1:
+            raise ValueError(f"propose: need 1 <= num_tokens <= block_size - 1 = {bs - 1}; got num_tokens={num_tokens}")
+        hidden = block_hidden(self.model, ctx, self.hidden_state_ids, num_tokens + 1)  # [K + 1, H]
+        return self.model.logits(hidden[1:]).float()  # [K, V]
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext, num_tokens: int, sampling: SamplingParams,

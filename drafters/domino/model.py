@@ -38,10 +38,6 @@ class DominoDraft(DFlashDraft):
         self.prefix_gru = nn.GRU(h, g, num_layers=1, batch_first=True, bias=False)
         self.embed_proj = nn.Sequential(nn.Linear(h + g, e, bias=False), nn.SiLU(), nn.Linear(e, v, bias=False))
 
-    def block_hidden(self, features: Tensor, block_ids: Tensor, anchors: Tensor, anchor_valid: Tensor) -> Tensor:
-        """The backbone: post-norm block hidden [batch, nb, B, H] (DFlashDraft.forward)."""
-        return super().forward(features, block_ids, anchors, anchor_valid)
-
     def gru_states(self, prev_ids: Tensor, state: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """prev_ids int64 [N, T] (t_0 .. t_{T-1} per row) -> (g [N, T, G] outputs, final state
         [1, N, G]); `state` [1, N, G] continues an earlier call (the proposer's step-by-step rollout)."""

@@ -31,22 +31,11 @@ from drafters.common.blocks import (
 )
 from drafters.common.losses import ObjectiveOutput
 from drafters.common.metrics import block_row_metrics
+from drafters.dflash.objective import check_batch
 from drafters.domino.config import curriculum_lambda
 from drafters.domino.model import DominoDraft
 
 REQUIRED_FIELDS = ("input_ids", "loss_mask", "aux_hidden")
-
-
-def check_batch(batch: dict[str, Tensor]) -> None:
-    missing = [k for k in (*REQUIRED_FIELDS, "attention_mask") if k not in batch]
-    if missing:
-        raise KeyError(f"Domino batch: missing fields {missing} (has {sorted(batch)})")
-    b, t = batch["input_ids"].shape
-    for key in ("loss_mask", "attention_mask"):
-        if tuple(batch[key].shape) != (b, t):
-            raise ValueError(f"Domino batch: {key} is {tuple(batch[key].shape)}, expected {(b, t)}")
-    if tuple(batch["aux_hidden"].shape[:2]) != (b, t):
-        raise ValueError(f"Domino batch: aux_hidden is {tuple(batch['aux_hidden'].shape)}, expected ({b}, {t}, ...)")
 
 
 def domino_loss(base: Tensor, final: Tensor, labels: Tensor, slot: Tensor, lam: float,
@@ -76,7 +65,7 @@ def domino_objective(model: DominoDraft, batch: dict[str, Tensor], progress: flo
 
     batch: input_ids, loss_mask, attention_mask [batch, seq], aux_hidden [batch, seq, m*H];
     progress in [0, 1] drives lam. The target lm_head and embed_proj run on the counted rows only."""
-    check_batch(batch)
+    check_batch(batch, REQUIRED_FIELDS, "Domino")
     cfg = model.cfg
     assert cfg.mask_token_id is not None
     bs, slots = cfg.block_size, cfg.block_size - 1

@@ -19,7 +19,7 @@ import torch
 
 from drafters.common.contract import DraftContext, Proposal
 from drafters.common.sampling import SamplingParams, logits_to_probs, sample
-from drafters.dflash.proposer import context_features
+from drafters.dflash.proposer import block_hidden
 from drafters.domino.model import DominoDraft
 
 
@@ -33,21 +33,10 @@ class DominoProposer:
                 generator: torch.Generator | None = None) -> Proposal:
         model = self.model
         bs = model.cfg.block_size
-        ids = ctx.token_ids
-        n = ids.numel() - 1
-        if n < 1 or not 1 <= num_tokens <= bs - 1:
-            raise ValueError(f"propose: need >= 2 committed tokens and 1 <= num_tokens <= block_size - 1 = {bs - 1}; "
-                             f"got {n + 1} tokens and num_tokens={num_tokens}")
-        features = context_features(ctx, self.hidden_state_ids)
-        if features.shape[0] != n:
-            raise ValueError(f"target_hidden_states: {features.shape[0]} positions, expected {n} (tokens 0..n-1)")
-        device = model.fc.weight.device
-        assert model.cfg.mask_token_id is not None
-        block = torch.full((1, 1, bs), model.cfg.mask_token_id, dtype=torch.long, device=device)
-        block[0, 0, 0] = ids[-1]
-        anchors = torch.full((1, 1), n, dtype=torch.long, device=device)
-        valid = torch.ones(1, 1, dtype=torch.bool, device=device)
-        hidden = model.block_hidden(features.to(device)[None], block, anchors, valid)[0, 0]  # [B, H]
+        if not 1 <= num_tokens <= bs - 1:
+            raise ValueError(f"propose: need 1 <= num_tokens <= block_size - 1 = {bs - 1}; got num_tokens={num_tokens}")
+        hidden = block_hidden(model, ctx, self.hidden_state_ids, bs)  # [B, H]: always the full block
+        ids, device = ctx.token_ids, hidden.device
         prev = ids[-1].to(device).view(1, 1)  # t_0 = x_n
         g, state = model.gru_states(prev)  # g_0 (slot 0 does not use it)
         tokens, probs = [], []

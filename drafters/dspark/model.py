@@ -89,10 +89,6 @@ class DSparkDraft(DFlashDraft):
         else:
             self.confidence_head = None
 
-    def block_hidden(self, features: Tensor, block_ids: Tensor, anchors: Tensor, anchor_valid: Tensor) -> Tensor:
-        """The backbone: post-norm block hidden [batch, nb, B, H] (DFlashDraft.forward)."""
-        return super().forward(features, block_ids, anchors, anchor_valid)
-
     def head_logits(self, hidden: Tensor, prev_ids: Tensor) -> tuple[Tensor, Tensor | None]:
         """hidden [..., H], prev_ids [...] -> (draft logits [..., V], confidence [...] or None)."""
         base = self.logits(hidden)

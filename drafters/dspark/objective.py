@@ -36,6 +36,7 @@ from drafters.common.blocks import (
 )
 from drafters.common.losses import ObjectiveOutput
 from drafters.common.metrics import block_row_metrics
+from drafters.dflash.objective import check_batch
 from drafters.dspark.config import DSparkConfig
 from drafters.dspark.model import DSparkDraft
 
@@ -70,24 +71,11 @@ def ce_rows(logits: Tensor, labels: Tensor, target_probs: Tensor, cfg: DSparkCon
     return lse - zy, 1.0 + keep.sum(-1).float()
 
 
-def check_batch(batch: dict[str, Tensor]) -> None:
-    missing = [k for k in (*REQUIRED_FIELDS, "attention_mask") if k not in batch]
-    if missing:
-        raise KeyError(f"DSpark batch: missing fields {missing} (has {sorted(batch)})")
-    b, t = batch["input_ids"].shape
-    for key in ("loss_mask", "attention_mask"):
-        if tuple(batch[key].shape) != (b, t):
-            raise ValueError(f"DSpark batch: {key} is {tuple(batch[key].shape)}, expected {(b, t)}")
-    for key in ("aux_hidden", "last_hidden"):
-        if tuple(batch[key].shape[:2]) != (b, t):
-            raise ValueError(f"DSpark batch: {key} is {tuple(batch[key].shape)}, expected ({b}, {t}, ...)")
-
-
 def dspark_objective(model: DSparkDraft, batch: dict[str, Tensor],
                      generator: torch.Generator | None = None) -> ObjectiveOutput:
     """One micro-batch (module docstring). batch: input_ids, loss_mask, attention_mask [batch, seq],
     aux_hidden [batch, seq, m*H], last_hidden [batch, seq, H] (post-norm)."""
-    check_batch(batch)
+    check_batch(batch, REQUIRED_FIELDS, "DSpark")
     cfg = model.cfg
     assert cfg.mask_token_id is not None
     bs = cfg.block_size

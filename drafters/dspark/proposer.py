@@ -17,7 +17,7 @@ import torch
 
 from drafters.common.contract import DraftContext, Proposal
 from drafters.common.sampling import SamplingParams, logits_to_probs, sample
-from drafters.dflash.proposer import context_features
+from drafters.dflash.proposer import block_hidden
 from drafters.dspark.model import DSparkDraft
 
 
@@ -31,21 +31,10 @@ class DSparkProposer:
                 generator: torch.Generator | None = None) -> Proposal:
         model = self.model
         bs = model.cfg.block_size
-        ids = ctx.token_ids
-        n = ids.numel() - 1
-        if n < 1 or not 1 <= num_tokens <= bs:
-            raise ValueError(f"propose: need >= 2 committed tokens and 1 <= num_tokens <= block_size = {bs}; "
-                             f"got {n + 1} tokens and num_tokens={num_tokens}")
-        features = context_features(ctx, self.hidden_state_ids)
-        if features.shape[0] != n:
-            raise ValueError(f"target_hidden_states: {features.shape[0]} positions, expected {n} (tokens 0..n-1)")
-        device = model.fc.weight.device
-        assert model.cfg.mask_token_id is not None
-        block = torch.full((1, 1, num_tokens), model.cfg.mask_token_id, dtype=torch.long, device=device)
-        block[0, 0, 0] = ids[-1]
-        anchors = torch.full((1, 1), n, dtype=torch.long, device=device)
-        valid = torch.ones(1, 1, dtype=torch.bool, device=device)
-        hidden = model.block_hidden(features.to(device)[None], block, anchors, valid)[0, 0]  # [K, H]
+        if not 1 <= num_tokens <= bs:
+            raise ValueError(f"propose: need 1 <= num_tokens <= block_size = {bs}; got num_tokens={num_tokens}")
+        hidden = block_hidden(model, ctx, self.hidden_state_ids, num_tokens)  # [K, H]
+        ids, device = ctx.token_ids, hidden.device
         prev = ids[-1].to(device).view(1)
         tokens, probs = [], []
         for k in range(num_tokens):

@@ -5,13 +5,21 @@
   entry L = post-final-norm, as HF does).
 - `BigramTarget`: next-token distribution depends on the last token only (exact probabilities
   are known in closed form: softmax(table[prev])), for statistical losslessness tests.
+- `damaged_copy`: a copy of an export directory with its config.json / tensors edited (export
+  checks must refuse it).
 """
 
 from __future__ import annotations
 
+import json
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from drafters.common.layers import DecoderLayer, RMSNorm
@@ -83,3 +91,19 @@ class BigramTarget(nn.Module):
     def forward(self, input_ids: Tensor, output_hidden_states: bool = False) -> TargetOutput:
         h = torch.nn.functional.one_hot(input_ids, self.table.shape[0]).float()
         return TargetOutput(self.table[input_ids], (h, h) if output_hidden_states else None)
+
+
+def damaged_copy(src: Path, dst: Path, edit_config: Callable[[dict[str, Any]], Any] | None = None,
+                 edit_tensors: Callable[[dict[str, Tensor]], Any] | None = None) -> Path:
+    """`src` copied to `dst`, then `edit_config(config dict)` / `edit_tensors(name -> tensor)` applied
+    in place and written back."""
+    shutil.copytree(src, dst)
+    if edit_config is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        edit_config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if edit_tensors is not None:
+        tensors = load_file(str(dst / "model.safetensors"))
+        edit_tensors(tensors)
+        save_file(tensors, str(dst / "model.safetensors"))
+    return dst

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from drafter_targets import tiny_spec
+from drafter_targets import damaged_copy, tiny_spec
+from safetensors.torch import load_file
 
 from drafters.common.blocks import (
     block_input_ids,
@@ -191,8 +191,6 @@ def test_greedy_rollout_equals_the_teacher_forced_forward_on_its_own_drafts() ->
 
 
 def test_export_keys_round_trip_engine_args_and_refusals(tmp_path: Path) -> None:
-    from safetensors.torch import load_file, save_file
-
     model = _model().eval()
     out = FAMILY.export(model, model.cfg, SPEC, tmp_path / "ok")
     config = json.loads((out / "config.json").read_text())
@@ -222,17 +220,7 @@ def test_export_keys_round_trip_engine_args_and_refusals(tmp_path: Path) -> None
         served.sglang_server_args(bf16, 4)
 
     def damaged(name: str, edit_config: Any = None, edit_tensors: Any = None) -> Path:
-        bad = tmp_path / name
-        shutil.copytree(out, bad)
-        if edit_config is not None:
-            cfg = json.loads((bad / "config.json").read_text())
-            edit_config(cfg)
-            (bad / "config.json").write_text(json.dumps(cfg))
-        if edit_tensors is not None:
-            tensors = load_file(str(bad / "model.safetensors"))
-            edit_tensors(tensors)
-            save_file(tensors, str(bad / "model.safetensors"))
-        return bad
+        return damaged_copy(out, tmp_path / name, edit_config, edit_tensors)
 
     cases = [
         (damaged("no_projector", edit_config=lambda c: c["dflash_config"].pop("projector_type")),

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from drafter_targets import tiny_spec
+from drafter_targets import damaged_copy, tiny_spec
 
 from drafters.common.blocks import (
     block_input_ids,
@@ -233,8 +232,6 @@ def test_proposer_drafts_left_to_right_through_the_markov_head() -> None:
 
 
 def test_export_writes_every_engine_key_and_check_export_refuses_damage(tmp_path: Path) -> None:
-    from safetensors.torch import load_file, save_file
-
     from drafters.dspark import FAMILY
     from drafters.dspark.export import check_export, load_dspark_export
 
@@ -255,17 +252,7 @@ def test_export_writes_every_engine_key_and_check_export_refuses_damage(tmp_path
         assert torch.equal(loaded.state_dict()[key], value), key
 
     def damaged(name: str, edit_config: Any = None, edit_tensors: Any = None) -> Path:
-        bad = tmp_path / name
-        shutil.copytree(out, bad)
-        if edit_config is not None:
-            cfg = json.loads((bad / "config.json").read_text())
-            edit_config(cfg)
-            (bad / "config.json").write_text(json.dumps(cfg))
-        if edit_tensors is not None:
-            tensors = load_file(str(bad / "model.safetensors"))
-            edit_tensors(tensors)
-            save_file(tensors, str(bad / "model.safetensors"))
-        return bad
+        return damaged_copy(out, tmp_path / name, edit_config, edit_tensors)
 
     cases = [
         (damaged("no_rank", edit_config=lambda c: c.pop("markov_rank")), r"missing keys \['markov_rank'\]"),
