@@ -30,9 +30,7 @@ from verl_speco.train.checkpoint import (
     resolve_resume,
     save_checkpoint,
 )
-from verl_speco.train.metrics_log import read_jsonl
-
-TIMING = ("tokens_per_s", "step_time_s")
+from verl_speco.train.metrics_log import is_timing_metric, read_jsonl
 
 
 def _train(*args: str) -> None:
@@ -40,7 +38,7 @@ def _train(*args: str) -> None:
 
 
 def _records(out: Path, kind: str) -> list[dict]:
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in read_jsonl(out / "metrics.jsonl", kind)]
+    return [{k: v for k, v in r.items() if not is_timing_metric(k)} for r in read_jsonl(out / "metrics.jsonl", kind)]
 
 
 def _same_weights(a: Path, b: Path) -> bool:

@@ -16,6 +16,12 @@ from pathlib import Path
 from typing import Any
 
 
+def is_timing_metric(key: str) -> bool:
+    """Wall-clock figures of a train record (they differ run to run, unlike every other metric):
+    tokens_per_s, step_time_s and the stage times time_<stage>_s."""
+    return key in ("tokens_per_s", "step_time_s") or (key.startswith("time_") and key.endswith("_s"))
+
+
 def _parse(path: Path) -> list[tuple[dict[str, Any], bytes]]:
     """(record, its line) for every record of `path`; a torn last line is dropped (warning), any
     other bad line raises."""

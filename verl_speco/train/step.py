@@ -12,7 +12,7 @@ A step whose global loss or gradient norm is not finite is skipped (no optimizer
 zeroed); all ranks see the same reduced values, so they agree on skipping.
 
 Stage timing (`StepResult.timing`, seconds, this rank): batch (collate + host-to-device), forward
-(inside the model's forward: hooks on the root module), loss (the objective minus its forward:
+(inside calls of the model or of its direct children: hooks, outermost call only), loss (the objective minus its forward:
 anchors, masks, heads outside the forward, the loss itself), backward, optim (all-reduces, grad
 norm and clipping, optimizer step). On an accelerator each boundary synchronises the device, so
 the stages add up to the step's wall time.
@@ -57,12 +57,15 @@ def synchronize(device: torch.device) -> None:
 
 
 class StageTimer:
-    """Accumulates seconds per stage; `forward` is measured by hooks on the model's root module,
-    so the objective's own work ("loss") is its total minus the forward time."""
+    """Accumulates seconds per stage. "forward" is the time spent inside calls of the model's root
+    module or of its direct children (hooks; only the outermost call of a nest counts), so an
+    objective that calls the root forward (the block drafters) and one that calls the draft's
+    layers itself (EAGLE-3's TTT loop) are measured alike; the rest of the objective is "loss"."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.seconds = dict.fromkeys(STAGES, 0.0)
+        self._depth = 0
         self._forward_started = 0.0
 
     @contextmanager
@@ -75,18 +78,24 @@ class StageTimer:
             synchronize(self.device)
             self.seconds[name] += time.perf_counter() - t0
 
-    @contextmanager
-    def objective(self, model: nn.Module) -> Iterator[None]:
-        """Time an objective call: its forward (hooks) goes to "forward", the rest to "loss"."""
-        def pre(*_: Any) -> None:
+    def _enter(self, *_: Any) -> None:
+        if self._depth == 0:
             synchronize(self.device)
             self._forward_started = time.perf_counter()
+        self._depth += 1
 
-        def post(*_: Any) -> None:
+    def _leave(self, *_: Any) -> None:
+        self._depth -= 1
+        if self._depth == 0:
             synchronize(self.device)
             self.seconds["forward"] += time.perf_counter() - self._forward_started
 
-        handles = [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
+    @contextmanager
+    def objective(self, model: nn.Module) -> Iterator[None]:
+        """Time an objective call: its module calls go to "forward", the rest to "loss"."""
+        modules = [model, *model.children()]
+        handles = [h for m in modules for h in (m.register_forward_pre_hook(self._enter),
+                                                 m.register_forward_hook(self._leave))]
         before = self.seconds["forward"]
         try:
             with self.stage("loss"):
@@ -94,6 +103,7 @@ class StageTimer:
         finally:
             for h in handles:
                 h.remove()
+            self._depth = 0
             self.seconds["loss"] -= self.seconds["forward"] - before
 
 
