@@ -84,6 +84,7 @@ class DFlashExportConfig:
     mask_token: str | None = None  # the tokenizer's token of mask_token_id (SGLang checks they agree)
 
     family: ClassVar[str] = "dflash"
+    label: ClassVar[str] = "DFlash"  # in messages
 
     @classmethod
     def from_drafter(cls, cfg: DFlashConfig, spec: TargetSpec, **overrides: Any) -> DFlashExportConfig:
@@ -137,7 +138,8 @@ class DFlashExportConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DFlashExportConfig:
-        body = format_fields(cls, data, "DFlash")
+        """Any subclass: its own fields, named in messages by its `label`."""
+        body = format_fields(cls, data, cls.label)
         body["target_layer_ids"] = tuple(body["target_layer_ids"])
         return cls(**body)
 

@@ -17,7 +17,7 @@ weights fail to load, so `vllm_speculative_config` refuses with the reason.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -42,6 +42,7 @@ class DominoExportConfig(DFlashExportConfig):
     emb_dim: int = 1
 
     family: ClassVar[str] = "domino"
+    label: ClassVar[str] = "Domino"
 
     @classmethod
     def from_drafter(cls, cfg: DominoConfig, spec: TargetSpec, **overrides: Any) -> DominoExportConfig:  # type: ignore[override]
@@ -54,19 +55,6 @@ class DominoExportConfig(DFlashExportConfig):
         for name in ("gru_hidden_dim", "emb_dim"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name}: got {getattr(self, name)}, expected >= 1")
-
-    def to_dict(self) -> dict[str, Any]:
-        body = asdict(self)
-        body["target_layer_ids"] = list(self.target_layer_ids)
-        return {"family": self.family, **body}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> DominoExportConfig:
-        from drafters.common.contract import format_fields
-
-        body = format_fields(cls, data, "Domino")
-        body["target_layer_ids"] = tuple(body["target_layer_ids"])
-        return cls(**body)
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = dflash_export.expected_shapes(self)

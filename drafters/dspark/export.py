@@ -21,11 +21,10 @@ block_size. vLLM 0.32 serves only the vanilla Markov head: `vllm_speculative_con
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from drafters.common.contract import format_fields
 from drafters.dflash import export as dflash_export
 from drafters.dflash.export import DFlashExportConfig
 
@@ -51,6 +50,7 @@ class DSparkExportConfig(DFlashExportConfig):
     confidence_head_with_markov: bool = False
 
     family: ClassVar[str] = "dspark"
+    label: ClassVar[str] = "DSpark"
 
     @classmethod
     def from_drafter(cls, cfg: DSparkConfig, spec: TargetSpec, **overrides: Any) -> DSparkExportConfig:  # type: ignore[override]
@@ -60,17 +60,6 @@ class DSparkExportConfig(DFlashExportConfig):
                   enable_confidence_head=cfg.enable_confidence_head,
                   confidence_head_with_markov=cfg.confidence_head_with_markov and cfg.enable_confidence_head)
         return replace(out, **overrides)
-
-    def to_dict(self) -> dict[str, Any]:
-        body = asdict(self)
-        body["target_layer_ids"] = list(self.target_layer_ids)
-        return {"family": self.family, **body}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> DSparkExportConfig:
-        body = format_fields(cls, data, "DSpark")
-        body["target_layer_ids"] = tuple(body["target_layer_ids"])
-        return cls(**body)
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         return expected_shapes(self)
