@@ -84,8 +84,10 @@ CATALOG: Mapping[str, CatalogEntry] = MappingProxyType({e.name: e for e in (
                  "drafters.domino.family:FAMILY",
                  (_m("sglang", "DFLASH", note="dflash_config.projector_type domino; --speculative-num-draft-tokens = "
                                               "block_size; greedy, CUDA, bf16, full vocab"),)),
-    CatalogEntry("peagle", "P-EAGLE: EAGLE-3 with parallel drafting of K tokens in one pass", None,
-                 (_m("vllm", "eagle3", note="vLLM >= 0.16", parallel_drafting=True),)),
+    CatalogEntry("peagle", "P-EAGLE: EAGLE-3 with parallel drafting of K tokens in one pass",
+                 "drafters.peagle.family:FAMILY",
+                 (_m("vllm", "eagle3", note="vLLM >= 0.16; num_speculative_tokens <= the trained depths; SGLang "
+                                            "0.5.23 has no P-EAGLE", parallel_drafting=True),)),
 )})
 
 

@@ -8,6 +8,7 @@ depend on the target and validates everything against it.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Self
 
 from drafters.common.attention import BACKENDS
 from drafters.common.layer_ids import check_servable_aux_ids, default_eagle3_layer_ids
@@ -17,14 +18,13 @@ LM_HEAD_INITS = ("random", "target")
 
 
 @dataclass(frozen=True)
-class Eagle3Config:
-    """
+class Eagle3Architecture:
+    """The EAGLE-3 draft architecture, shared by EAGLE-3 and P-EAGLE (drafters/peagle).
+
     draft_vocab_size: Vd; None = the target vocab (identity d2t/t2d, omitted from exports).
     num_layers: decoder layers; layer 0 is the fused 2H layer ("midlayer"), later ones plain (vLLM).
     aux_layer_ids: internal (HF hidden_states index) ids of the fused target layers, strictly
         increasing within 1..L-1; None = (2, L // 2, L - 3) (targets with L >= 7).
-    ttt_steps: training-time-test unroll length (7 as in the paper, SpecForge, DeepSpec).
-    ttt_decay: step j's loss weight is ttt_decay ** j.
     attn_backend: "auto" (flex on CUDA, else SDPA), "sdpa" or "flex".
     norm_before_residual: vLLM option: the residual is hidden_norm(h) instead of h.
     lm_head_init: "random" (SafeAILab) or "target" (rows of the target lm_head at the draft vocab).
@@ -33,8 +33,6 @@ class Eagle3Config:
     draft_vocab_size: int | None = None
     num_layers: int = 1
     aux_layer_ids: tuple[int, ...] | None = None
-    ttt_steps: int = 7
-    ttt_decay: float = 0.8
     attn_backend: str = "auto"
     norm_before_residual: bool = False
     lm_head_init: str = "random"
@@ -42,10 +40,6 @@ class Eagle3Config:
     def __post_init__(self) -> None:
         if self.num_layers < 1:
             raise ValueError(f"num_layers: got {self.num_layers}, expected >= 1")
-        if self.ttt_steps < 1:
-            raise ValueError(f"ttt_steps: got {self.ttt_steps}, expected >= 1")
-        if not 0 < self.ttt_decay <= 1:
-            raise ValueError(f"ttt_decay: got {self.ttt_decay}, expected in (0, 1]")
         if self.attn_backend not in BACKENDS:
             raise ValueError(f"attn_backend: got {self.attn_backend!r}, expected one of {BACKENDS}")
         if self.lm_head_init not in LM_HEAD_INITS:
@@ -55,7 +49,7 @@ class Eagle3Config:
             if not self.aux_layer_ids:
                 raise ValueError("aux_layer_ids: got an empty tuple, expected >= 1 layer id (or None)")
 
-    def resolve(self, target_spec: TargetSpec) -> Eagle3Config:
+    def resolve(self, target_spec: TargetSpec) -> Self:
         """Fill `aux_layer_ids` / `draft_vocab_size` from the target and check them against it."""
         num_layers, vocab = target_spec.num_hidden_layers, target_spec.vocab_size
         aux = self.aux_layer_ids if self.aux_layer_ids is not None else default_eagle3_layer_ids(num_layers)
@@ -64,3 +58,22 @@ class Eagle3Config:
         if not 0 < vd <= vocab:
             raise ValueError(f"draft_vocab_size: got {vd}, expected 1..{vocab} (target vocab_size)")
         return replace(self, aux_layer_ids=tuple(aux), draft_vocab_size=vd)
+
+
+@dataclass(frozen=True)
+class Eagle3Config(Eagle3Architecture):
+    """`Eagle3Architecture` plus the training-time test:
+
+    ttt_steps: training-time-test unroll length (7 as in the paper, SpecForge, DeepSpec).
+    ttt_decay: step j's loss weight is ttt_decay ** j.
+    """
+
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ttt_steps < 1:
+            raise ValueError(f"ttt_steps: got {self.ttt_steps}, expected >= 1")
+        if not 0 < self.ttt_decay <= 1:
+            raise ValueError(f"ttt_decay: got {self.ttt_decay}, expected in (0, 1]")

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from drafters.common.target import TargetSpec
-    from drafters.eagle3.config import Eagle3Config
+    from drafters.eagle3.config import Eagle3Architecture, Eagle3Config
 
 FORMATS = ("native", "speculators")
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
@@ -81,7 +81,7 @@ class Eagle3ExportConfig:
     family: ClassVar[str] = "eagle3"
 
     @classmethod
-    def from_drafter(cls, cfg: Eagle3Config, spec: TargetSpec, **overrides: Any) -> Eagle3ExportConfig:
+    def from_drafter(cls, cfg: Eagle3Architecture, spec: TargetSpec, **overrides: Any) -> Eagle3ExportConfig:
         """The export config of a `drafters.eagle3` model: the target's sizes, the drafter's choices."""
         cfg = cfg.resolve(spec)
         assert cfg.aux_layer_ids is not None and cfg.draft_vocab_size is not None

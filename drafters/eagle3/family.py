@@ -16,9 +16,9 @@ from drafters.common.contract import DrafterFamily, StoreStats
 from drafters.common.losses import ObjectiveOutput
 from drafters.common.target import TargetHead, TargetSpec
 from drafters.common.vocab import DraftVocab
-from drafters.eagle3.config import Eagle3Config
+from drafters.eagle3.config import Eagle3Architecture, Eagle3Config
 from drafters.eagle3.export import Eagle3ExportConfig, load_export
-from drafters.eagle3.model import Eagle3Model
+from drafters.eagle3.model import Eagle3Backbone, Eagle3Model
 from drafters.eagle3.objective import REQUIRED_FIELDS, eagle3_objective
 from drafters.eagle3.proposer import Eagle3Proposer
 from feature_store import Layout
@@ -27,36 +27,43 @@ EXPORT_MODULE = "drafters.eagle3.export"
 NOT_EXPORTED = ("embed_tokens.weight",)  # model entries an export does not carry: the target's embedding
 
 
-def _as_model(model: nn.Module) -> Eagle3Model:
-    if not isinstance(model, Eagle3Model):
-        raise TypeError(f"model: got {type(model).__name__}, expected Eagle3Model (unwrap DDP/compile first)")
-    return model
-
-
 class Eagle3Family:
-    name = "eagle3"
-    config_cls = Eagle3Config
-    # may change on a drafter loaded from an export: they shape training, not the exported function
-    mutable_settings = ("ttt_steps", "ttt_decay", "attn_backend")
+    """EAGLE-3; P-EAGLE (drafters/peagle/family.py) subclasses it: same architecture, vocab
+    selection, target head and layout, its own config, model, objective, export and proposer."""
 
-    def resolve(self, cfg: Eagle3Config, target_spec: TargetSpec) -> Eagle3Config:
+    name = "eagle3"
+    label = "EAGLE-3"
+    config_cls: type[Eagle3Architecture] = Eagle3Config
+    model_cls: type[Eagle3Backbone[Any]] = Eagle3Model
+    proposer_cls: Any = Eagle3Proposer
+    export_module = EXPORT_MODULE
+    # may change on a drafter loaded from an export: they shape training, not the exported function
+    mutable_settings: tuple[str, ...] = ("ttt_steps", "ttt_decay", "attn_backend")
+
+    def _as_model(self, model: nn.Module) -> Any:
+        if not isinstance(model, self.model_cls):
+            raise TypeError(f"model: got {type(model).__name__}, expected {self.model_cls.__name__} (unwrap "
+                            "DDP/compile first)")
+        return model
+
+    def resolve(self, cfg: Eagle3Architecture, target_spec: TargetSpec) -> Eagle3Architecture:
         return cfg.resolve(target_spec)
 
-    def config_of(self, model: nn.Module) -> Eagle3Config:
-        return _as_model(model).cfg
+    def config_of(self, model: nn.Module) -> Eagle3Architecture:
+        return self._as_model(model).cfg
 
     def with_settings(self, model: nn.Module, **settings: Any) -> Eagle3Model:
-        m = _as_model(model)
+        m = self._as_model(model)
         other = sorted(set(settings) - set(self.mutable_settings))
         if other:
-            raise ValueError(f"settings: {other} cannot change a loaded EAGLE-3 drafter (its architecture comes "
+            raise ValueError(f"settings: {other} cannot change a loaded {self.label} drafter (its architecture comes "
                              f"from the export); only {list(self.mutable_settings)} can")
         m.cfg = replace(m.cfg, **settings)
         return m
 
     def set_target_head(self, model: nn.Module, embed_tokens: Tensor, lm_head: Tensor) -> None:
         """embed_tokens [V, H] -> the frozen embedding; lm_head [V, H] -> the training-target head."""
-        m = _as_model(model)
+        m = self._as_model(model)
         m.target_lm_head = lm_head.to(m.target_lm_head.device, m.target_lm_head.dtype)
         with torch.no_grad():
             m.embed_tokens.weight.copy_(embed_tokens.to(m.embed_tokens.weight.device, m.embed_tokens.weight.dtype))
@@ -67,7 +74,7 @@ class Eagle3Family:
     def format_from_dict(self, data: Mapping[str, Any]) -> Eagle3ExportConfig:
         return Eagle3ExportConfig.from_dict(data)
 
-    def load_export(self, export_dir: str | Path, target: TargetHead) -> Eagle3Model:
+    def load_export(self, export_dir: str | Path, target: TargetHead) -> Any:
         """The trainable model of a native or speculators export of `target` (eval mode)."""
         state, export_cfg = load_export(export_dir, target.spec.num_hidden_layers)
         cfg = Eagle3Config(draft_vocab_size=export_cfg.draft_vocab_size, num_layers=export_cfg.num_layers,
@@ -82,7 +89,7 @@ class Eagle3Family:
                              f"unexpected {unexpected}")
         return model.eval()
 
-    def build(self, cfg: Eagle3Config, target: TargetHead, store_stats: StoreStats | None = None) -> Eagle3Model:
+    def build(self, cfg: Eagle3Architecture, target: TargetHead, store_stats: StoreStats | None = None) -> Any:
         """A fresh draft model. A reduced draft vocab needs `store_stats.token_counts` [V]."""
         cfg = cfg.resolve(target.spec)
         assert cfg.draft_vocab_size is not None
@@ -96,12 +103,12 @@ class Eagle3Family:
             if counts.numel() != target.spec.vocab_size:
                 raise ValueError(f"store_stats.token_counts: {counts.numel()} entries, expected {target.spec.vocab_size}")
             vocab = DraftVocab.select(counts, cfg.draft_vocab_size)
-        return Eagle3Model(cfg, target, vocab)
+        return self.model_cls(cfg, target, vocab)
 
-    def required_fields(self, cfg: Eagle3Config) -> tuple[str, ...]:
+    def required_fields(self, cfg: Eagle3Architecture) -> tuple[str, ...]:
         return REQUIRED_FIELDS
 
-    def required_layout(self, cfg: Eagle3Config, target_spec: TargetSpec) -> Layout:
+    def required_layout(self, cfg: Eagle3Architecture, target_spec: TargetSpec) -> Layout:
         """The resolved aux layer ids (internal convention) plus the post-final-norm last hidden."""
         aux = cfg.resolve(target_spec).aux_layer_ids
         assert aux is not None
@@ -110,27 +117,27 @@ class Eagle3Family:
     def collate(self, samples: list[dict[str, Tensor]]) -> dict[str, Tensor]:
         missing = [f for f in REQUIRED_FIELDS if samples and f not in samples[0]]
         if missing:
-            raise KeyError(f"EAGLE-3 samples: missing fields {missing} (have {sorted(samples[0])})")
+            raise KeyError(f"{self.label} samples: missing fields {missing} (have {sorted(samples[0])})")
         return collate(samples)
 
     def objective(self, model: nn.Module, batch: dict[str, Tensor], progress: float = 0.0) -> ObjectiveOutput:
         """EAGLE-3's loss does not depend on training progress (no curriculum)."""
-        return eagle3_objective(_as_model(model), batch)
+        return eagle3_objective(self._as_model(model), batch)
 
     def export(self, model: nn.Module, cfg: Eagle3Config, target_spec: TargetSpec, out_dir: str | Path,
                fmt: str = "native", **kwargs: Any) -> Path:
         """Delegates to `drafters.eagle3.export.export(model, cfg, target_spec, out_dir, fmt, **kwargs)`
         (formats "native" and "speculators"; kwargs such as verifier, dtype, meta)."""
-        module = importlib.import_module(EXPORT_MODULE)
-        out: Path = module.export(_as_model(model), cfg, target_spec, Path(out_dir), fmt, **kwargs)
+        module = importlib.import_module(self.export_module)
+        out: Path = module.export(self._as_model(model), cfg, target_spec, Path(out_dir), fmt, **kwargs)
         return out
 
-    def proposer(self, model: nn.Module, target_spec: TargetSpec) -> Eagle3Proposer:
-        m = _as_model(model)
+    def proposer(self, model: nn.Module, target_spec: TargetSpec) -> Any:
+        m = self._as_model(model)
         if m.spec.vocab_size != target_spec.vocab_size or m.spec.hidden_size != target_spec.hidden_size:
             raise ValueError(f"proposer: model built for vocab/hidden {m.spec.vocab_size}/{m.spec.hidden_size}, "
                              f"target has {target_spec.vocab_size}/{target_spec.hidden_size}")
-        return Eagle3Proposer(m)
+        return self.proposer_cls(m)
 
 
 FAMILY = Eagle3Family()

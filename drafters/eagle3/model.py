@@ -20,6 +20,7 @@ One layer, computed from h (features) and e (token embeddings):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -28,7 +29,9 @@ from drafters.common.layers import KV, DecoderLayer, GatedMLP, RMSNorm, SelfAtte
 from drafters.common.masks import AttentionMask, ttt_attention_mask, ttt_position_ids
 from drafters.common.target import TargetHead, TargetSpec
 from drafters.common.vocab import DraftVocab
-from drafters.eagle3.config import Eagle3Config
+from drafters.eagle3.config import Eagle3Architecture, Eagle3Config
+
+ConfigT = TypeVar("ConfigT", bound=Eagle3Architecture)
 
 
 class Eagle3MidLayer(nn.Module):
@@ -74,12 +77,16 @@ def _cat_kv(before: KV | None, new: KV) -> KV:
     return new if before is None else (torch.cat([before[0], new[0]], 2), torch.cat([before[1], new[1]], 2))
 
 
-class Eagle3Model(nn.Module):
+class Eagle3Backbone(nn.Module, Generic[ConfigT]):
+    """The EAGLE-3 draft's modules and its layer stack, generic in the config: EAGLE-3's
+    (`Eagle3Model` adds the training-time-test unroll and chain drafting) or P-EAGLE's
+    (drafters/peagle/model.py adds `mask_hidden` and the parallel element forward)."""
+
     d2t: Tensor
     t2d: Tensor
     target_lm_head: Tensor
 
-    def __init__(self, cfg: Eagle3Config, target: TargetHead, vocab: DraftVocab):
+    def __init__(self, cfg: ConfigT, target: TargetHead, vocab: DraftVocab):
         super().__init__()
         spec = target.spec
         if cfg.aux_layer_ids is None or cfg.draft_vocab_size is None:
@@ -88,7 +95,8 @@ class Eagle3Model(nn.Module):
         if vocab.draft_size != cfg.draft_vocab_size or vocab.vocab_size != spec.vocab_size:
             raise ValueError(f"vocab: maps {vocab.draft_size} -> {vocab.vocab_size}, config expects "
                              f"{cfg.draft_vocab_size} -> {spec.vocab_size}")
-        self.cfg, self.spec = cfg, spec
+        self.cfg: ConfigT = cfg
+        self.spec = spec
         h = spec.hidden_size
         self.fc = nn.Linear(len(cfg.aux_layer_ids) * h, h, bias=False)
         self.midlayer = Eagle3MidLayer(spec, cfg.norm_before_residual)
@@ -126,6 +134,11 @@ class Eagle3Model(nn.Module):
             h, kv = layer(h, pos, mask, None if kv_before is None else kv_before[i], backend, q_offset)
             new_kv.append(kv)
         return h, new_kv
+
+
+
+class Eagle3Model(Eagle3Backbone[Eagle3Config]):
+    """EAGLE-3: the backbone with the training-time-test unroll and chain drafting."""
 
     def unroll(self, step_input_ids: Tensor, aux_hidden: Tensor, attention_mask: Tensor,
                position_ids: Tensor | None = None, row_start: list[int] | None = None) -> list[Tensor]:

@@ -22,6 +22,7 @@ sum_j ttt_decay^j * L_j / (masked rows of step j), returned as ObjectiveOutput s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -30,7 +31,7 @@ from drafters.common.losses import ObjectiveOutput, geometric_weights, masked_ma
 from drafters.common.masks import shift_left
 from drafters.common.metrics import simulated_acceptance_length
 from drafters.common.vocab import target_logits_to_draft
-from drafters.eagle3.model import Eagle3Model
+from drafters.eagle3.model import Eagle3Backbone, Eagle3Model
 
 REQUIRED_FIELDS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
 
@@ -64,7 +65,7 @@ def step_input_ids(input_ids: Tensor, steps: int) -> Tensor:
     return torch.stack([shift_left(input_ids.long(), j + 1) for j in range(steps)])
 
 
-def prepare_targets(model: Eagle3Model, batch: dict[str, Tensor]) -> Eagle3Targets:
+def prepare_targets(model: Eagle3Backbone[Any], batch: dict[str, Tensor]) -> Eagle3Targets:
     """Target distributions and masks from `last_hidden` [B, T, H] with the frozen target head."""
     last_hidden = batch["last_hidden"]
     b, t = last_hidden.shape[:2]

@@ -1,0 +1,225 @@
+"""P-EAGLE numerics: COD sampling, the flattened element layout and its attention mask
+(algorithms.md section 7; PE-p; speculators `models/peagle/{data,attention}.py`).
+
+Elements. P-EAGLE trains all K depths in one forward over "elements" (a, d): anchor position a
+of the sequence, depth d in 0..K-1. Per batch row the elements are laid out depth-major: the T
+depth-0 elements (anchors 0..T-1, every position: they are the keys of every deeper element),
+then for d = 1..K-1 the anchors COD sampling kept, ascending; rows are padded to the longest
+(`exists` False). Element (a, d) stands for draft slot d of a round whose last verified row is a:
+    RoPE position = position_ids[a] + d
+    input        = (x_{a+1}, fc(aux f_a)) when d = 0, (MASK, fc(mask_hidden)) when d >= 1
+    target       = the target distribution at position a + 1 + d (it predicts x_{a+2+d})
+which is EAGLE-3's alignment (drafters/eagle3/objective.py) with step d of the unroll replaced by
+mask slot d: at inference the verified rows 0..n-1 are the depth-0 elements and the K - 1 mask
+slots are (n - 1, 1..K-1), exactly vLLM's parallel-drafting layout (engines.md 2.3.1).
+
+COD sampling (per row). valid(a, d) = the target at a + 1 + d is trainable (`target_valid`)
+and lies in a's document. n_valid = #{a : valid(a, 0)} (the depth-0 training rows).
+    kept_0 = {a : valid(a, 0)}
+    pool_d = {a in kept_{d-1} : valid(a, d)}
+    count_d = min(|pool_d|, floor((n_valid - d) * max(r^d, r_min)))      (d >= 1)
+    kept_d = count_d anchors drawn uniformly without replacement from pool_d
+so a chain (a, 0..d) is contiguous and each depth is a random subset of the previous one.
+Worked example, r = 0.5, r_min = 0.2, 10 valid positions: counts 10 (depth 0 rows), then
+floor(9 * 0.5) = 4, floor(8 * 0.25) = 2, floor(7 * 0.2) = 1 (capped by the pools).
+(`floor` adds 1e-9 first, so 7 * 0.7 ** 2 = 3.4299999... and 100 * 0.7 ** 2 = 48.999999... give
+the counts the formula means: 3 and 49.)
+
+Attention rule. Element q = (a_q, d_q) sees element k = (a_k, d_k) iff both exist, they are in
+the same document and either k is a depth-0 element at or before q's anchor (d_k = 0, a_k <= a_q)
+or k is an earlier-or-equal depth of q's own chain (a_k = a_q, d_k <= d_q). Every element also
+sees itself, so padding rows are never empty. Worked example, one document, T = 3, COD kept
+(1, 1) at depth 1 and (1, 2) at depth 2; elements [(0,0) (1,0) (2,0) (1,1) (1,2)]:
+    (0,0): 1 0 0 0 0
+    (1,0): 1 1 0 0 0
+    (2,0): 1 1 1 0 0
+    (1,1): 1 1 0 1 0
+    (1,2): 1 1 0 1 1
+The mask goes through index tables (`q_index`, `kv_index`: element ids, -1 = padding), so a
+partitioned forward (one anchor range of deeper elements against the depth-0 keys) evaluates
+the same function on a subset of rows and columns.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from drafters.common.masks import AttentionMask, MaskMod
+
+EPS = 1e-9  # floor((n - d) * ratio + EPS): the count the formula means despite float rounding
+
+
+def cod_count(n_valid: int, depth: int, ratio: float, ratio_min: float) -> int:
+    """The COD budget of depth `depth` >= 1: floor((n_valid - depth) * max(ratio^depth, ratio_min))."""
+    if depth < 1:
+        raise ValueError(f"depth: got {depth}, expected >= 1 (depth 0 keeps every position)")
+    return max(0, math.floor(max(0, n_valid - depth) * max(ratio ** depth, ratio_min) + EPS))
+
+
+@dataclass
+class CODLayout:
+    """Per batch row, N elements (module docstring), depth-major.
+
+    anchor, depth: int64 [B, N]; exists: bool [B, N] (False = row padding); document: int64
+    [B, T], the document of each sequence position (-1 = padding position); counts: int64
+    [B, K], elements per depth (depth 0 counts the real positions).
+    """
+
+    anchor: Tensor
+    depth: Tensor
+    exists: Tensor
+    document: Tensor
+    counts: Tensor
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.document.shape[1])
+
+    def element_document(self) -> Tensor:
+        """int64 [B, N]: each element's document (its anchor's), -1 for padding elements."""
+        doc = torch.gather(self.document, 1, self.anchor)
+        return torch.where(self.exists, doc, torch.full_like(doc, -1))
+
+    def target_position(self) -> Tensor:
+        """int64 [B, N]: a + 1 + d, the position of each element's target (clamped to T - 1 for
+        padding elements and past-the-end targets, which carry no loss)."""
+        return (self.anchor + 1 + self.depth).clamp(max=self.seq_len - 1)
+
+    def position_ids(self, position_ids: Tensor | None = None) -> Tensor:
+        """int64 [B, N]: RoPE position of each element, position_ids[a] + d (default positions 0..T-1)."""
+        if position_ids is None:
+            return self.anchor + self.depth
+        return torch.gather(position_ids.long(), 1, self.anchor) + self.depth
+
+
+def document_ids(attention_mask: Tensor, document: Tensor | None = None) -> Tensor:
+    """int64 [B, T]: `document` (packed rows) or 0 at every real position; -1 at padding."""
+    real = attention_mask.to(torch.bool)
+    doc = torch.zeros(real.shape, dtype=torch.long, device=real.device) if document is None else document.long()
+    return torch.where(real, doc, torch.full_like(doc, -1))
+
+
+def chain_valid(target_valid: Tensor, document: Tensor, depth: int) -> Tensor:
+    """bool [B, T]: valid(a, depth) for every anchor a (module docstring)."""
+    b, t = target_valid.shape
+    valid = torch.zeros(b, t, dtype=torch.bool, device=target_valid.device)
+    shift = 1 + depth
+    if shift < t:
+        valid[:, : t - shift] = (target_valid[:, shift:].to(torch.bool) & (document[:, shift:] == document[:, : t - shift])
+                                 & (document[:, : t - shift] >= 0))
+    return valid
+
+
+def cod_sample(target_valid: Tensor, document: Tensor, num_depths: int, ratio: float, ratio_min: float,
+               generator: torch.Generator | None = None) -> CODLayout:
+    """COD sampling over `num_depths` depths (module docstring).
+
+    target_valid: bool [B, T], the target at position p is trainable (loss & attention mask);
+    document: int64 [B, T] from `document_ids`. Draws use `generator` only (CPU generator).
+    """
+    if target_valid.shape != document.shape or target_valid.dim() != 2:
+        raise ValueError(f"target_valid {tuple(target_valid.shape)} and document {tuple(document.shape)}: "
+                         "expected the same [batch, seq] shape")
+    if num_depths < 1:
+        raise ValueError(f"num_depths: got {num_depths}, expected >= 1")
+    b, t = target_valid.shape
+    device = target_valid.device
+    valid = [chain_valid(target_valid, document, d).cpu() for d in range(num_depths)]
+    anchors: list[list[Tensor]] = []
+    counts = torch.zeros(b, num_depths, dtype=torch.long)
+    for row in range(b):
+        kept = valid[0][row].nonzero().flatten()
+        n_valid = int(kept.numel())
+        per_depth = [torch.arange(t)]
+        counts[row, 0] = int((document[row] >= 0).sum())
+        for d in range(1, num_depths):
+            pool = kept[valid[d][row, kept]]
+            count = min(int(pool.numel()), cod_count(n_valid, d, ratio, ratio_min))
+            if count == 0:
+                break
+            pick = torch.randperm(int(pool.numel()), generator=generator)[:count]
+            kept = pool[pick].sort().values
+            per_depth.append(kept)
+            counts[row, d] = count
+        anchors.append(per_depth)
+    n = max(sum(int(x.numel()) for x in per) for per in anchors)
+    anchor = torch.zeros(b, n, dtype=torch.long)
+    depth = torch.zeros(b, n, dtype=torch.long)
+    exists = torch.zeros(b, n, dtype=torch.bool)
+    doc_cpu = document.cpu()
+    for row, per in enumerate(anchors):
+        a = torch.cat(per)
+        dep = torch.cat([torch.full((x.numel(),), i, dtype=torch.long) for i, x in enumerate(per)])
+        width = a.numel()
+        anchor[row, :width], depth[row, :width] = a, dep
+        exists[row, :width] = doc_cpu[row, a] >= 0
+    return CODLayout(anchor.to(device), depth.to(device), exists.to(device), document, counts.to(device))
+
+
+def chain_layout(num_rows: int, num_depths: int, device: torch.device | str = "cpu") -> CODLayout:
+    """One sequence of `num_rows` = n verified rows plus the mask slots (n - 1, 1..K-1): the layout
+    of one parallel-drafting forward (inference), in the training layout's terms. The sequence
+    has n + 1 positions (x_0..x_n: row n - 1 reads x_n), position n anchors no element."""
+    if num_rows < 1 or num_depths < 1:
+        raise ValueError(f"chain_layout: need num_rows >= 1 and num_depths >= 1, got {num_rows}, {num_depths}")
+    anchor = torch.cat([torch.arange(num_rows), torch.full((num_depths - 1,), num_rows - 1)])
+    depth = torch.cat([torch.zeros(num_rows, dtype=torch.long), torch.arange(1, num_depths)])
+    counts = torch.tensor([[num_rows] + [1] * (num_depths - 1)])
+    return CODLayout(anchor[None].to(device), depth[None].to(device),
+                     torch.ones(1, anchor.numel(), dtype=torch.bool, device=device),
+                     torch.zeros(1, num_rows + 1, dtype=torch.long, device=device), counts.to(device))
+
+
+def cod_mask_mod(layout: CODLayout, q_index: Tensor | None = None, kv_index: Tensor | None = None) -> MaskMod:
+    """The attention rule (module docstring) as a mask function; q_index / kv_index: int64 [B, Nq]
+    / [B, Nk] element ids of the query rows / key columns (-1 = padding; default all elements)."""
+    anchor, depth, exists = layout.anchor, layout.depth, layout.exists
+    doc = layout.element_document()
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        qi = q_idx if q_index is None else q_index[b, q_idx]
+        ki = kv_idx if kv_index is None else kv_index[b, kv_idx]
+        qs, ks = qi.clamp(min=0), ki.clamp(min=0)
+        qa, ka, qd, kd = anchor[b, qs], anchor[b, ks], depth[b, qs], depth[b, ks]
+        real = (qi >= 0) & (ki >= 0) & exists[b, qs] & exists[b, ks] & (doc[b, qs] == doc[b, ks])
+        rule = ((kd == 0) & (ka <= qa)) | ((ka == qa) & (kd <= qd))
+        return (real & rule) | (qi == ki)
+
+    return mask_mod
+
+
+def cod_attention_mask(layout: CODLayout, q_index: Tensor | None = None,
+                       kv_index: Tensor | None = None) -> AttentionMask:
+    """`cod_mask_mod` with its sizes: [B, Nq, Nk] (default every element against every element)."""
+    b, n = layout.anchor.shape
+    nq = n if q_index is None else int(q_index.shape[1])
+    nk = n if kv_index is None else int(kv_index.shape[1])
+    return AttentionMask(cod_mask_mod(layout, q_index, kv_index), b, nq, nk)
+
+
+def segment_indices(layout: CODLayout, num_segments: int) -> list[Tensor]:
+    """Sequence partitioning: the depth >= 1 elements split by anchor into `num_segments` equal
+    anchor ranges [s * T / S, (s + 1) * T / S); per segment an int64 [B, Ns] table of element ids
+    (-1 = padding), empty segments dropped. A chain stays in one segment (its elements share an
+    anchor), so a segment needs only its own keys plus the depth-0 keys."""
+    if num_segments < 1:
+        raise ValueError(f"num_segments: got {num_segments}, expected >= 1")
+    t = layout.seq_len
+    deep = layout.exists & (layout.depth >= 1)
+    bounds = [round(s * t / num_segments) for s in range(num_segments + 1)]
+    out = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        member = deep & (layout.anchor >= lo) & (layout.anchor < hi)  # [B, N]
+        width = int(member.sum(1).max()) if member.numel() else 0
+        if width == 0:
+            continue
+        table = torch.full((member.shape[0], width), -1, dtype=torch.long, device=member.device)
+        for row in range(member.shape[0]):
+            ids = member[row].nonzero().flatten()
+            table[row, : ids.numel()] = ids
+        out.append(table)
+    return out

@@ -1,0 +1,61 @@
+"""P-EAGLE drafter configuration (algorithms.md section 7; engines.md 2.3.1).
+
+The architecture is EAGLE-3's (`Eagle3Architecture`: fused 2H layer 0, plain H layers after it,
+fc over k target layers, a draft-vocab head) with 4 layers by default, plus what parallel
+drafting needs: the mask token and K, the number of depths drafted in one forward. The
+draft's sizes are the target's; `resolve(target_spec)` fills the target-dependent defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Self
+
+from drafters.common.target import TargetSpec
+from drafters.eagle3.config import Eagle3Architecture
+
+
+@dataclass(frozen=True)
+class PEagleConfig(Eagle3Architecture):
+    """`Eagle3Architecture` (num_layers 4 here, as SpecForge's Qwen3-8B recipe) plus:
+
+    num_depths: K, the tokens drafted per forward (depth 0 = the EAGLE-3 row, depths 1..K-1 the
+        mask slots); vLLM's num_speculative_tokens must not exceed it (8 for gpt-oss-120b).
+    cod_ratio: r, COD sampling keeps about (n - d) * max(r^d, cod_ratio_min) chains at depth d
+        (0.7: speculators, SpecForge's model default).
+    cod_ratio_min: the floor r_min of that fraction (0.2).
+    mask_token_id: the token at mask slots (vLLM `ptd_token_id` / `mask_token_id`); None = the
+        target tokenizer's mask token (`TargetSpec.mask_token_id`); checked against the vocab.
+    num_segments: sequence partitioning (PE-p Algorithm 1): the depth >= 1 elements run in this
+        many anchor-range segments, each recomputed in its own backward (activation memory of one
+        segment at a time); 1 = one flattened forward. The gradients do not depend on it.
+    """
+
+    num_layers: int = 4
+    num_depths: int = 8
+    cod_ratio: float = 0.7
+    cod_ratio_min: float = 0.2
+    mask_token_id: int | None = None
+    num_segments: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_depths < 1:
+            raise ValueError(f"num_depths: got {self.num_depths}, expected >= 1")
+        if not 0 < self.cod_ratio <= 1:
+            raise ValueError(f"cod_ratio: got {self.cod_ratio}, expected in (0, 1]")
+        if not 0 <= self.cod_ratio_min <= 1:
+            raise ValueError(f"cod_ratio_min: got {self.cod_ratio_min}, expected in [0, 1]")
+        if self.num_segments < 1:
+            raise ValueError(f"num_segments: got {self.num_segments}, expected >= 1")
+
+    def resolve(self, target_spec: TargetSpec) -> Self:
+        """`Eagle3Architecture.resolve` plus the mask token (the tokenizer's when None)."""
+        cfg = super().resolve(target_spec)
+        mask = cfg.mask_token_id if cfg.mask_token_id is not None else target_spec.mask_token_id
+        if mask is None:
+            raise ValueError("mask_token_id: None and the target tokenizer has no mask token; set "
+                             f"drafter.settings.mask_token_id to an id in 0..{target_spec.vocab_size - 1}")
+        if not 0 <= mask < target_spec.vocab_size:
+            raise ValueError(f"mask_token_id: got {mask}, expected 0..{target_spec.vocab_size - 1} (target vocab)")
+        return replace(cfg, mask_token_id=int(mask))

@@ -1,0 +1,75 @@
+"""P-EAGLE training objective (algorithms.md section 7; SpecForge `algorithms/peagle/model.py`).
+
+One micro-batch:
+  1. targets as EAGLE-3 (drafters/eagle3/objective.py `prepare_targets`): at every position p
+     the target distribution restricted to the draft vocab, softmax(target_logits[p][t2d]), and
+     position_mask[p] = loss_mask & attention_mask & (target argmax in the draft vocab);
+  2. COD sampling (drafters/peagle/cod.py) over K = num_depths depths, on the trainable
+     positions (loss_mask & attention_mask): a target outside the draft vocab still extends a
+     chain, it only carries no loss;
+  3. one flattened forward over the elements; element (a, d) is scored against the target at
+     position a + 1 + d where position_mask is set;
+  4. loss = sum over scored elements of soft CE(target, draft) / number of scored elements:
+     count-normalised, no depth decay (one loss term). Soft CE and KL(target || draft) differ by
+     the target entropy, a constant: the same gradients.
+
+Metrics (sum, count): acc (draft argmax == target argmax over scored elements), acc_pos{d} per
+depth, cod_elements_pos{d} (elements per depth per row: sum = elements, count = rows).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from drafters.common.losses import ObjectiveOutput, masked_match_count, soft_cross_entropy
+from drafters.eagle3.objective import prepare_targets
+from drafters.peagle.cod import cod_sample, document_ids
+from drafters.peagle.model import PEagleModel
+
+REQUIRED_FIELDS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
+
+
+def check_batch(batch: dict[str, Tensor]) -> None:
+    missing = [k for k in (*REQUIRED_FIELDS, "attention_mask") if k not in batch]
+    if missing:
+        raise KeyError(f"P-EAGLE batch: missing fields {missing} (has {sorted(batch)})")
+    b, t = batch["input_ids"].shape
+    for key in ("loss_mask", "attention_mask", *(("document_ids",) if "document_ids" in batch else ())):
+        if tuple(batch[key].shape) != (b, t):
+            raise ValueError(f"P-EAGLE batch: {key} is {tuple(batch[key].shape)}, expected {(b, t)}")
+    for key in ("aux_hidden", "last_hidden"):
+        if tuple(batch[key].shape[:2]) != (b, t):
+            raise ValueError(f"P-EAGLE batch: {key} is {tuple(batch[key].shape)}, expected ({b}, {t}, ...)")
+
+
+def peagle_objective(model: PEagleModel, batch: dict[str, Tensor],
+                     generator: torch.Generator | None = None) -> ObjectiveOutput:
+    """The loss of one micro-batch (module docstring). `batch` may carry `document_ids` [B, T]
+    (packed rows); COD draws use `generator` (default torch's global CPU generator)."""
+    check_batch(batch)
+    cfg = model.cfg
+    targets = prepare_targets(model, batch)
+    attention = batch["attention_mask"].to(torch.bool)
+    trainable = batch["loss_mask"].to(torch.bool) & attention
+    document = document_ids(attention, batch.get("document_ids"))
+    layout = cod_sample(trainable, document, cfg.num_depths, cfg.cod_ratio, cfg.cod_ratio_min, generator)
+    hidden = model(batch["input_ids"], batch["aux_hidden"], layout)  # [B, N, H] post-norm
+    target_pos = layout.target_position()  # [B, N]
+    beyond = layout.anchor + 1 + layout.depth >= layout.seq_len
+    scored = layout.exists & ~beyond & torch.gather(targets.position_mask, 1, target_pos)  # [B, N]
+    b, n = scored.nonzero(as_tuple=True)
+    p = target_pos[b, n]
+    logits = model.lm_head(hidden[b, n])  # [M, Vd]
+    rows = torch.ones(b.shape[0], dtype=torch.bool, device=logits.device)
+    num, den = soft_cross_entropy(targets.target_probs[b, p], logits, rows)
+    draft_pred = model.draft_vocab.draft_to_target(logits.detach().argmax(-1))
+    target_argmax = targets.target_argmax[b, p]
+    depth = layout.depth[b, n]
+    metrics: dict[str, tuple[Tensor, Tensor]] = {"acc": masked_match_count(draft_pred, target_argmax, rows)}
+    rows_count = torch.tensor(float(layout.counts.shape[0]), device=logits.device)
+    for d in range(cfg.num_depths):
+        metrics[f"acc_pos{d}"] = masked_match_count(draft_pred, target_argmax, depth == d)
+        metrics[f"cod_elements_pos{d}"] = (layout.counts[:, d].sum().float(), rows_count)
+    ones = torch.ones(1, device=num.device)
+    return ObjectiveOutput(num.view(1), den.view(1).detach(), ones, metrics)

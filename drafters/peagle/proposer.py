@@ -1,0 +1,60 @@
+"""P-EAGLE parallel drafting for the reference decoder, as vLLM's parallel-drafting EAGLE-3 does it
+(engines.md 2.3.1; vLLM `v1/spec_decode/llm_base_proposer.py` with `parallel_drafting`).
+
+Round with committed tokens x_0..x_n and target features at positions 0..n-1: ONE draft forward
+over n + K - 1 rows,
+    rows t = 0..n-1:   embed(x_{t+1}) with fc(aux f_t), RoPE position t (the EAGLE-3 rows);
+    rows n - 1 + i:    embed(MASK) with fc(mask_hidden), position n - 1 + i, i = 1..K-1,
+causal; the last K rows (row n - 1 and the K - 1 mask rows) give d_1..d_K. That is the training
+layout with one chain of K depths at anchor n - 1 (`cod.chain_layout`), so the forward is the
+model's own `forward`. Probabilistic drafting samples each slot from its own q_i and reports q
+(independent draws: the verifier's rejection test needs only each slot's q), so it stays
+lossless. K may not exceed the trained depths (`num_depths`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from drafters.common.contract import DraftContext, Proposal
+from drafters.common.sampling import SamplingParams, logits_to_probs, sample
+from drafters.common.vocab import draft_logits_to_target
+from drafters.eagle3.proposer import aux_features
+from drafters.peagle.cod import chain_layout
+from drafters.peagle.model import PEagleModel
+
+
+class PEagleProposer:
+    def __init__(self, model: PEagleModel):
+        self.model = model
+        assert model.cfg.aux_layer_ids is not None
+        self.aux_layer_ids: tuple[int, ...] = model.cfg.aux_layer_ids
+
+    @torch.no_grad()
+    def draft_logits(self, ctx: DraftContext, num_tokens: int) -> torch.Tensor:
+        """float32 [K, V] target-vocab draft logits of the K slots of one forward."""
+        ids = ctx.token_ids
+        n = ids.numel() - 1
+        if n < 1 or not 1 <= num_tokens <= self.model.cfg.num_depths:
+            raise ValueError(f"propose: need >= 2 committed tokens and 1 <= num_tokens <= num_depths="
+                             f"{self.model.cfg.num_depths} (the depths P-EAGLE was trained on), got {n + 1} and "
+                             f"{num_tokens}")
+        aux = aux_features(ctx, self.aux_layer_ids)
+        if aux.shape[0] != n:
+            raise ValueError(f"target_hidden_states: {aux.shape[0]} positions, expected {n} (tokens 0..n-1)")
+        model = self.model
+        device = model.fc.weight.device
+        layout = chain_layout(n, num_tokens, device)  # sequence x_0..x_n: row a reads x_{a+1}
+        aux = torch.cat([aux, aux.new_zeros(1, aux.shape[1])])  # x_n has no features (no element reads them)
+        hidden = model(ids[None].to(device), aux.to(device)[None], layout)  # [1, n + K - 1, H]
+        rows = hidden[0, n - 1:]  # [K, H]: row n - 1, then the K - 1 mask slots
+        return draft_logits_to_target(model.lm_head(rows).float(), model.d2t, model.spec.vocab_size)
+
+    @torch.no_grad()
+    def propose(self, ctx: DraftContext, num_tokens: int, sampling: SamplingParams,
+                generator: torch.Generator | None = None) -> Proposal:
+        logits = self.draft_logits(ctx, num_tokens)  # [K, V]
+        if sampling.greedy:
+            return Proposal(logits.argmax(-1).long().cpu(), None)
+        q = logits_to_probs(logits, sampling)
+        return Proposal(sample(q, generator).long().cpu(), q.cpu())
