@@ -110,7 +110,7 @@ class Eagle3Family:
 
     def required_layout(self, cfg: Eagle3Architecture, target_spec: TargetSpec) -> Layout:
         """The resolved aux layer ids (internal convention) plus the post-final-norm last hidden."""
-        aux = cfg.resolve(target_spec).aux_layer_ids
+        aux = Eagle3Architecture.resolve(cfg, target_spec).aux_layer_ids  # the architecture's part only
         assert aux is not None
         return Layout(layer_ids=aux, last_hidden="post_norm")
 
