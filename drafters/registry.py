@@ -2,7 +2,7 @@
 
 Families load lazily by import path, so `import drafters.registry` imports no family code.
 Engine method names (vLLM `speculative_config["method"]`, SGLang `--speculative-algorithm`)
-are catalog data and are available for every family, implemented or not (algorithms.md 1-7).
+are catalog data (algorithms.md 1-7; engines.md for what each engine serves).
 """
 
 from __future__ import annotations
@@ -28,10 +28,6 @@ class UnknownFamilyError(RegistryError):
     """The name is not in the catalog."""
 
 
-class FamilyUnavailableError(RegistryError):
-    """The family is in the catalog but has no implementation in this version."""
-
-
 class UnknownEngineMethodError(RegistryError):
     """The family has no known method for that engine."""
 
@@ -46,11 +42,11 @@ class EngineMethod:
 
 @dataclass(frozen=True)
 class CatalogEntry:
-    """import_path: "module:attribute" of the family object, or None when not implemented yet."""
+    """import_path: "module:attribute" of the family object."""
 
     name: str
     summary: str
-    import_path: str | None
+    import_path: str
     engine_methods: tuple[EngineMethod, ...]
 
 
@@ -92,28 +88,24 @@ CATALOG: Mapping[str, CatalogEntry] = MappingProxyType({e.name: e for e in (
 
 
 def known_families() -> tuple[str, ...]:
-    """Every catalog name, implemented or not."""
+    """Every catalog name, in catalog order."""
     return tuple(CATALOG)
 
 
 def available_families() -> tuple[str, ...]:
-    """Names whose implementation exists in this version."""
-    return tuple(n for n, e in CATALOG.items() if e.import_path is not None)
+    """The families this version implements: every catalog entry (all seven are implemented)."""
+    return known_families()
 
 
 def catalog_entry(name: str) -> CatalogEntry:
     if name not in CATALOG:
-        raise UnknownFamilyError(f"unknown drafter family {name!r}; valid names: {', '.join(CATALOG)} "
-                                 f"(implemented: {', '.join(available_families())})")
+        raise UnknownFamilyError(f"unknown drafter family {name!r}; valid names: {', '.join(CATALOG)}")
     return CATALOG[name]
 
 
 def get_family(name: str) -> DrafterFamily:
     """The family object for `name` (imported on first use)."""
     entry = catalog_entry(name)
-    if entry.import_path is None:
-        raise FamilyUnavailableError(f"drafter family {name!r} is in the catalog but not implemented in this "
-                                     f"version; implemented families: {', '.join(available_families())}")
     module_name, attr = entry.import_path.split(":")
     family: DrafterFamily = getattr(importlib.import_module(module_name), attr)
     return family

@@ -82,6 +82,12 @@ DEBUG_SETTINGS: dict[str, Any] = {
     "domino": lambda spec: {"block_size": K + 1, "num_target_features": 3, "mask_token_id": spec.vocab_size - 1,
                             "gru_hidden_dim": 8, "emb_dim": 8, "lambda_decay_fraction": 0.0,
                             "target_layer_ids": (0, (spec.num_hidden_layers - 1) // 2, spec.num_hidden_layers - 2)},
+    # K = 3 depths in one forward, 2 layers (layer 1 plain), the EAGLE-3 debug ids and draft vocab, the last id as
+    # MASK; COD ratio 1 keeps every chain, so a micro-batch split sees the same elements as the whole batch (like
+    # dflash's 512 anchors: every candidate; random COD draws are tested in tests/drafters/test_peagle.py)
+    "peagle": lambda spec: {"draft_vocab_size": (2 * spec.vocab_size) // 3, "num_layers": 2, "num_depths": K,
+                            "mask_token_id": spec.vocab_size - 1, "cod_ratio": 1.0,
+                            "aux_layer_ids": (1, spec.num_hidden_layers // 2, spec.num_hidden_layers - 1)},
 }
 # Training sequences of the `trained` fixture (default 12). DFlash drafts a block in parallel from
 # mid-stack features: on 12 sequences it memorises (loss 0.02, greedy acceptance 9/159, near chance);

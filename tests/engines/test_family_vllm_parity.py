@@ -25,7 +25,12 @@ family's, with the same vLLM speculative config, is not served again: vLLM would
 inputs (today eagle2: vLLM 0.32 has no tree, eagle2 ships the eagle1 directory, method "eagle");
 its own reference counters must still equal those vLLM counters.
 
+P-EAGLE (`parallel_drafting`: K = 3 drafts from one draft forward, 2 layers) is served like
+the others; measured: vLLM (68, 54, [32, 13, 9]) == reference.
+
 Negative controls, each shown to make the comparison fail:
+- P-EAGLE mask token exported as 94 (trained with 95): reference (69, 49, [30, 11, 8]); the
+  plain layer's input_layernorm <-> post_attention_layernorm swapped: (69, 53, [30, 13, 10]);
 - EAGLE-3 layer ids shifted by one (exported with (2, 4, 7), trained on (1, 3, 6)): the
   reference reading that export disagrees with vLLM on the correct one;
 - EAGLE-3 midlayer.input_layernorm <-> midlayer.hidden_norm swapped: the reference with the
@@ -83,10 +88,15 @@ TRAIN_SETTINGS: dict[str, dict[str, Any]] = {  # anything absent keeps the confi
     "eagle3": {"aux_layer_ids": (1, 3, 6), "draft_vocab_size": 64, "ttt_steps": 3},
     # block K + 1 (K = B - 1 drafts), NON-DEFAULT context layers (0, 3, 6) (default (1, 3, 5)), MASK = id 95
     "dflash": {"block_size": K + 1, "num_target_features": 3, "target_layer_ids": (0, 3, 6), "mask_token_id": 95},
+    # K = 3 depths from ONE draft forward, 2 layers (layer 1 plain: vLLM's input_layernorm add-norm), the
+    # EAGLE-3 ids and reduced vocab, MASK = id 95
+    "peagle": {"aux_layer_ids": (1, 3, 6), "draft_vocab_size": 64, "num_depths": K, "num_layers": 2,
+               "mask_token_id": 95},
 }
 # Training sequences per family (default 16): DFlash drafts a block in parallel from mid-stack
-# features and needs more data to accept at its third position (on 16: per position [17, 7, 0]).
-TRAIN_SEQUENCES = {"dflash": 64}
+# features and needs more data to accept at its third position (on 16: per position [17, 7, 0]);
+# so does P-EAGLE, whose later slots see only mask tokens.
+TRAIN_SEQUENCES = {"dflash": 64, "peagle": 64}
 
 Counts = tuple[int, int, list[int]]
 
@@ -368,3 +378,29 @@ def test_dflash_live_publish_serves_exactly_the_published_draft(world: World) ->
     print(f"dflash live publish: trained {seen[0]} (reference {r['ref']}), untrained {seen[1]} "
           f"(reference {untrained_ref})")
     assert seen == [r["ref"], untrained_ref]
+
+
+def test_peagle_mask_token_shifted_by_one_breaks_parity(world: World) -> None:
+    _need("peagle")
+    r = world.served("peagle")
+    shifted_cfg = dataclasses.replace(r["cfg"], mask_token_id=94)  # trained with 95
+    shifted = r["family"].export(r["model"], shifted_cfg, world.spec, world.root / "peagle_mask_shifted")
+    assert json.loads((shifted / "config.json").read_text())["ptd_token_id"] == 94
+    _, planted = world.reference(r["family"].proposer(_load(world, "peagle", shifted), world.spec))
+    print(f"peagle mask token 95 exported as 94: reference {planted}, vLLM (correct export) {r['vllm']}")
+    assert planted != r["vllm"]
+
+
+def test_peagle_swapped_plain_layer_norms_break_parity(world: World) -> None:
+    _need("peagle")
+    r = world.served("peagle")
+    bad = _copy_export(r["draft"], world.root / "peagle_norms_swapped")
+    tensors = load_file(str(bad / "model.safetensors"))
+    a, b = "layers.1.input_layernorm.weight", "layers.1.post_attention_layernorm.weight"
+    assert not torch.equal(tensors[a], tensors[b])
+    tensors[a], tensors[b] = tensors[b], tensors[a]
+    tensors["layers.1.hidden_norm.weight"] = tensors[a].clone()  # the twin follows (the export check needs it)
+    save_file(tensors, str(bad / "model.safetensors"))
+    _, swapped = world.reference(r["family"].proposer(_load(world, "peagle", bad), world.spec))
+    print(f"peagle {a} <-> {b}: reference {swapped}, vLLM (correct export) {r['vllm']}")
+    assert swapped != r["vllm"]
