@@ -1,5 +1,5 @@
-"""ONE union-layout store, collected once (`verl-speco-collect --layout-of eagle1,eagle3,dflash,dspark,domino`),
-trains EAGLE-1, EAGLE-3, DFlash, DSpark and Domino with `verl-speco-draft-train` (single process, presets
+"""ONE union-layout store, collected once (`verl-speco-collect --layout-of eagle1,eagle3,dflash,dspark,domino,peagle`),
+trains EAGLE-1, EAGLE-3, DFlash, DSpark, Domino and P-EAGLE with `verl-speco-draft-train` (single process, presets
 quickstart_<family> with tiny overrides), and each run's export is accepted by its family's
 `load_export` (weights equal to the trainer's final checkpoint).
 
@@ -25,7 +25,7 @@ from feature_store import Layout, load_store
 from verl_speco.capture.collect import main as collect_main
 from verl_speco.train.launcher import main as train_main
 
-FAMILIES = ("eagle1", "eagle3", "dflash", "dspark", "domino")
+FAMILIES = ("eagle1", "eagle3", "dflash", "dspark", "domino", "peagle")
 WORDS = ["<pad>", "<unk>", "<|im_start|>", "<|im_end|>", "\n", "system", "user", "assistant",
          *(f"w{i}" for i in range(56))]
 TEMPLATE = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>' + '\n' }}"
@@ -79,7 +79,8 @@ PRESET_OVERRIDES = {"eagle1": (), "eagle3": ("drafter.settings.ttt_steps=2",),
                     "dflash": ("drafter.settings.mask_token_id=63",),  # this tokenizer has no mask token
                     "dspark": ("drafter.settings.mask_token_id=63", "drafter.settings.markov_rank=8"),
                     "domino": ("drafter.settings.mask_token_id=63", "drafter.settings.gru_hidden_dim=8",
-                               "drafter.settings.emb_dim=8")}
+                               "drafter.settings.emb_dim=8"),
+                    "peagle": ("drafter.settings.mask_token_id=63", "drafter.settings.num_segments=2")}
 
 
 @pytest.mark.parametrize("name", FAMILIES)
