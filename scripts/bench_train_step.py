@@ -1,25 +1,25 @@
 """Benchmark: our drafter training steps against speculators' at equal shapes (SDPA, eager losses).
 
 Target (issues): per family, ratio = our step time / speculators' step time <= 1.0, goal <= 0.7.
-Families: every one speculators 0.9.0 also has and we implement: eagle3, dflash, dspark
-(`benchmarks/train_step_adapters.py`, one adapter each; speculators' peagle is one more adapter
-in its `ADAPTERS` table once we have the family). `--family all` (default) runs them in one
-process, one after another, and ends with one table.
+Families: every one speculators 0.9.0 also has and we implement: eagle3, dflash, dspark, peagle
+(`benchmarks/train_step_adapters.py`, one adapter each in its `ADAPTERS` table). `--family all`
+(default) runs them in one process, one after another, and ends with one table.
 
 One training step = forward + loss, backward, clip_grad_norm_(1.0), AdamW step (speculators'
 trainer loop; ours through the family API: `FAMILY.objective(model, batch).loss()`). Per family
 both drafts have the same sizes and start from IDENTICAL weights (ours copied into speculators'
 by parameter name); the trainable-parameter counts of both sides are printed. Before timing, a
 loss check runs both sides on the same rows (EAGLE-3: the same batch; DFlash / DSpark: the same
-batch and the same anchors) and prints both losses and how they relate (the families' semantic
-differences, documented per adapter; summary below).
+batch and the same anchors; P-EAGLE: the same batch and the same COD elements) and prints both
+losses and how they relate (the families' semantic differences, documented per adapter; summary
+below).
 
 Speculators is a benchmark-only reference (shared/design/environment.md): built from config
 objects, verifier name None (nothing downloaded), its verifier embed / lm_head / norm loaded from
 our synthetic target. Its CUDA-only defaults are switched to the paths it offers for other
 hardware: `_attn_implementation="sdpa"` (default "simple_flex_attention" compiles flex attention;
-flex attention's backward does not run on CPU in torch 2.13; with sdpa its DFlash-family mask is a
-dense bool mask from flex's `create_mask`), and the "eager" losses (the fused ones are Triton
+flex attention's backward does not run on CPU in torch 2.13; with sdpa its DFlash-family and
+P-EAGLE masks are dense bool masks from flex's `create_mask`), and the "eager" losses (the fused ones are Triton
 kernels). `torch.compile` of its forward is only applied on CUDA (`conditional_torch_compile`).
 
 Semantic differences (details and the numbers in each adapter's docstring and loss check):
@@ -33,6 +33,11 @@ Semantic differences (details and the numbers in each adapter's docstring and lo
 - dspark: ours 0.1 CE + 0.9 L1 + 1.0 BCE(conf, 1 - L1/2); speculators '{"ce": 0.1, "tv": 1.8}'
   + 1.0 BCE(conf, 1 - TV) with TV = L1 / 2: the same terms; normalisation as dflash; ours runs
   the heads on the counted rows only.
+- peagle: as eagle3 (soft CE vs KL, our position mask fed as speculators' loss mask, lm_head
+  trained on both sides), one count-normalised term over all depths; speculators' default
+  trainable embedding is frozen as ours (embed_requires_grad False); each side draws its own COD
+  elements in the timed steps (K = --num-depths, r, r_min; the same counts at the default
+  shapes), the check feeds both the same elements (speculators' sampler patched).
 - dflash / dspark anchors: `--num-anchors` per sequence on both sides (validated to fit the
   sequence, so speculators computes no padding blocks); the timed steps draw independently.
 - speculators packs a batch into one row [1, B*T] with document ids; ours pads to [B, T]. With
@@ -77,6 +82,21 @@ default shapes: hidden 1024, 16/4 heads, intermediate 2816, vocab 32000, seq 512
   mask for all layers instead of one per layer) measured no difference; what is left (SDPA split
   into context prefix + own block instead of a dense mask, fused softmax / CE / L1 over the
   [N, V] logits) changes floating-point results.
+    .venv/bin/python scripts/bench_train_step.py --family peagle   # --threads 2, 11.6 min, load 4-5
+    family  ours ms  spec ms  ratio  CPU ratio  peak MB ours/spec  trainable (both)  verdict
+    peagle  45771.8  44751.4  1.02   1.02       862 / 1071         58,209,280        FAIL
+  (4 layers, K 8: 1474 elements per step on both sides.) Loss check (same elements): ours
+  10.2269 soft CE = speculators 9.8771 KL + 0.3497 entropy, residual -4e-7, per depth to 2e-6.
+  Where the time goes (torch.profiler, --threads 1, one step each): 22.50 s CPU on both sides,
+  the same 91 GEMMs (16.4 / 16.2 s: the 4 layers over the same elements, lm_head, fc) and the
+  same CPU flash-attention kernels over the dense N x N COD mask (4.9 / 5.2 s); COD sampling
+  (2 ms) and our mask evaluation (20 ms per layer) are noise. Ours spends 0.7 s more on the
+  full-vocab target head (the out-of-draft-vocab mask: [410, 32000] vs speculators' [512, 8192]).
+  What would cut our step (drafters/peagle, not done here): attention over the T depth-0 keys
+  plus each element's <= K-1 chain keys merged by log-sum-exp (as the TTT fast path): 1.32 ->
+  0.43 s fwd+bwd per layer; fc over the T positions plus fc(mask_hidden) once instead of over the
+  N elements: 0.88 -> 0.23 s; together ~4.2 s of 22.5 s (ratio ~0.81). The rest is the layer
+  GEMMs over the same elements on both sides, so 0.7 is out of reach at equal work.
 """
 
 from __future__ import annotations
@@ -101,7 +121,7 @@ from benchmarks.train_step_adapters import ADAPTERS, Built  # noqa: E402
 
 QUICK = dict(hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=2048, draft_vocab=512,
              seq_len=64, batch=1, steps=3, warmup=1, threads=1, layers=1, num_anchors=8, context_layers=3,
-             markov_rank=32)
+             markov_rank=32, peagle_layers=2)
 GOAL, LIMIT = 0.7, 1.0
 
 
@@ -120,11 +140,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--batch", type=int, default=1)
     g.add_argument("--prompt-frac", type=float, default=0.2,
                    help="leading fraction of each sequence with loss_mask 0 (the prompt)")
-    g = p.add_argument_group("eagle3")
+    g = p.add_argument_group("eagle3 / peagle")
     g.add_argument("--draft-vocab", type=int, default=8192)
-    g.add_argument("--ttt-steps", type=int, default=7)
-    g.add_argument("--ttt-decay", type=float, default=0.8)
+    g.add_argument("--ttt-steps", type=int, default=7, help="eagle3")
+    g.add_argument("--ttt-decay", type=float, default=0.8, help="eagle3")
     g.add_argument("--frozen-lm-head", action="store_true", help="freeze the draft lm_head on both sides")
+    g = p.add_argument_group("peagle")
+    g.add_argument("--num-depths", type=int, default=8, help="K, depths drafted per forward (speculators' default)")
+    g.add_argument("--cod-ratio", type=float, default=0.7, help="COD ratio r: depth d keeps (n - d) * max(r^d, r_min)")
+    g.add_argument("--cod-ratio-min", type=float, default=0.2, help="COD ratio floor r_min")
+    g.add_argument("--peagle-layers", type=int, default=4,
+                   help="draft decoder layers (fused 2H layer + plain ones; our PEagleConfig default)")
     g = p.add_argument_group("dflash / dspark")
     g.add_argument("--layers", type=int, default=5, help="draft decoder layers (the Qwen3-8B recipe: 5)")
     g.add_argument("--block-size", type=int, default=None, help="rows per block; default dflash 16, dspark 7")
