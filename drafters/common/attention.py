@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -67,6 +68,8 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask | None, backend:
         return _flex(q, k, v, mask)
     if isinstance(mask, TTTAttentionMask) and q.device.type == "cpu" and _CPU_FLASH is not None:
         return ttt_sdpa(q, k, v, mask)
+    if isinstance(mask, BlockGatherMask) and q.device.type == "cpu" and _CPU_FLASH is not None:
+        return block_gather_sdpa(q, k, v, mask)
     dense = None if mask is None else mask.dense(q.device)
     gqa = q.shape[1] != k.shape[1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=gqa)
@@ -96,8 +99,8 @@ class _TTTAttention(torch.autograd.Function):
     mask per block, `causal` the flags. Returns [B, Hq, Tq, D]."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, kd: Tensor, vd: Tensor, scale: float, causal: tuple[bool, ...],
-                *tensors: Tensor | None) -> Tensor:
+    def forward(ctx: Any, q: Tensor, kd: Tensor, vd: Tensor, dbias: Tensor | None, scale: float,
+                causal: tuple[bool, ...], *tensors: Tensor | None) -> Tensor:
         assert _CPU_FLASH is not None
         outs, lses = [], []
         for i, is_causal in enumerate(causal):
@@ -109,25 +112,32 @@ class _TTTAttention(torch.autograd.Function):
         groups = q.shape[1] // kd.shape[1]
         kr, vr = kd.repeat_interleave(groups, 1).to(acc), vd.repeat_interleave(groups, 1).to(acc)
         d = torch.einsum("bhtd,bhjtd->bhjt", q.to(acc), kr) * scale  # [B, Hq, j, Tq]
+        if dbias is not None:
+            d = d + dbias.to(acc)  # 0 / -inf per (query, slot): slots without a key
         lse = torch.logsumexp(torch.cat([torch.stack(lses, 2), d], 2), 2)  # [B, Hq, Tq]
         out = torch.einsum("bhjt,bhjtd->bhtd", torch.exp(d - lse[:, :, None]), vr)
         for o, lse_b in zip(outs, lses):
             out = out + torch.exp(lse_b - lse)[..., None] * o.to(acc)
         out = out.to(q.dtype)
         ctx.scale, ctx.causal = scale, causal
-        ctx.save_for_backward(q, kd, vd, out, lse, *tensors)
+        ctx.has_bias = dbias is not None
+        ctx.save_for_backward(q, kd, vd, out, lse, *((dbias,) if dbias is not None else ()), *tensors)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         assert _CPU_FLASH_BWD is not None
         q, kd, vd, out, lse, *tensors = ctx.saved_tensors
+        dbias = tensors.pop(0) if ctx.has_bias else None
         scale = ctx.scale
         grad = grad.contiguous()
         acc, hkv, groups = lse.dtype, kd.shape[1], q.shape[1] // kd.shape[1]
         kr, vr = kd.repeat_interleave(groups, 1).to(acc), vd.repeat_interleave(groups, 1).to(acc)
         q32, g32 = q.to(acc), grad.to(acc)
-        wd = torch.exp(torch.einsum("bhtd,bhjtd->bhjt", q32, kr) * scale - lse[:, :, None])  # [B, Hq, j, Tq]
+        sd = torch.einsum("bhtd,bhjtd->bhjt", q32, kr) * scale
+        if dbias is not None:
+            sd = sd + dbias.to(acc)
+        wd = torch.exp(sd - lse[:, :, None])  # [B, Hq, j, Tq]
         delta = (g32 * out.to(acc)).sum(-1)  # [B, Hq, Tq]
         dd = wd * (torch.einsum("bhtd,bhjtd->bhjt", g32, vr) - delta[:, :, None])
         gq = scale * torch.einsum("bhjt,bhjtd->bhtd", dd, kr)
@@ -140,7 +150,7 @@ class _TTTAttention(torch.autograd.Function):
             gq_b, gk, gv = _CPU_FLASH_BWD(grad, q, k, v, out, lse, 0.0, is_causal, attn_mask=m, scale=scale)
             gq = gq + gq_b.to(acc)
             block_grads += [gk, gv, None]
-        return (gq.to(q.dtype), gkd, gvd, None, None, *block_grads)
+        return (gq.to(q.dtype), gkd, gvd, None, None, None, *block_grads)
 
 
 def ttt_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: TTTAttentionMask) -> Tensor:
@@ -165,6 +175,46 @@ def ttt_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: TTTAttentionMask) -> Tensor:
     tensors: list[Tensor | None] = []
     for bk, bv, bm, _ in blocks:
         tensors += [bk.contiguous(), bv.contiguous(), bm]
-    out: Tensor = _TTTAttention.apply(q.contiguous(), kd, vd, q.shape[-1] ** -0.5,
+    out: Tensor = _TTTAttention.apply(q.contiguous(), kd, vd, None, q.shape[-1] ** -0.5,
                                       tuple(b[3] for b in blocks), *tensors)
+    return out
+
+
+# ------------------------------------------------------- block + gathered keys fast path (CPU)
+# P-EAGLE's COD mask (drafters/peagle/cod.py): every query sees a subset of the first `block_len`
+# keys (the depth-0 elements) plus at most J keys of its own chain. SDPA over the dense mask costs
+# Tq * Tk; here flash attention over the block (with its dense mask) plus J gathered scores per
+# query, merged by log-sum-exp as above (`_TTTAttention` with a 0 / -inf bias on the slots).
+
+
+@dataclass
+class BlockGatherMask(AttentionMask):
+    """A mask function with its structure: key kv < block_len is visible to query q iff
+    block_mask[b, 0, q, kv]; a key kv >= block_len iff kv is one of gather_index[b, q, :]
+    (-1 = empty slot). `dense()` still evaluates `mask_mod`: the two must agree (the builder's
+    tests prove it). block_mask: bool [B, 1, Tq, block_len], every row with a True;
+    gather_index: int64 [B, Tq, J]."""
+
+    block_mask: Tensor
+    gather_index: Tensor
+
+    @property
+    def block_len(self) -> int:
+        return int(self.block_mask.shape[-1])
+
+
+def block_gather_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: BlockGatherMask) -> Tensor:
+    """Same result as SDPA over `mask.dense()` (forward and backward) without the dense keys."""
+    n = mask.block_len
+    idx = mask.gather_index  # [B, Tq, J]
+    b, tq, j = idx.shape
+    safe = idx.clamp(min=0)
+    hkv, dim = k.shape[1], k.shape[-1]
+    flat = safe.permute(0, 2, 1).reshape(b, 1, j * tq, 1).expand(b, hkv, j * tq, dim)
+    kd = torch.gather(k, 2, flat).view(b, hkv, j, tq, dim)  # [B, Hkv, J, Tq, D]
+    vd = torch.gather(v, 2, flat).view(b, hkv, j, tq, dim)
+    dbias = _additive(idx.permute(0, 2, 1)[:, None] >= 0, torch.float32)  # [B, 1, J, Tq]
+    block = _additive(mask.block_mask, q.dtype)
+    out: Tensor = _TTTAttention.apply(q.contiguous(), kd, vd, dbias, q.shape[-1] ** -0.5, (False,),
+                                      k[:, :, :n].contiguous(), v[:, :, :n].contiguous(), block)
     return out

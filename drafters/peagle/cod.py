@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from drafters.common.attention import BlockGatherMask
 from drafters.common.masks import AttentionMask, MaskMod
 
 EPS = 1e-9  # floor((n - d) * ratio + EPS): the count the formula means despite float rounding
@@ -199,6 +200,45 @@ def cod_attention_mask(layout: CODLayout, q_index: Tensor | None = None,
     nq = n if q_index is None else int(q_index.shape[1])
     nk = n if kv_index is None else int(kv_index.shape[1])
     return AttentionMask(cod_mask_mod(layout, q_index, kv_index), b, nq, nk)
+
+
+def cod_structured_mask(layout: CODLayout, q_index: Tensor | None = None,
+                        kv_index: Tensor | None = None) -> BlockGatherMask:
+    """`cod_attention_mask` with its structure, for the CPU fast path (common/attention.py
+    `block_gather_sdpa`): the key columns start with the T depth-0 elements (kv_index[:, :T] =
+    0..T-1, true of the full layout and of every partitioned pass), which form the dense block;
+    the rest of a query's keys are its own chain at depths 1..d (at most K - 1, gathered by
+    position in the key layout). A padding query with no visible block key is given key 0 (its
+    output is unused; a softmax row is never empty). Real rows equal the mask function's exactly
+    (tests/drafters/test_peagle.py)."""
+    b, n = layout.anchor.shape
+    t, k = layout.seq_len, int(layout.counts.shape[1])
+    dev = layout.anchor.device
+    base = torch.arange(t, device=dev).expand(b, t)
+    if kv_index is not None and not torch.equal(kv_index[:, :t], base):
+        raise ValueError("kv_index: the first T key columns must be the depth-0 elements 0..T-1")
+    q_ids = torch.arange(n, device=dev).expand(b, n) if q_index is None else q_index
+    kv_ids = torch.arange(n, device=dev).expand(b, n) if kv_index is None else kv_index
+    plain = cod_attention_mask(layout, q_index, kv_index)
+    block = AttentionMask(cod_mask_mod(layout, q_index, base), b, plain.q_len, t).dense(dev)  # [B, 1, Nq, T]
+    empty = ~block.any(-1)  # [B, 1, Nq]
+    block[..., 0] |= empty
+    # key position of each element in the key layout (-1: not a key), then each query's chain keys
+    key_pos = torch.full((b, n), -1, dtype=torch.long, device=dev)
+    real_kv = kv_ids >= 0
+    rows = real_kv.nonzero(as_tuple=True)
+    key_pos[rows[0], kv_ids[rows]] = rows[1]
+    table = torch.full((b, t, k), -1, dtype=torch.long, device=dev)  # (anchor, depth) -> element id
+    el = layout.exists.nonzero(as_tuple=True)
+    table[el[0], layout.anchor[el], layout.depth[el]] = el[1]
+    qs = q_ids.clamp(min=0)
+    qa, qd = torch.gather(layout.anchor, 1, qs), torch.gather(layout.depth, 1, qs)  # [B, Nq]
+    depths = torch.arange(1, k, device=dev)  # chain slots 1..K-1
+    chain = table[torch.arange(b, device=dev)[:, None, None], qa[..., None], depths.expand(*qa.shape, k - 1)]
+    chain = torch.where((depths <= qd[..., None]) & (q_ids[..., None] >= 0) & (chain >= 0),
+                        torch.gather(key_pos, 1, chain.clamp(min=0).flatten(1)).view_as(chain), -1)
+    chain = torch.where(chain >= t, chain, -1)  # depth >= 1 keys only (never in the block)
+    return BlockGatherMask(plain.mask_mod, b, plain.q_len, plain.kv_len, block, chain)
 
 
 def segment_indices(layout: CODLayout, num_segments: int) -> list[Tensor]:

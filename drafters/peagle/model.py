@@ -30,7 +30,7 @@ from drafters.common.masks import shift_left
 from drafters.common.target import TargetHead
 from drafters.common.vocab import DraftVocab
 from drafters.eagle3.model import Eagle3Backbone
-from drafters.peagle.cod import CODLayout, cod_attention_mask, segment_indices
+from drafters.peagle.cod import CODLayout, cod_structured_mask, segment_indices
 from drafters.peagle.config import PEagleConfig
 
 
@@ -58,13 +58,15 @@ class PEagleModel(Eagle3Backbone[PEagleConfig]):
         depth0 = layout.depth == 0  # [B, N]
         ids = torch.where(depth0, torch.gather(next_ids, 1, layout.anchor), torch.full_like(layout.anchor,
                                                                                             self.mask_token_id))
-        feats = _gather(aux_hidden.to(self.fc.weight.dtype), layout.anchor)  # [B, N, k*H_t]
-        feats = torch.where(depth0[..., None], feats, self.mask_hidden.to(feats.dtype).expand_as(feats))
-        return self.embed_tokens(ids), self.fc(feats)
+        # fc per position and once for mask_hidden, then gathered (fc is row-wise: the same rows)
+        h_pos = self.fc(aux_hidden.to(self.fc.weight.dtype))  # [B, T, H]
+        h_mask = self.fc(self.mask_hidden.to(self.fc.weight.dtype))  # [1, H]
+        h = torch.where(depth0[..., None], _gather(h_pos, layout.anchor), h_mask.expand(*layout.anchor.shape, -1))
+        return self.embed_tokens(ids), h
 
     def _run(self, embeds: Tensor, h: Tensor, pos: Tensor, layout: CODLayout, q_index: Tensor | None,
              kv_index: Tensor | None, kv_before: list[KV] | None) -> tuple[Tensor, list[KV]]:
-        mask = cod_attention_mask(layout, q_index, kv_index)
+        mask = cod_structured_mask(layout, q_index, kv_index)
         return self._layers(embeds, h, pos, mask, kv_before)
 
     def forward(self, input_ids: Tensor, aux_hidden: Tensor, layout: CODLayout,

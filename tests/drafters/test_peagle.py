@@ -324,3 +324,50 @@ def test_config_validation() -> None:
     with pytest.raises(ValueError, match="mask_token_id: got 32, expected 0..31"):
         PEagleConfig(aux_layer_ids=AUX, mask_token_id=32).resolve(SPEC)
     assert FAMILY.required_layout(PEagleConfig(), no_mask).layer_ids == (2, 4, 5)  # the layout needs no mask id
+
+
+@pytest.mark.parametrize("segment", [False, True])
+def test_structured_cod_attention_equals_dense_sdpa_forward_and_backward(segment: bool) -> None:
+    """The CPU fast path (depth-0 block by flash attention + gathered chain keys) against SDPA over
+    the mask function's dense matrix, on a padded two-row COD sample; for a partitioned pass too."""
+    import torch.nn.functional as F
+
+    from drafters.common.attention import BlockGatherMask, attend, block_gather_sdpa
+    from drafters.peagle.cod import cod_structured_mask
+
+    valid = torch.ones(2, 14, dtype=torch.bool)
+    valid[0, :3] = False
+    attention = torch.ones(2, 14, dtype=torch.bool)
+    attention[1, 9:] = False
+    doc = document_ids(attention, torch.tensor([[0] * 7 + [1] * 7, [0] * 14]))
+    layout = cod_sample(valid & attention, doc, 4, 0.7, 0.2, torch.Generator().manual_seed(0))
+    t = layout.seq_len
+    if segment:
+        q_index = segment_indices(layout, 2)[1]
+        kv_index = torch.cat([torch.arange(t).expand(2, t), q_index], 1)
+        real = (q_index >= 0) & torch.gather(layout.exists, 1, q_index.clamp(min=0))
+    else:
+        q_index = kv_index = None
+        real = layout.exists
+    mask = cod_structured_mask(layout, q_index, kv_index)
+    assert isinstance(mask, BlockGatherMask) and int((mask.gather_index >= 0).sum()) > 0
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, mask.q_len, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, mask.kv_len, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, mask.kv_len, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(2, 4, mask.q_len, 8, generator=g, dtype=torch.float64) * real[:, None, :, None]
+    outs, grads = [], []
+    for fn in (lambda: block_gather_sdpa(q, k, v, mask),
+               lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense(), enable_gqa=True)):
+        out = fn()
+        (out * w).sum().backward()  # padding rows carry no gradient, as in training
+        outs.append(out.detach())
+        grads.append([x.grad.clone() for x in (q, k, v)])  # type: ignore[union-attr]
+        for x in (q, k, v):
+            x.grad = None
+    r = real[:, None, :, None].expand_as(outs[0])
+    torch.testing.assert_close(outs[0][r], outs[1][r], rtol=1e-10, atol=1e-12)
+    for a, b in zip(grads[0], grads[1]):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
+    with torch.no_grad():
+        torch.testing.assert_close(attend(q, k, v, mask, "sdpa")[r], outs[1][r], rtol=1e-10, atol=1e-12)
