@@ -282,6 +282,13 @@ def export_eagle3(state_dict: Mapping[str, Tensor], cfg: Eagle3ExportConfig, out
         config = native_config(cfg, dtype_name)
     else:
         config = speculators_config(cfg, verifier, speculative_tokens, verifier_architectures, dtype_name)
+    return write_export(out_dir, tensors, config, cfg, fmt, meta)
+
+
+def write_export(out_dir: str | Path, tensors: dict[str, Tensor], config: Mapping[str, Any], cfg: Eagle3ExportConfig,
+                 fmt: str, meta: Mapping[str, Any] | None) -> Path:
+    """`model.safetensors`, `config.json` and `verl_speco_meta.json` (the family, format, export
+    config and engine format, plus `meta`) of an EAGLE-3-architecture export (EAGLE-3, P-EAGLE)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})

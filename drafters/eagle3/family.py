@@ -80,12 +80,17 @@ class Eagle3Family:
         cfg = Eagle3Config(draft_vocab_size=export_cfg.draft_vocab_size, num_layers=export_cfg.num_layers,
                            aux_layer_ids=tuple(export_cfg.aux_layer_ids),
                            norm_before_residual=export_cfg.norm_before_residual)
-        # the vocab map comes from the export; selecting by t2d only gives the model the right shapes
+        return self._loaded(cfg, target, state, export_dir)
+
+    def _loaded(self, cfg: Eagle3Architecture, target: TargetHead, state: dict[str, Tensor],
+                export_dir: str | Path) -> Any:
+        """A model of `cfg` holding an export's training-name `state` (eval mode); the vocab map
+        comes from the export (selecting by t2d only gives the model the right shapes)."""
         model = self.build(cfg, target, StoreStats(token_counts=state["t2d"].to(torch.float32)))
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [k for k in missing if k not in NOT_EXPORTED]
         if missing or unexpected:
-            raise ValueError(f"{export_dir}: export does not match the EAGLE-3 model: missing {missing}, "
+            raise ValueError(f"{export_dir}: export does not match the {self.label} model: missing {missing}, "
                              f"unexpected {unexpected}")
         return model.eval()
 

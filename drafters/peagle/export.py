@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
 
 from drafters.common.contract import EXPORT_META_FILE, format_fields
@@ -121,14 +121,7 @@ def export_peagle(state_dict: Mapping[str, Tensor], cfg: PEagleExportConfig, out
     """Write the native directory (module docstring); `meta` goes to verl_speco_meta.json."""
     tensors = cfg.engine_tensors(state_dict, fmt, dtype)
     dtype_name = str(tensors["fc.weight"].dtype).removeprefix("torch.")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(native_config(cfg, dtype_name), indent=2) + "\n")
-    meta_doc = {"family": cfg.family, "format": fmt, "export_config": asdict(cfg), "engine_format": cfg.to_dict(),
-                "layer_id_convention": "hf_hidden_states", **dict(meta or {})}
-    (out / EXPORT_META_FILE).write_text(json.dumps(meta_doc, indent=2) + "\n")
-    return out
+    return eagle3_export.write_export(out_dir, tensors, native_config(cfg, dtype_name), cfg, fmt, meta)
 
 
 def export(model: nn.Module, cfg: PEagleConfig, target_spec: TargetSpec, out_dir: str | Path,

@@ -10,10 +10,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
-from drafters.common.contract import DrafterFamily, StoreStats
+from drafters.common.contract import DrafterFamily
 from drafters.common.losses import ObjectiveOutput
 from drafters.common.target import TargetHead, TargetSpec
 from drafters.eagle3.family import Eagle3Family
@@ -22,8 +21,6 @@ from drafters.peagle.export import PEagleExportConfig, load_export
 from drafters.peagle.model import PEagleModel
 from drafters.peagle.objective import peagle_objective
 from drafters.peagle.proposer import PEagleProposer
-
-NOT_EXPORTED = ("embed_tokens.weight",)
 
 
 class PEagleFamily(Eagle3Family):
@@ -52,13 +49,8 @@ class PEagleFamily(Eagle3Family):
                            aux_layer_ids=tuple(export_cfg.aux_layer_ids),
                            norm_before_residual=export_cfg.norm_before_residual,
                            num_depths=export_cfg.num_depths, mask_token_id=export_cfg.mask_token_id)
-        model: PEagleModel = self.build(cfg, target, StoreStats(token_counts=state["t2d"].to(torch.float32)))
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if k not in NOT_EXPORTED]
-        if missing or unexpected:
-            raise ValueError(f"{export_dir}: export does not match the P-EAGLE model: missing {missing}, "
-                             f"unexpected {unexpected}")
-        return model.eval()
+        model: PEagleModel = self._loaded(cfg, target, state, export_dir)
+        return model
 
     def objective(self, model: nn.Module, batch: dict[str, Any], progress: float = 0.0) -> ObjectiveOutput:
         """No curriculum; COD draws come from torch's global generator (a fresh sample every step)."""
