@@ -82,21 +82,21 @@ default shapes: hidden 1024, 16/4 heads, intermediate 2816, vocab 32000, seq 512
   mask for all layers instead of one per layer) measured no difference; what is left (SDPA split
   into context prefix + own block instead of a dense mask, fused softmax / CE / L1 over the
   [N, V] logits) changes floating-point results.
-    .venv/bin/python scripts/bench_train_step.py --family peagle   # --threads 2, 11.6 min, load 4-5
+    .venv/bin/python scripts/bench_train_step.py --family peagle   # --threads 2, ~10 min at load 4-8
     family  ours ms  spec ms  ratio  CPU ratio  peak MB ours/spec  trainable (both)  verdict
-    peagle  45771.8  44751.4  1.02   1.02       862 / 1071         58,209,280        FAIL
+    peagle  46320.2  55343.6  0.84   0.94       1040 / 1082        58,209,280        PASS
   (4 layers, K 8: 1474 elements per step on both sides.) Loss check (same elements): ours
   10.2269 soft CE = speculators 9.8771 KL + 0.3497 entropy, residual -4e-7, per depth to 2e-6.
-  Where the time goes (torch.profiler, --threads 1, one step each): 22.50 s CPU on both sides,
-  the same 91 GEMMs (16.4 / 16.2 s: the 4 layers over the same elements, lm_head, fc) and the
-  same CPU flash-attention kernels over the dense N x N COD mask (4.9 / 5.2 s); COD sampling
-  (2 ms) and our mask evaluation (20 ms per layer) are noise. Ours spends 0.7 s more on the
-  full-vocab target head (the out-of-draft-vocab mask: [410, 32000] vs speculators' [512, 8192]).
-  What would cut our step (drafters/peagle, not done here): attention over the T depth-0 keys
-  plus each element's <= K-1 chain keys merged by log-sum-exp (as the TTT fast path): 1.32 ->
-  0.43 s fwd+bwd per layer; fc over the T positions plus fc(mask_hidden) once instead of over the
-  N elements: 0.88 -> 0.23 s; together ~4.2 s of 22.5 s (ratio ~0.81). The rest is the layer
-  GEMMs over the same elements on both sides, so 0.7 is out of reach at equal work.
+  Before the P-EAGLE fast path the same run measured 45771.8 / 44751.4 ms (1.02, FAIL); the
+  profile (torch.profiler, --threads 1, one step each: 22.50 s CPU on both sides) showed the same
+  91 GEMMs (16.4 / 16.2 s) and the same CPU flash kernels over the dense N x N COD mask (4.9 /
+  5.2 s). Two changes in drafters/peagle took it to 0.84: attention over the T depth-0 keys plus
+  each element's <= K-1 chain keys merged by log-sum-exp (common/attention.py
+  `block_gather_sdpa`, equal to dense SDPA forward and backward in float64: 1.32 -> 0.43 s
+  fwd+bwd per layer) and fc over the T positions plus fc(mask_hidden) once instead of over the N
+  elements (0.88 -> 0.23 s). What is left is the layer GEMMs over the same elements on both
+  sides, and our full-vocab target head for the out-of-draft-vocab mask ([410, 32000] vs
+  speculators' [512, 8192], 0.7 s), so the 0.7 goal is out of reach at equal work.
 """
 
 from __future__ import annotations
