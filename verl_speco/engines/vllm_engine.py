@@ -199,7 +199,10 @@ class DraftReloadMixin:
 
     Reload: vLLM's layer-wise reload (`initialize_layerwise_reload`, `load_weights` bucket by
     bucket, `finalize_layerwise_reload` under the engine's config). A plain `load_weights` is not
-    enough on CPU, where linear layers repack their weights after loading.
+    enough on CPU, where linear layers repack their weights after loading. State vLLM derives from
+    the weights outside that reload is rebuilt after it: DFlash's fused context K/V buffers
+    (`_rebuild_dflash_buffers`) and P-EAGLE's mask-slot state (`mask_hidden` and fc(mask_hidden),
+    `_parallel_drafting_mask`, `_load_mask_hidden`, `_refresh_parallel_drafting_hidden`).
     """
 
     model_runner: Any
@@ -289,15 +292,20 @@ class DraftReloadMixin:
 
         model = self._speco_draft_model()
         config = self.model_runner.vllm_config
-        with set_current_vllm_config(config), torch.no_grad(), _deferred_dflash_buffers(model):
+        mask, layer_buckets = _parallel_drafting_mask(model, buckets)  # (None, buckets) unless P-EAGLE
+        with (set_current_vllm_config(config), torch.no_grad(), _deferred_dflash_buffers(model),
+              _mask_hidden_left_to_us(model, mask is not None)):
             initialize_layerwise_reload(model)
             try:
-                for bucket in buckets:
+                for bucket in layer_buckets:
                     model.load_weights(bucket)
             except BaseException:
                 _end_reload(model, config.speculative_config.draft_model_config)
                 raise
             finalize_layerwise_reload(model, config.speculative_config.draft_model_config)
+            if mask is not None:
+                _load_mask_hidden(model, mask)
+                _refresh_parallel_drafting_hidden(self.model_runner.drafter)
         _rebuild_dflash_buffers(model, buckets)
 
     def _speco_apply(self, buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
@@ -358,7 +366,14 @@ class DraftReloadMixin:
         import hashlib
 
         digest = hashlib.sha256()
-        for name, tensor in sorted(self._speco_draft_model().state_dict().items()):
+        model = self._speco_draft_model()
+        live = dict(model.state_dict())
+        if isinstance(getattr(model, MASK_HIDDEN, None), torch.Tensor):  # a non-persistent buffer: not in it
+            live[MASK_HIDDEN] = getattr(model, MASK_HIDDEN)
+        mask_state = getattr(self.model_runner.drafter, "parallel_drafting_hidden_state_tensor", None)
+        if mask_state is not None:  # what the proposer puts at mask slots (fc(mask_hidden))
+            live["drafter.parallel_drafting_hidden_state_tensor"] = mask_state
+        for name, tensor in sorted(live.items()):
             digest.update(name.encode())
             digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         stats = {k: v for k, v in self._speco_state().items() if k not in ("expected", "held")}
@@ -414,6 +429,82 @@ def _rebuild_dflash_buffers(model: Any, buckets: Any) -> None:
     inner._fused_kv_bias = torch.cat(biases, dim=0).to(dtype).contiguous() if biases else None
     inner._k_norm_weights = torch.stack([layer.self_attn.k_norm.weight.data for layer in layers]).contiguous()
     inner._hidden_norm_weight = inner.hidden_norm.weight.data
+
+
+MASK_HIDDEN = "mask_hidden"  # vLLM's parallel-drafting EAGLE-3 buffer (P-EAGLE's learned pre-fc mask-slot state)
+
+
+def _parallel_drafting_mask(model: Any, buckets: Any) -> tuple[torch.Tensor | None, list[list[tuple[str, torch.Tensor]]]]:
+    """For a parallel-drafting EAGLE-3 draft (P-EAGLE): the published `mask_hidden` and the buckets
+    without it; (None, the buckets) for any other draft.
+
+    vLLM 0.32's `Eagle3LlamaForCausalLM.load_weights` (llama_eagle3.py, as Qwen3's) handles
+    `mask_hidden` outside the layer-wise loader: `self.mask_hidden.copy_(loaded_weight.view(1, -1))`
+    (l. 440), and raises "mask_hidden not found in weights but model is configured for parallel
+    drafting" for any call whose iterable lacks it (l. 450-455). So a publish of more than one
+    bucket failed on the first bucket without it (measured: status "failed", that ValueError),
+    and in one bucket the copy went into the meta placeholder the layer-wise reload had put in
+    the buffer's place, and the buffer came back with the OLD value at finalize (non-persistent,
+    never loaded through a weight loader: `_copy_and_restore_kernel_tensors` skips it): measured,
+    the engine kept the start-up mask_hidden. Here it is taken out of the buckets, vLLM is told not
+    to expect it (`_mask_hidden_left_to_us`) and it is written once the reload is done
+    (`_load_mask_hidden`)."""
+    buckets = [list(bucket) for bucket in buckets]
+    if not (getattr(model, "use_parallel_drafting", False) and isinstance(getattr(model, MASK_HIDDEN, None),
+                                                                          torch.Tensor)):
+        return None, buckets
+    masks = [t for bucket in buckets for name, t in bucket if MASK_HIDDEN in name]  # vLLM's own test
+    if len(masks) != 1:
+        raise RuntimeError(f"parallel-drafting reload: {len(masks)} {MASK_HIDDEN!r} tensors in the published "
+                           "draft, expected exactly 1 (vLLM drafts its mask slots from it)")
+    want = getattr(model, MASK_HIDDEN).numel()
+    if masks[0].numel() != want:
+        raise RuntimeError(f"parallel-drafting reload: {MASK_HIDDEN} has {masks[0].numel()} elements, expected "
+                           f"{want} (k aux layers x target hidden size, the pre-fc width)")
+    rest = [[(name, t) for name, t in bucket if MASK_HIDDEN not in name] for bucket in buckets]
+    return masks[0], [bucket for bucket in rest if bucket]
+
+
+@contextmanager
+def _mask_hidden_left_to_us(model: Any, active: bool) -> Iterator[None]:
+    """While the buckets load, vLLM's `load_weights` neither demands nor copies `mask_hidden`: its
+    `use_parallel_drafting` (read only by `load_weights`) is off, then back on."""
+    if not active:
+        yield
+        return
+    model.use_parallel_drafting = False
+    try:
+        yield
+    finally:
+        model.use_parallel_drafting = True
+
+
+def _load_mask_hidden(model: Any, mask: torch.Tensor) -> None:
+    """What vLLM's load_weights does with it, into the live buffer (the reload has put it back)."""
+    buffer = getattr(model, MASK_HIDDEN)
+    if buffer.is_meta:
+        raise RuntimeError(f"parallel-drafting reload: {MASK_HIDDEN} is still a meta placeholder after the reload")
+    buffer.copy_(mask.view(1, -1))
+
+
+def _refresh_parallel_drafting_hidden(drafter: Any) -> None:
+    """Recompute the hidden state vLLM's proposer puts at mask slots from the weights now loaded.
+
+    vLLM 0.32's proposer computes it ONCE, in `load_model` (v1/spec_decode/llm_base_proposer.py
+    l. 1401-1414): `parallel_drafting_hidden_state_tensor.copy_(model.combine_hidden_states(
+    mask_hidden))` (= fc(mask_hidden) for EAGLE-3), and every draft step reads that copy. A publish
+    that changes fc or mask_hidden would otherwise leave the engine drafting its mask slots with
+    the OLD fc(mask_hidden) (outputs stay lossless, acceptance at positions >= 2 is the old
+    draft's: tests/engines/test_vllm_publish.py). Mirrors vLLM's code and its conditions."""
+    state = getattr(drafter, "parallel_drafting_hidden_state_tensor", None)
+    if not (getattr(drafter, "parallel_drafting", False) and getattr(drafter, "pass_hidden_states_to_model", False)
+            and state is not None):
+        return
+    flat = drafter.model.mask_hidden.view(-1)
+    if getattr(drafter, "eagle3_use_aux_hidden_state", False):
+        state.copy_(drafter.model.combine_hidden_states(flat))
+    else:
+        state.copy_(flat)
 
 
 def _end_reload(model: Any, draft_config: Any) -> None:

