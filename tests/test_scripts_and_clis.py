@@ -3,12 +3,14 @@ training-step benchmark also runs end to end at its --quick shapes."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -77,3 +79,66 @@ def test_bench_train_step_quick_every_family() -> None:
         assert row["check"] == "OK", (name, row)
         assert row["ours_params"] == row["spec_params"], (name, row)
         assert row["verdict"] in ("GOAL", "PASS", "FAIL"), (name, row)
+
+
+def _bench_family_module() -> Any:
+    spec = importlib.util.spec_from_file_location("bench_family_acceptance", ROOT / "scripts" / "bench_family_acceptance.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_family_acceptance_table_and_chart(tmp_path: Path) -> None:
+    """`bench_family_acceptance.py` covers all seven families (P-EAGLE trained with num_depths = k and
+    served by vLLM as eagle3 + parallel_drafting), and its table/chart render every column from a
+    report (no training here: the end-to-end run is the README's benchmark)."""
+    bench = _bench_family_module()
+    assert set(bench.FAMILIES) == {"eagle1", "eagle2", "eagle3", "dflash", "dspark", "domino", "peagle"}
+    assert bench._depth_settings("peagle", 3) == ["drafter.settings.num_depths=3"]
+    assert bench._depth_settings("dflash", 3) == ["drafter.settings.block_size=4"]
+    assert bench._depth_settings("dspark", 7) == ["drafter.settings.block_size=7"]
+    assert bench._depth_settings("eagle3", 3) == []
+    assert bench._parser().parse_args([]).steps == 120
+    k, tree = 3, {"top_k": 4, "depth": 3, "total_tokens": 16}
+    assert bench.drafting_cost("peagle", k, None)["draft_forwards"] == 1
+    assert bench.drafting_cost("eagle3", k, None)["draft_forwards"] == k
+    assert bench.drafting_cost("eagle2", k, tree)["tokens_per_target_forward"] == 16
+    assert bench.drafting_cost("dspark", k, None)["head_steps"] == k
+
+    def acc(m: float) -> dict[str, Any]:
+        return {"mean_acceptance_length": m, "num_drafts": 10, "num_draft_tokens": 30}
+
+    families: dict[str, Any] = {}
+    for i, fam in enumerate([*bench.FAMILIES, "eagle3 (tree)"]):
+        name = fam.removesuffix(" (tree)")
+        row_tree = tree if name == "eagle2" or fam != name else None
+        row: dict[str, Any] = {"tree": row_tree, "tokens_seen": 1000, "trainable_params": 1000 + i,
+                               "frozen_params": 64 if "eagle" in name else 0, "step_ms_median": 10.0 + i,
+                               "greedy": acc(2.0 + i / 10), "t1": acc(1.9 + i / 10),
+                               "cost": bench.drafting_cost(name, k, row_tree)}
+        if row_tree is None:
+            row["t1_sampled_drafts"] = acc(1.8 + i / 10)
+        if name in ("dspark", "domino"):
+            row["vllm_unservable"] = "reason"
+        elif name in bench.VLLM_METHOD and fam == name:
+            row["vllm_greedy"] = {**acc(2.0 + i / 10), "lossless": True}
+            row["vllm_t1"] = acc(1.9 + i / 10)
+        families[fam] = row
+    report = {"k": k, "steps": 120, "train_prompts": 512, "eval_prompts": 16, "max_new_tokens": 96,
+              "timing": {"warmup_steps": 3, "timed_steps": 20, "batch_sequences": 8, "torch_threads": 2},
+              "families": families}
+    text = bench.table(report)
+    rows = [line for line in text.splitlines() if line.startswith("| ")]
+    header = rows[0].split("|")
+    assert "trainable params" in rows[0] and "train step, ms: CPU (wall)" in rows[0] and "draft forwards / round" in rows[0]
+    assert len(rows) == 1 + len(families)
+    assert all(len(r.split("|")) == len(header) for r in rows[1:])
+    peagle = next(r for r in rows if r.startswith("| peagle |"))
+    assert "eagle3 + parallel_drafting" in peagle and "lossless yes" in peagle
+    assert "V1 runner refuses it" in next(r for r in rows if r.startswith("| dspark |"))
+    assert "no Domino" in next(r for r in rows if r.startswith("| domino |"))
+    assert "Trainable params" in text and "Train step" in text
+    png = bench.plot(report, tmp_path / "chart.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
