@@ -49,13 +49,15 @@ Cost columns:
   draft forwards per round (draft-model forwards run sequentially before one verification).
 Outputs: <out>/report_k<k>.json, <out>/table_k<k>.md (markdown, footnotes under the table) and
 <out>/acceptance_k<k>.png (bar chart of the reference decoder's mean acceptance length); runs with
-another --k in the same --out reuse the store and the runs that do not depend on k (training and
-timing are cached keyed by their settings; --retime measures the step time again).
+another --k in the same --out reuse the store and the runs that do not depend on k (training,
+timing and every decoding run are cached keyed by their settings and the exports' contents, so a
+stopped run resumes; --retime measures the step time again).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -316,7 +318,7 @@ def _as_eagle2(args: argparse.Namespace, eagle1_export: Path, target: Path, out:
     family = get_family("eagle2")
     model = family.with_settings(family.load_export(eagle1_export, head), top_k=args.top_k, depth=args.k,
                                  total_tokens=args.total_tokens)
-    return family.export(model, family.config_of(model), head.spec, out / "eagle2_export")
+    return family.export(model, family.config_of(model), head.spec, out / f"eagle2_export_k{args.k}")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -357,10 +359,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = [(f, None) for f in families] + ([("eagle3", shape)] if {"eagle2", "eagle3"} <= set(families) else [])
     for fam, forced in rows:
         export = trained[fam]["export"]
-        greedy = reference_acceptance(target, export, prompts, args.k, args.max_new_tokens, tree_shape=forced)
-        sampled = reference_acceptance(target, export, prompts, args.k, args.max_new_tokens, tree_shape=forced,
-                                       sampling=SamplingParams(temperature=1.0), seed=args.seed)
         row = fam if forced is None else f"{fam} (tree)"
+        tag = row.replace(" (tree)", "_tree")
+        decode = functools.partial(reference_acceptance, target, export, prompts, args.k, args.max_new_tokens)
+        greedy = _cached(out, f"{tag}_greedy", args, [export], functools.partial(decode, tree_shape=forced))
+        sampled = _cached(out, f"{tag}_t1", args, [export],
+                          functools.partial(decode, tree_shape=forced, sampling=SamplingParams(temperature=1.0),
+                                            seed=args.seed))
         timing = trained[fam].get("timing", {})
         report["families"][row] = {"export": str(export), "tokens_seen": trained[fam]["tokens_seen"],
                                    "trainer_logged_median_step_s": trained[fam].get("median_step_s"),
@@ -372,9 +377,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                    "measured_tokens_per_draft": greedy["num_draft_tokens"] / max(1, greedy["num_drafts"]),
                                    "tree": greedy["tree"], "greedy": _drop(greedy), "t1": _drop(sampled)}
         if greedy["tree"] is None:  # chains and blocks: also drafts sampled from the draft's own distribution
-            drawn = reference_acceptance(target, export, prompts, args.k, args.max_new_tokens,
-                                         sampling=SamplingParams(temperature=1.0), seed=args.seed,
-                                         draft_sampling="probabilistic")
+            drawn = _cached(out, f"{tag}_t1_sampled_drafts", args, [export],
+                            functools.partial(decode, sampling=SamplingParams(temperature=1.0), seed=args.seed,
+                                              draft_sampling="probabilistic"))
             report["families"][row]["t1_sampled_drafts"] = _drop(drawn)
         print(f"[bench] {row}: greedy {greedy['mean_acceptance_length']:.3f}, "
               f"T=1 {sampled['mean_acceptance_length']:.3f}", flush=True)
@@ -388,7 +393,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 if k_ != "model"}
     if not args.skip_vllm and served:
         exports = {f: trained[f]["export"] for f in served}
-        greedy_served, sampled_served, errors = _vllm_figures(target, exports, prompts, args)
+        figures = _cached(out, "vllm", args, [exports[f] for f in served],
+                          lambda: dict(zip(("greedy", "t1", "errors"), _vllm_figures(target, exports, prompts, args),
+                                           strict=True)), drop=False)
+        greedy_served, sampled_served, errors = figures["greedy"], figures["t1"], figures["errors"]
         for fam in served:
             if fam in errors:
                 report["families"][fam]["vllm_error"] = errors[fam]
@@ -432,6 +440,36 @@ def _vllm_figures(target: Path, exports: dict[str, Path], prompts: Any, args: ar
     install_spec_sampling_fix()  # in-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0) see it
     sampled, errors_t1 = each(1.0, args.seed)
     return greedy, sampled, {**errors_t1, **errors}
+
+
+def _export_digest(export: Path) -> str:
+    """sha256 over an export directory's file names and bytes (a retrained export changes it)."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for f in sorted(p for p in Path(export).rglob("*") if p.is_file()):
+        h.update(str(f.relative_to(export)).encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def _cached(out: Path, name: str, args: argparse.Namespace, exports: list[Path], compute: Any,
+            drop: bool = True) -> dict[str, Any]:
+    """`compute()` (a decoding run) cached in <out>/decode/k<k>/<name>.json, keyed by the exports'
+    contents and the decoding settings: a run stopped part way resumes where it stopped. `drop`:
+    keep the summary (and tree) only, not the output tokens."""
+    key = [[_export_digest(e) for e in exports], args.k, args.max_new_tokens, args.eval_prompts, args.seed,
+           args.top_k, args.total_tokens]
+    path = out / "decode" / f"k{args.k}" / f"{name}.json"
+    if path.is_file() and json.loads(path.read_text())["key"] == key:
+        cached: dict[str, Any] = json.loads(path.read_text())["result"]
+        return cached
+    res = compute()
+    result = {**_drop(res), "tree": res["tree"]} if drop else res
+    if not result.get("errors"):  # a failed engine is tried again by the next run
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"key": key, "result": result}, default=str))
+    return result
 
 
 def _drop(res: dict[str, Any]) -> dict[str, Any]:

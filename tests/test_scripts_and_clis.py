@@ -142,3 +142,32 @@ def test_bench_family_acceptance_table_and_chart(tmp_path: Path) -> None:
     png = bench.plot(report, tmp_path / "chart.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+
+def test_bench_family_acceptance_decode_cache_is_keyed_by_export_bytes(tmp_path: Path) -> None:
+    """A stopped comparison resumes from cached decoding runs, but only while the export's bytes and
+    the decoding settings are the same: a retrained export or another seed decodes again, and a run
+    whose engine failed is not cached."""
+    bench = _bench_family_module()
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "model.safetensors").write_bytes(b"one")
+    args = bench._parser().parse_args(["--k", "3"])
+    calls: list[int] = []
+
+    def compute(errors: dict[str, str] | None = None) -> dict[str, Any]:
+        calls.append(1)
+        return {"mean_acceptance_length": 1.0 + len(calls), "outputs": [[1, 2]], "tree": None,
+                **({"errors": errors} if errors else {})}
+
+    first = bench._cached(tmp_path, "eagle3_greedy", args, [export], compute)
+    assert first["mean_acceptance_length"] == 2.0 and "outputs" not in first
+    assert bench._cached(tmp_path, "eagle3_greedy", args, [export], compute) == first and len(calls) == 1
+    (export / "model.safetensors").write_bytes(b"two")
+    assert bench._cached(tmp_path, "eagle3_greedy", args, [export], compute)["mean_acceptance_length"] == 3.0
+    args.seed += 1
+    assert bench._cached(tmp_path, "eagle3_greedy", args, [export], compute)["mean_acceptance_length"] == 4.0
+    failed = lambda: compute({"peagle": "engine died"})  # noqa: E731
+    bench._cached(tmp_path, "vllm", args, [export], failed, drop=False)
+    bench._cached(tmp_path, "vllm", args, [export], failed, drop=False)
+    assert len(calls) == 5
+
