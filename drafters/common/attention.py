@@ -83,6 +83,12 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask | None, backend:
 # the step-0 log-sum-exp: out = e^(lse0 - lse) * out0 + sum_i e^(d_i - lse) * v_i. The backward
 # reuses the flash backward with the MERGED (out, lse), which gives the gradients of the full
 # softmax restricted to the step-0 keys; the diagonal terms are added in closed form.
+#
+# The per-query keys are laid out [B, Hkv, Tq, J, D] and the queries grouped by kv head,
+# [B, Hkv, Tq, G, D] (query head h = kv head h // G, as SDPA's enable_gqa), so every per-query
+# product is one small batched matmul (G x D @ D x J) with no repeat of the keys over the G
+# query heads. Worked example, Hq 4, Hkv 2 (G 2), J 3: query head 3 is (kv head 1, group 1); its
+# scores at query t are row 1 of q[b, 1, t] (2 x D) @ kd[b, 1, t].T (D x 3).
 
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 _CPU_FLASH_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
@@ -92,11 +98,30 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
+def _grouped(x: Tensor, hkv: int) -> Tensor:
+    """[B, Hq, Tq, ...] -> [B, Hkv, Tq, G, ...] (a view: query head h = kv head h // G, group h % G)."""
+    b, hq, tq = x.shape[:3]
+    return x.view(b, hkv, hq // hkv, tq, *x.shape[3:]).transpose(2, 3)
+
+
+def _ungrouped(x: Tensor) -> Tensor:
+    """[B, Hkv, Tq, G, ...] -> [B, Hq, Tq, ...] (contiguous); inverse of `_grouped`."""
+    b, hkv, tq, g = x.shape[:4]
+    return x.transpose(2, 3).reshape(b, hkv * g, tq, *x.shape[4:])
+
+
+def _slot_scores(qg: Tensor, kd: Tensor, dbias: Tensor | None, scale: float) -> Tensor:
+    """Scores of the grouped queries qg [B, Hkv, Tq, G, D] over their own keys kd [B, Hkv, Tq, J, D],
+    plus dbias [B, 1, Tq, J] (0 / -inf: empty slots): [B, Hkv, Tq, G, J]."""
+    s = torch.matmul(qg, kd.transpose(-1, -2)) * scale
+    return s if dbias is None else s + dbias[:, :, :, None, :].to(s.dtype)
+
+
 class _TTTAttention(torch.autograd.Function):
-    """Softmax attention of q [B, Hq, Tq, D] over the union of flash-attention key blocks and one
-    diagonal key per query per earlier step (kd/vd [B, Hkv, j, Tq, D]). A block is (k, v
-    [B, Hkv, Tk, D], additive mask [B, 1, Tq, Tk] or None, causal flag); `tensors` lists k, v,
-    mask per block, `causal` the flags. Returns [B, Hq, Tq, D]."""
+    """Softmax attention of q [B, Hq, Tq, D] over the union of flash-attention key blocks and J
+    keys of each query's own (kd/vd [B, Hkv, Tq, J, D]; dbias [B, 1, Tq, J] 0 / -inf masks empty
+    slots). A block is (k, v [B, Hkv, Tk, D], additive mask [B, 1, Tq, Tk] or None, causal
+    flag); `tensors` lists k, v, mask per block, `causal` the flags. Returns [B, Hq, Tq, D]."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, kd: Tensor, vd: Tensor, dbias: Tensor | None, scale: float,
@@ -108,14 +133,11 @@ class _TTTAttention(torch.autograd.Function):
             o, lse_b = _CPU_FLASH(q, k, v, 0.0, is_causal, attn_mask=m, scale=scale)
             outs.append(o)
             lses.append(lse_b)
-        acc = lses[0].dtype  # float32 for bf16/fp16/fp32 inputs, float64 for float64
-        groups = q.shape[1] // kd.shape[1]
-        kr, vr = kd.repeat_interleave(groups, 1).to(acc), vd.repeat_interleave(groups, 1).to(acc)
-        d = torch.einsum("bhtd,bhjtd->bhjt", q.to(acc), kr) * scale  # [B, Hq, j, Tq]
-        if dbias is not None:
-            d = d + dbias.to(acc)  # 0 / -inf per (query, slot): slots without a key
-        lse = torch.logsumexp(torch.cat([torch.stack(lses, 2), d], 2), 2)  # [B, Hq, Tq]
-        out = torch.einsum("bhjt,bhjtd->bhtd", torch.exp(d - lse[:, :, None]), vr)
+        acc, hkv = lses[0].dtype, kd.shape[1]  # acc: float32 for bf16/fp16/fp32 inputs, float64 for float64
+        s = _slot_scores(_grouped(q.to(acc), hkv), kd.to(acc), dbias, scale)  # [B, Hkv, Tq, G, J]
+        lse_g = torch.logsumexp(torch.cat([_grouped(torch.stack(lses, -1), hkv), s], -1), -1)  # [B, Hkv, Tq, G]
+        out = _ungrouped(torch.matmul(torch.exp(s - lse_g[..., None]), vd.to(acc)))  # [B, Hq, Tq, D]
+        lse = _ungrouped(lse_g)  # [B, Hq, Tq]
         for o, lse_b in zip(outs, lses):
             out = out + torch.exp(lse_b - lse)[..., None] * o.to(acc)
         out = out.to(q.dtype)
@@ -131,18 +153,15 @@ class _TTTAttention(torch.autograd.Function):
         dbias = tensors.pop(0) if ctx.has_bias else None
         scale = ctx.scale
         grad = grad.contiguous()
-        acc, hkv, groups = lse.dtype, kd.shape[1], q.shape[1] // kd.shape[1]
-        kr, vr = kd.repeat_interleave(groups, 1).to(acc), vd.repeat_interleave(groups, 1).to(acc)
-        q32, g32 = q.to(acc), grad.to(acc)
-        sd = torch.einsum("bhtd,bhjtd->bhjt", q32, kr) * scale
-        if dbias is not None:
-            sd = sd + dbias.to(acc)
-        wd = torch.exp(sd - lse[:, :, None])  # [B, Hq, j, Tq]
-        delta = (g32 * out.to(acc)).sum(-1)  # [B, Hq, Tq]
-        dd = wd * (torch.einsum("bhtd,bhjtd->bhjt", g32, vr) - delta[:, :, None])
-        gq = scale * torch.einsum("bhjt,bhjtd->bhtd", dd, kr)
-        gkd = (scale * dd[..., None] * q32[:, :, None]).unflatten(1, (hkv, groups)).sum(2).to(kd.dtype)
-        gvd = (wd[..., None] * g32[:, :, None]).unflatten(1, (hkv, groups)).sum(2).to(vd.dtype)
+        acc, hkv = lse.dtype, kd.shape[1]
+        k32, v32 = kd.to(acc), vd.to(acc)
+        qg, gg = _grouped(q.to(acc), hkv), _grouped(grad.to(acc), hkv)  # [B, Hkv, Tq, G, D]
+        w = torch.exp(_slot_scores(qg, k32, dbias, scale) - _grouped(lse, hkv)[..., None])  # [B, Hkv, Tq, G, J]
+        delta = (gg * _grouped(out.to(acc), hkv)).sum(-1)  # [B, Hkv, Tq, G]
+        ds = w * (torch.matmul(gg, v32.transpose(-1, -2)) - delta[..., None])  # [B, Hkv, Tq, G, J]
+        gq = _ungrouped(torch.matmul(ds, k32)) * scale  # [B, Hq, Tq, D]
+        gkd = (torch.matmul(ds.transpose(-1, -2), qg) * scale).to(kd.dtype)  # [B, Hkv, Tq, J, D]
+        gvd = torch.matmul(w.transpose(-1, -2), gg).to(vd.dtype)
         block_grads: list[Tensor | None] = []
         for i, is_causal in enumerate(ctx.causal):
             k, v, m = tensors[3 * i: 3 * i + 3]
@@ -162,8 +181,8 @@ def ttt_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: TTTAttentionMask) -> Tensor:
     t, lo, steps = mask.key_valid.shape[1], mask.q_offset, mask.step
     if k.shape[2] != (steps + 1) * t:
         raise ValueError(f"keys: {k.shape[2]}, expected (step + 1) * T = {(steps + 1) * t}")
-    kd = k[:, :, t:].unflatten(2, (steps, t))[:, :, :, lo:]
-    vd = v[:, :, t:].unflatten(2, (steps, t))[:, :, :, lo:]
+    kd = k[:, :, t:].unflatten(2, (steps, t))[:, :, :, lo:].transpose(2, 3)  # [B, Hkv, Tq, steps, D]
+    vd = v[:, :, t:].unflatten(2, (steps, t))[:, :, :, lo:].transpose(2, 3)
     k0, v0 = k[:, :, :t], v[:, :, :t]
     blocks: list[tuple[Tensor, Tensor, Tensor | None, bool]] = []
     if bool(mask.key_valid.all()):
@@ -210,10 +229,10 @@ def block_gather_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: BlockGatherMask) ->
     b, tq, j = idx.shape
     safe = idx.clamp(min=0)
     hkv, dim = k.shape[1], k.shape[-1]
-    flat = safe.permute(0, 2, 1).reshape(b, 1, j * tq, 1).expand(b, hkv, j * tq, dim)
-    kd = torch.gather(k, 2, flat).view(b, hkv, j, tq, dim)  # [B, Hkv, J, Tq, D]
-    vd = torch.gather(v, 2, flat).view(b, hkv, j, tq, dim)
-    dbias = _additive(idx.permute(0, 2, 1)[:, None] >= 0, torch.float32)  # [B, 1, J, Tq]
+    flat = safe.reshape(b, 1, tq * j, 1).expand(b, hkv, tq * j, dim)
+    kd = torch.gather(k, 2, flat).view(b, hkv, tq, j, dim)  # [B, Hkv, Tq, J, D]
+    vd = torch.gather(v, 2, flat).view(b, hkv, tq, j, dim)
+    dbias = _additive(idx[:, None] >= 0, torch.float32)  # [B, 1, Tq, J]
     block = _additive(mask.block_mask, q.dtype)
     out: Tensor = _TTTAttention.apply(q.contiguous(), kd, vd, dbias, q.shape[-1] ** -0.5, (False,),
                                       k[:, :, :n].contiguous(), v[:, :, :n].contiguous(), block)
