@@ -60,43 +60,39 @@ Usage:
     .venv/bin/python scripts/bench_train_step.py --family dflash   # one family
     .venv/bin/python scripts/bench_train_step.py --quick           # smoke run (tiny shapes, seconds per family)
 
-Measured (2 CPU cores shared with other jobs, load average 4-6; torch 2.13 CPU, speculators 0.9.0;
-default shapes: hidden 1024, 16/4 heads, intermediate 2816, vocab 32000, seq 512, batch 1, fp32):
-    .venv/bin/python scripts/bench_train_step.py          # --threads 2; 15.8 min under that load
+Measured on the 2 idle cores (load < 0.5; torch 2.13 CPU, speculators 0.9.0; default shapes:
+hidden 1024, 16/4 heads, intermediate 2816, vocab 32000, seq 512, batch 1, fp32), 3.6 min:
+    .venv/bin/python scripts/bench_train_step.py          # --threads 2
     family  ours ms  spec ms  ratio  CPU ratio  peak MB ours/spec  trainable (both)  verdict
-    eagle3  19031.6  28848.7  0.66   0.66       785 / 957          24,383,488        GOAL
-    dflash  19508.3  21471.6  0.91   0.91       546 / 536          61,616,768        PASS
-    dspark  15583.1  16379.3  0.95   0.95       409 / 443          78,002,049        PASS
-    --family dflash --threads 1: 11871.3 / 14067.9 ms = 0.84 (CPU 0.85), 448 / 549 MB, 3.6 min
-    --family dspark --threads 1:  6602.0 /  6932.0 ms = 0.95 (CPU 0.95), 413 / 452 MB, 2.2 min
+    eagle3   2942.7   4059.3  0.72   0.73       791 / 939          24,383,488        PASS
+    dflash   2072.0   2598.0  0.80   0.82       495 / 555          61,616,768        PASS
+    dspark   1261.0   1341.7  0.94   0.95       428 / 542          78,002,049        PASS
+    peagle   4123.5   4736.8  0.87   0.88       956 / 1077         58,209,280        PASS
+  (peagle: 4 layers, K 8, 1474 COD elements per step on both sides.) Under load (load average
+  4-8) the same command had printed eagle3 0.66, dflash 0.91, dspark 0.95, peagle 0.84: a loaded
+  machine shifts the ratios by up to 0.2, so compare figures from one quiet run.
   Loss checks (same rows; ours / speculators): eagle3 40.6927 soft CE = 39.2287 KL + 1.4640
   entropy; dflash 11.5249 (/ sum w) -> 5.0945 (/ N) = 5.0945; dspark 3.6062 (/ sum w) ->
-  1.9243 (/ N) = 1.9243, terms equal to 3e-7.
-  Where the time goes (torch.profiler, --threads 1): both sides run the same GEMMs (dflash: MLP
-  ~40% of our step, lm_head forward + backward ~18%, SDPA over n + nb*B keys ~13%; dspark: MLP
-  ~26%, lm_head + Markov W2 ~28%) and the same AdamW over the same parameters. The
-  DFlash gap is speculators' extra target head over every block row (its "ce" labels) and its
-  repeat_kv for GQA; DSpark runs the same heads on the same rows on both sides (every slot is
-  counted), so the ratio is the small overheads speculators adds (TV evaluated twice, repeat_kv).
-  The goal 0.7 is not met for dflash / dspark: the bit-identical changes tried (one dense block
-  mask for all layers instead of one per layer) measured no difference; what is left (SDPA split
-  into context prefix + own block instead of a dense mask, fused softmax / CE / L1 over the
-  [N, V] logits) changes floating-point results.
-    .venv/bin/python scripts/bench_train_step.py --family peagle   # --threads 2, ~10 min at load 4-8
-    family  ours ms  spec ms  ratio  CPU ratio  peak MB ours/spec  trainable (both)  verdict
-    peagle  46320.2  55343.6  0.84   0.94       1040 / 1082        58,209,280        PASS
-  (4 layers, K 8: 1474 elements per step on both sides.) Loss check (same elements): ours
-  10.2269 soft CE = speculators 9.8771 KL + 0.3497 entropy, residual -4e-7, per depth to 2e-6.
-  Before the P-EAGLE fast path the same run measured 45771.8 / 44751.4 ms (1.02, FAIL); the
-  profile (torch.profiler, --threads 1, one step each: 22.50 s CPU on both sides) showed the same
-  91 GEMMs (16.4 / 16.2 s) and the same CPU flash kernels over the dense N x N COD mask (4.9 /
-  5.2 s). Two changes in drafters/peagle took it to 0.84: attention over the T depth-0 keys plus
-  each element's <= K-1 chain keys merged by log-sum-exp (common/attention.py
-  `block_gather_sdpa`, equal to dense SDPA forward and backward in float64: 1.32 -> 0.43 s
-  fwd+bwd per layer) and fc over the T positions plus fc(mask_hidden) once instead of over the N
-  elements (0.88 -> 0.23 s). What is left is the layer GEMMs over the same elements on both
-  sides, and our full-vocab target head for the out-of-draft-vocab mask ([410, 32000] vs
-  speculators' [512, 8192], 0.7 s), so the 0.7 goal is out of reach at equal work.
+  1.9243 (/ N) = 1.9243, terms equal to 3e-7; peagle 10.2269 soft CE = 9.8771 KL + 0.3498
+  entropy, residual -6e-7, per depth to 2e-6.
+  Where the time goes (torch.profiler, --threads 1, one step per side): both sides run the same
+  GEMMs (eagle3 171 / 171 mm, 4.84 / 5.17 s; peagle 93 / 91 mm, 5.31 / 5.98 s), so at equal work
+  the GEMMs alone put the ratio near 0.68 (eagle3) and 0.7 (peagle): the 0.7 goal is out of
+  reach at these shapes without doing less work than speculators. Our gains are in attention:
+  eagle3's TTT and peagle's COD mask attend flash over the causal / depth-0 block plus each
+  query's own <= K - 1 keys merged by log-sum-exp (common/attention.py, equal to dense SDPA
+  forward and backward in float64), where speculators runs flash over dense masks (eagle3 0.30
+  vs 1.36 s, peagle 0.56 vs 1.67 s fwd + bwd per step). P-EAGLE history: 1.02 (dense mask,
+  under load) -> 0.84 (structured attention, fc over the T positions plus fc(mask_hidden) once,
+  under load); on the quiet machine that code measured 1.08 (FAIL): the chain keys laid out
+  [B, Hkv, J, Tq, D], repeated over the 4 query heads per kv head and contracted by einsum cost
+  1.7 s of strided copies per step; laid out [B, Hkv, Tq, J, D] with the queries grouped by kv
+  head (small batched matmuls) the step is 8.1 -> 6.6 s CPU, ratio 0.87. The DFlash gap is
+  speculators' extra target head over every block row (its "ce" labels) and its repeat_kv for
+  GQA; DSpark runs the same heads on the same rows on both sides (every slot is counted), so the
+  ratio is the small overheads speculators adds (TV evaluated twice, repeat_kv). What is left for
+  dflash / dspark (SDPA split into context prefix + own block instead of a dense mask, fused
+  softmax / CE / L1 over the [N, V] logits) changes floating-point results.
 """
 
 from __future__ import annotations
