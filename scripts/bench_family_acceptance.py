@@ -442,27 +442,19 @@ def _vllm_figures(target: Path, exports: dict[str, Path], prompts: Any, args: ar
     return greedy, sampled, {**errors_t1, **errors}
 
 
-def _export_digest(export: Path) -> str:
-    """sha256 over an export directory's file names and bytes (a retrained export changes it)."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for f in sorted(p for p in Path(export).rglob("*") if p.is_file()):
-        h.update(str(f.relative_to(export)).encode())
-        h.update(f.read_bytes())
-    return h.hexdigest()
-
-
 def _cached(out: Path, name: str, args: argparse.Namespace, exports: list[Path], compute: Any,
             drop: bool = True) -> dict[str, Any]:
     """`compute()` (a decoding run) cached in <out>/decode/k<k>/<name>.json, keyed by the exports'
     contents and the decoding settings: a run stopped part way resumes where it stopped. `drop`:
     keep the summary (and tree) only, not the output tokens."""
-    key = [[_export_digest(e) for e in exports], args.k, args.max_new_tokens, args.eval_prompts, args.seed,
+    from verl_speco.target.build import file_digests
+
+    key = [[file_digests(e) for e in exports], args.k, args.max_new_tokens, args.eval_prompts, args.seed,
            args.top_k, args.total_tokens]
     path = out / "decode" / f"k{args.k}" / f"{name}.json"
-    if path.is_file() and json.loads(path.read_text())["key"] == key:
-        cached: dict[str, Any] = json.loads(path.read_text())["result"]
+    stored = json.loads(path.read_text()) if path.is_file() else None
+    if stored is not None and stored["key"] == key:
+        cached: dict[str, Any] = stored["result"]
         return cached
     res = compute()
     result = {**_drop(res), "tree": res["tree"]} if drop else res
