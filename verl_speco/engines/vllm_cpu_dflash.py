@@ -45,16 +45,16 @@ def install_dflash_k_norm_fix() -> bool:
 
     if not current_platform.is_cpu():
         return False
-    model_cls = qwen3_dflash.DFlashQwen3Model
-    if model_cls._normalize_context_k is normalize_context_k:
-        return False
-    version = str(vllm.__version__)
+    version = str(vllm.__version__)  # checked before touching the class: another release may lack the method
     if version.split("+")[0] != PATCHED_VLLM:
         raise RuntimeError(
             f"verl_speco.engines.vllm_cpu_dflash: vLLM {version} on the CPU platform, but the DFlash context "
             f"k_norm fix (bug B) was checked against vLLM {PATCHED_VLLM} only; re-check whether the CPU "
             "rms_norm kernel applies a [L, head_dim] weight per layer (tests/engines/test_family_vllm_parity.py) "
             "and update PATCHED_VLLM, or drop the fix")
+    model_cls = qwen3_dflash.DFlashQwen3Model
+    if model_cls._normalize_context_k is normalize_context_k:
+        return False
     global original_normalize_context_k
     original_normalize_context_k = model_cls._normalize_context_k
     setattr(model_cls, "_normalize_context_k", normalize_context_k)  # noqa: B010 (mypy: a method)

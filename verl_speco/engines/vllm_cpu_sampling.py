@@ -46,15 +46,15 @@ def install_spec_sampling_fix() -> bool:
 
     if not current_platform.is_cpu():
         return False
-    if rejection_sampler.expand_batch_to_tokens is expand_batch_to_tokens:
-        return False
-    version = str(vllm.__version__)
+    version = str(vllm.__version__)  # checked before touching the module: another release may differ
     if version.split("+")[0] != PATCHED_VLLM:
         raise RuntimeError(
             f"verl_speco.verl_integration.cpu_vllm: vLLM {version} on the CPU platform, but the "
             f"expand_batch_to_tokens fix (bug A) was checked against vLLM {PATCHED_VLLM} only; re-check "
             "vllm/utils/cpu_triton_utils.py _expand_kernel_impl (tests/verl/test_cpu_vllm.py) and update "
             "PATCHED_VLLM, or drop the fix if the kernel writes its float output now")
+    if rejection_sampler.expand_batch_to_tokens is expand_batch_to_tokens:
+        return False
     global original_expand_batch_to_tokens
     original_expand_batch_to_tokens = rejection_sampler.expand_batch_to_tokens
     rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens

@@ -25,6 +25,10 @@ if TYPE_CHECKING:
     from vllm import LLM
 
 DRAFT_METHODS = vllm_methods()  # from the drafter catalog
+# The vLLM releases whose internals the in-place draft reload below (DraftReloadMixin, the layer-wise
+# reload, the DFlash and P-EAGLE rebuilds) was checked against: 0.32.0 served in CI, 0.24.0 (verl
+# 0.9.1's pin) by reading its source (tests/deploy/test_vllm_source.py). Any other release is refused.
+PATCHED_VLLM = ("0.32.0", "0.24.0")
 # Families vLLM 0.32 cannot serve on its CPU platform -> why (engines.md 1.2 and section 3)
 CPU_UNSERVABLE = {  # family -> why vLLM cannot serve it here (its export is checked another way)
     "dspark": "vLLM 0.32's V1 model runner (the only one on CPU) refuses dspark, and V2 needs Triton",
@@ -68,7 +72,10 @@ def build_llm(target_dir: str | Path, draft_dir: str | Path | None = None, metho
     verifier as the target and takes method and token count from its `speculators_config`.
     CPU attention supports head_dim in {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}.
     """
+    import vllm
     from vllm import LLM
+
+    from verl_speco.deploy.engine_check import require_vllm_spec
 
     if draft_dir is not None and method == "dflash":
         _install_dflash_fix()
@@ -80,6 +87,7 @@ def build_llm(target_dir: str | Path, draft_dir: str | Path | None = None, metho
                                                  **(speculative_extra or {})),
     }
     kwargs.update(llm_kwargs)
+    require_vllm_spec(kwargs["speculative_config"], str(vllm.__version__))  # e.g. DSpark on vLLM 0.24
     return LLM(**kwargs)
 
 
@@ -284,6 +292,9 @@ class DraftReloadMixin:
 
     def _speco_reload(self, buckets: Any) -> None:
         """vLLM's layer-wise reload of the draft from `buckets` (lists of (name, tensor))."""
+        refused = _reload_refusal()
+        if refused is not None:
+            raise RuntimeError(refused)
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
@@ -329,6 +340,10 @@ class DraftReloadMixin:
         from verl_speco.online.publish import PublishRejected, stale_reason, verified_buckets, verify_version
 
         state = self._speco_state()
+        refused = _reload_refusal()
+        if refused is not None:  # a vLLM release the reload was not checked against: nothing is touched
+            state["rejected"] += 1
+            return self._speco_answer("rejected", f"vllm_version: {refused}")
         stale = stale_reason(int(version), state["version"])
         if stale is not None:
             state["dropped"] += 1
@@ -378,6 +393,15 @@ class DraftReloadMixin:
             digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
         stats = {k: v for k, v in self._speco_state().items() if k not in ("expected", "held")}
         return {**stats, "digest": digest.hexdigest()}
+
+
+def _reload_refusal() -> str | None:
+    """Why this process's vLLM may not run the draft reload (None: a PATCHED_VLLM release)."""
+    import vllm
+
+    from verl_speco.deploy.engine_check import patch_refusal
+
+    return patch_refusal("the in-place draft reload (DraftReloadMixin)", PATCHED_VLLM, str(vllm.__version__))
 
 
 @contextmanager

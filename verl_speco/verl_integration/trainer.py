@@ -167,8 +167,12 @@ class SpecoTrainerMixin:
         target_dir = self._speco_target_dir()
         engine = rollout_engine(self.config)
         if self.speco_online:
+            from verl_speco.deploy.engine_check import require_engine_support
             from verl_speco.verl_integration.drafter_actor import start_drafter_group
 
+            # before anything starts: an engine release that cannot serve the family, or (vLLM) one
+            # the live draft reload was not checked against, is refused naming the release and why
+            require_engine_support(engine, self.speco.algorithm, live_publish=True)
             run_name = str(self.config.trainer.experiment_name)
             self._speco_drafter = start_drafter_group(self.speco, target_dir, run_name)
             layer_ids = ray.get(self._speco_drafter.layer_ids.remote())
