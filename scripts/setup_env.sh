@@ -29,6 +29,11 @@ fi
 # load its torch-only modules from their files (tests/engines/sglang_ref.py), e.g. the Domino rollout.
 "${PIP[@]}" --no-deps --upgrade --target "$VENV/sglang_ref" sglang==0.5.23
 "${PIP[@]}" safetensors numpy tqdm matplotlib pytest pytest-timeout ruff mypy
+# vLLM 0.24.0 (verl 0.9.1's pin, its GPU image) as source only, off sys.path: tests/deploy/test_vllm_source.py
+# reads it with ast to check our use of vLLM against it (never imported: the wheel needs CUDA torch 2.11).
+"${PIP[@]}" --no-deps --upgrade --target "$VENV/vllm_024_ref" vllm==0.24.0
+# SGLang 0.5.12 (verl 0.9.1's pin, its SGLang image) as source only, likewise: tests/deploy/test_sglang_source.py.
+"${PIP[@]}" --no-deps --upgrade --target "$VENV/sglang_0512_ref" sglang==0.5.12
 "${PIP[@]}" --no-deps -e .
 rm -f "$VENV"/.setup-*
 touch "$stamp"
