@@ -49,7 +49,7 @@ def patch_refusal(what: str, patched: str | Sequence[str], version: str) -> str 
 
 def vllm_spec_families(spec: Mapping[str, Any]) -> tuple[str, ...]:
     """Catalog families whose vLLM method is `spec["method"]` with every extra key of theirs equal in
-    `spec`, the most specific first-class match only (eagle3 + parallel_drafting -> peagle, not eagle3)."""
+    `spec`; only the most specific matches (eagle3 + parallel_drafting -> peagle, not eagle3)."""
     from drafters.registry import CATALOG
 
     matches: list[tuple[int, str]] = []
