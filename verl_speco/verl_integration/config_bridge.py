@@ -89,7 +89,9 @@ def speculative_engine_kwargs(fmt: EngineFormat, drafter: DrafterRunConfig, engi
 def apply_speculative_config(config: DictConfig, drafter: DrafterRunConfig, draft_dir: str,
                              fmt: EngineFormat) -> dict[str, Any]:
     """Write the speculative arguments into `rollout.engine_kwargs.<engine>` unless the user set
-    them; a user value that disagrees with the drafter section fails naming both keys."""
+    them; a user value that disagrees with the drafter section fails naming both keys. A partial
+    user `speculative_config` (vLLM), e.g. only `enforce_eager: true` for the draft, is completed
+    with ours: its own keys win, method and token count must agree."""
     engine = rollout_engine(config)
     wanted = speculative_engine_kwargs(fmt, drafter, engine, draft_dir)
     kwargs_node = config.actor_rollout_ref.rollout.engine_kwargs
@@ -105,6 +107,8 @@ def apply_speculative_config(config: DictConfig, drafter: DrafterRunConfig, draf
                     continue
                 have_c = OmegaConf.to_container(have, resolve=True) if isinstance(have, DictConfig) else have
                 _check_consistent(engine, key, have_c, value)
+                if isinstance(have_c, dict) and isinstance(value, dict):
+                    current[key] = {**value, **have_c}
     if engine == "vllm":
         draft_gets_own_head(config)
     out = OmegaConf.to_container(config.actor_rollout_ref.rollout.engine_kwargs[engine], resolve=True)
