@@ -102,8 +102,7 @@ class Eagle3Adapter(Adapter):
         from speculators.losses import resolve_loss_config
 
         data = make_data(args, 3, self.lean)
-        cfg = Eagle3Config(draft_vocab_size=args.draft_vocab, ttt_steps=args.ttt_steps, ttt_decay=args.ttt_decay,
-                           attn_backend="sdpa", lm_head_init="target")
+        cfg = self.our_config(args)
         ours = EAGLE3.build(cfg, data.target, StoreStats(token_counts=token_counts_from_samples(data.samples,
                                                                                                args.vocab)))
         assert isinstance(ours, Eagle3Model)
@@ -134,6 +133,10 @@ class Eagle3Adapter(Adapter):
                   f"lm_head={'frozen' if args.frozen_lm_head else 'trained'}")
         return Built(ours, theirs, ours_loss, theirs_loss, lambda: self._check(args, ours, batch, spec_forward),
                      header, ("soft CE", "KL"))
+
+    def our_config(self, args: argparse.Namespace) -> Eagle3Config:
+        return Eagle3Config(draft_vocab_size=args.draft_vocab, ttt_steps=args.ttt_steps, ttt_decay=args.ttt_decay,
+                            attn_backend="sdpa", lm_head_init="target")
 
     @staticmethod
     def _speculators(args: argparse.Namespace, ours: Eagle3Model, data: Data) -> nn.Module:
@@ -570,9 +573,7 @@ class PEagleAdapter(Adapter):
         from speculators.losses import resolve_loss_config
 
         data = make_data(args, 3, self.lean)
-        cfg = PEagleConfig(draft_vocab_size=args.draft_vocab, num_layers=args.peagle_layers,
-                           num_depths=args.num_depths, cod_ratio=args.cod_ratio, cod_ratio_min=args.cod_ratio_min,
-                           attn_backend="sdpa", lm_head_init="target")
+        cfg = self.our_config(args)
         ours = PEAGLE.build(cfg, data.target, StoreStats(token_counts=token_counts_from_samples(data.samples,
                                                                                                args.vocab)))
         assert isinstance(ours, PEagleModel)
@@ -604,6 +605,11 @@ class PEagleAdapter(Adapter):
                   f"cod_ratio={args.cod_ratio} cod_ratio_min={args.cod_ratio_min} "
                   f"lm_head={'frozen' if args.frozen_lm_head else 'trained'}")
         return Built(ours, theirs, ours_loss, theirs_loss, check, header, ("soft CE", "KL"))
+
+    def our_config(self, args: argparse.Namespace) -> PEagleConfig:
+        return PEagleConfig(draft_vocab_size=args.draft_vocab, num_layers=args.peagle_layers,
+                            num_depths=args.num_depths, cod_ratio=args.cod_ratio, cod_ratio_min=args.cod_ratio_min,
+                            attn_backend="sdpa", lm_head_init="target")
 
     @staticmethod
     def _speculators(args: argparse.Namespace, ours: PEagleModel, data: Data) -> nn.Module:

@@ -152,6 +152,10 @@ class Adapter(abc.ABC):
     def build(self, args: argparse.Namespace) -> Built:
         """Both sides at the shapes of `args`, our weights copied into speculators'."""
 
+    @abc.abstractmethod
+    def our_config(self, args: argparse.Namespace) -> Any:
+        """Our family's config at the shapes of `args` (SDPA attention; also scripts/gpu_check.py's)."""
+
 
 def label_agreement(data: Data, batch: dict[str, Tensor]) -> tuple[int, int]:
     """(positions p with argmax(target logits at p) == x_{p+1}, loss positions p + 1 counted)."""
