@@ -11,4 +11,4 @@ export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/python -m pytest -q -ra -m "not cpu_grpo" "$@"
 # The real verl GRPO runs on the CPU platform (tests/verl/test_cpu_grpo.py) run after the rest and
 # alone: each takes both cores for a minute or two. Skipped when a selection is passed.
-if [ $# -eq 0 ]; then .venv/bin/python -m pytest -q -ra -m cpu_grpo tests/verl/test_cpu_grpo.py; fi
+if [ $# -eq 0 ]; then .venv/bin/python -m pytest -q -ra -m cpu_grpo tests/verl/test_cpu_grpo.py tests/verl/test_separate_training_cpu.py; fi
