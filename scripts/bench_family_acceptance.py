@@ -64,11 +64,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("eagle1", "eagle2", "eagle3", "dflash", "dspark", "domino", "peagle")
-BLOCK_OFFSET = {"dflash": 1, "domino": 1, "dspark": 0}  # block_size = k + offset: k drafts per round
-VLLM_METHOD = {"eagle1": "eagle", "eagle2": "eagle, EAGLE-1 chain", "eagle3": "eagle3", "dflash": "dflash",
-               "peagle": "eagle3 + parallel_drafting"}
-UNSERVED_SHORT = {"dspark": "V1 runner refuses it, V2 needs Triton", "domino": "vLLM 0.32 has no Domino"}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.family_table import (  # noqa: E402
+    BLOCK_OFFSET,
+    FAMILIES,
+    VLLM_METHOD,
+    drafting_cost,
+    plot,
+    speed_table,
+    table,
+)
 
 
 def _depth_settings(family: str, k: int) -> list[str]:
@@ -81,36 +87,14 @@ def _depth_settings(family: str, k: int) -> list[str]:
     return []
 
 
-def drafting_cost(family: str, k: int, tree: dict[str, int] | None) -> dict[str, Any]:
-    """Drafted tokens per target forward and the draft forwards of one round (reference decoder).
-
-    chains (eagle1, eagle3): a prefill forward over the new tokens gives draft 1, then k - 1
-    single-token steps: k forwards. EAGLE-2 tree (`build_draft_tree`): the root's expansion, then
-    one forward per further depth over every expanded node: `depth` forwards, `total_tokens` nodes.
-    dflash: one block forward. peagle: one forward over the context rows + k - 1 mask rows. dspark:
-    one backbone forward over [x_n, MASK x (k - 1)], then k sequential Markov-head steps (slot j's
-    logits = lm_head(h_j) + W2 W1[d_{j-1}], the previous draft's rank-r embedding; no attention, no
-    layer). domino: one backbone forward over the full block, then k GRU-cell steps (x_n, d_1, ..,
-    d_{k-1}) feeding the embed_proj correction of slots 1..k-1."""
-    if tree is not None:
-        return {"tokens_per_target_forward": tree["total_tokens"], "draft_forwards": tree["depth"],
-                "head_steps": 0, "forwards_text": f"{tree['depth']} (tree depth)"}
-    if family in ("eagle1", "eagle2", "eagle3"):
-        return {"tokens_per_target_forward": k, "draft_forwards": k, "head_steps": 0, "forwards_text": f"{k}"}
-    if family == "dspark":
-        return {"tokens_per_target_forward": k, "draft_forwards": 1, "head_steps": k,
-                "forwards_text": f"1 backbone + {k} sequential Markov-head steps"}
-    if family == "domino":
-        return {"tokens_per_target_forward": k, "draft_forwards": 1, "head_steps": k,
-                "forwards_text": f"1 backbone + {k} GRU-cell steps"}
-    return {"tokens_per_target_forward": k, "draft_forwards": 1, "head_steps": 0, "forwards_text": "1"}
-
-
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (default: %(default)s)")
     p.add_argument("--out", default="runs/bench_family", help="working directory (default: %(default)s)")
+    p.add_argument("--target", default="embedded",
+                   help="named target (embedded, smollm2-135m) or an HF model directory (default: %(default)s)")
     p.add_argument("--train-prompts", type=int, default=512)
+    p.add_argument("--max-length", type=int, default=None, help="cut collected sequences to this many tokens")
     p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts decoded by every drafter")
     p.add_argument("--max-new-tokens", type=int, default=96, help="response cap for collection and decoding")
     p.add_argument("--steps", type=int, default=120, help="training steps, the same for every family "
@@ -121,6 +105,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--total-tokens", type=int, default=16, help="EAGLE-2 tree tokens per round (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-vllm", action="store_true")
+    p.add_argument("--greedy-only", action="store_true",
+                   help="greedy decoding only (no T = 1 runs): the real target's budget on 2 cores")
+    p.add_argument("--speed", action="store_true",
+                   help="also vLLM plain vs its n-gram proposer vs each served family, greedy, side by side: "
+                        "tokens per target forward, output tokens/s, lossless (benchmarks/vllm_side_by_side.py)")
     p.add_argument("--time-warmup", type=int, default=3, help="timing pass: warm-up steps (default: %(default)s)")
     p.add_argument("--time-steps", type=int, default=20, help="timing pass: timed steps per family (round-robin "
                                                               "over the families), the median is reported; 0 "
@@ -138,22 +127,34 @@ def _trained_families(families: list[str]) -> list[str]:
 
 
 def _collect(args: argparse.Namespace, families: list[str], target: Path, out: Path) -> dict[str, Path]:
+    """One union-layout train store (and a small held-out store the trainer validates on) of the
+    target's own responses: regenerated by vLLM for a real target, by HF generate for the embedded
+    one. Returns the stores and the evaluation prompt files by set name (`eval_jsonl:<set>`)."""
     from verl_speco.capture.collect import collect_features
-    from verl_speco.target.datasets import write_prompt_dataset
+    from verl_speco.target.named import DEFAULT_TARGET, write_target_prompts
+    from verl_speco.target.prompt_sets import write_humaneval
 
-    data = {"train": write_prompt_dataset(out / "data" / "train.jsonl", args.train_prompts, split="train",
-                                          seed=args.seed),
-            "eval": write_prompt_dataset(out / "data" / "eval.jsonl", args.eval_prompts, split="test", seed=args.seed)}
-    stores = {}
+    data = write_target_prompts(args.target, out / "data", args.train_prompts, args.eval_prompts, args.seed)
+    embedded = args.target == DEFAULT_TARGET
+    stores: dict[str, Path] = {}
     for name, jsonl in data.items():
         layout_of = ",".join(sorted(_trained_families(families)))
         store = out / "stores" / target.name / layout_of.replace(",", "+") / name
         if not (store.parent / f"{name}.done").exists():
             collect_features(target, jsonl, store, algorithm=layout_of, generate=True,
-                             max_new_tokens=args.max_new_tokens, seed=args.seed, batch_size=128)
+                             max_new_tokens=args.max_new_tokens, seed=args.seed, batch_size=128 if embedded else 16,
+                             engine="hf" if embedded else "vllm", max_length=args.max_length)
             (store.parent / f"{name}.done").write_text("")
         stores[name] = store
-    stores["eval_jsonl"] = data["eval"]
+    if embedded:
+        stores["eval_jsonl:heldout"] = data["eval"]
+    else:
+        stores["eval_jsonl:sharegpt"] = data["eval"]
+        humaneval = write_humaneval(out / "data" / "humaneval_all.jsonl")
+        from verl_speco.target.datasets import read_jsonl, write_jsonl
+
+        stores["eval_jsonl:humaneval"] = write_jsonl(out / "data" / "humaneval.jsonl",
+                                                     read_jsonl(humaneval)[:args.eval_prompts])
     return stores
 
 
@@ -321,13 +322,9 @@ def _as_eagle2(args: argparse.Namespace, eagle1_export: Path, target: Path, out:
     return family.export(model, family.config_of(model), head.spec, out / f"eagle2_export_k{args.k}")
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from drafters.common.sampling import SamplingParams
-    from drafters.common.target import TargetHead
-    from drafters.common.tree import TreeConfig
-    from verl_speco.engines.vllm_engine import CPU_UNSERVABLE
-    from verl_speco.evaluation import EvalPrompts, engine_format_of, reference_acceptance
-    from verl_speco.target.build import ensure_target
+def run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Collect, train every family once, then decode every evaluation set: {set name: report}."""
+    from verl_speco.target.named import resolve_target
 
     families = [f.strip() for f in args.families.split(",") if f.strip()]
     unknown = sorted(set(families) - set(FAMILIES))
@@ -335,7 +332,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"--families: got {args.families!r}, expected a comma-separated subset of {FAMILIES}")
     out = Path(args.out).resolve()
     (out / "data").mkdir(parents=True, exist_ok=True)
-    target = ensure_target(log=print)
+    target = resolve_target(args.target, log=print)
     stores = _collect(args, families, target, out)
     trained = {f: _train(args, f, target, stores, out) for f in _trained_families(families)}
     if args.time_steps > 0:  # after every training, all families in one pass: comparable step times
@@ -343,10 +340,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             trained[fam]["timing"] = timing
     if "eagle2" in families:
         trained["eagle2"] = {**trained["eagle1"], "export": _as_eagle2(args, trained["eagle1"]["export"], target, out)}
-    prompts = EvalPrompts.from_jsonl(target, stores["eval_jsonl"])
+    sets = [key.split(":", 1)[1] for key in stores if key.startswith("eval_jsonl:")]
+    return {name: _evaluate(args, families, trained, target, Path(stores[f"eval_jsonl:{name}"]), name, out)
+            for name in sets}
+
+
+def _evaluate(args: argparse.Namespace, families: list[str], trained: dict[str, dict[str, Any]], target: Path,
+              jsonl: Path, set_name: str, out: Path) -> dict[str, Any]:
+    """Every family's acceptance on one evaluation set (reference decoder; vLLM where it serves
+    the family; with --speed, vLLM plain / n-gram / each family side by side)."""
+    from drafters.common.sampling import SamplingParams
+    from drafters.common.target import TargetHead
+    from drafters.common.tree import TreeConfig
+    from verl_speco.engines.vllm_engine import CPU_UNSERVABLE
+    from verl_speco.evaluation import EvalPrompts, engine_format_of, reference_acceptance
+
+    prompts = EvalPrompts.from_jsonl(target, jsonl)
     first = next(iter(trained.values()))
-    report: dict[str, Any] = {"target": str(target), "k": args.k, "steps": args.steps,
-                              "eval_prompts": args.eval_prompts, "train_prompts": args.train_prompts,
+    report: dict[str, Any] = {"target": str(target), "target_name": args.target, "eval_set": set_name,
+                              "k": args.k, "steps": args.steps,
+                              "eval_prompts": len(prompts.token_ids), "train_prompts": args.train_prompts,
                               "max_new_tokens": args.max_new_tokens, "seed": args.seed,
                               "timing": {"warmup_steps": args.time_warmup, "timed_steps": args.time_steps,
                                          "batch_sequences": first.get("timing", {}).get("batch_sequences"),
@@ -357,15 +370,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "families": {}}
     shape = TreeConfig(args.top_k, args.k, args.total_tokens)
     rows = [(f, None) for f in families] + ([("eagle3", shape)] if {"eagle2", "eagle3"} <= set(families) else [])
+    prefix = "" if set_name == "heldout" else f"{set_name}_"  # the embedded target's cache names unchanged
     for fam, forced in rows:
         export = trained[fam]["export"]
         row = fam if forced is None else f"{fam} (tree)"
-        tag = row.replace(" (tree)", "_tree")
+        tag = prefix + row.replace(" (tree)", "_tree")
         decode = functools.partial(reference_acceptance, target, export, prompts, args.k, args.max_new_tokens)
         greedy = _cached(out, f"{tag}_greedy", args, [export], functools.partial(decode, tree_shape=forced))
-        sampled = _cached(out, f"{tag}_t1", args, [export],
-                          functools.partial(decode, tree_shape=forced, sampling=SamplingParams(temperature=1.0),
-                                            seed=args.seed))
         timing = trained[fam].get("timing", {})
         report["families"][row] = {"export": str(export), "tokens_seen": trained[fam]["tokens_seen"],
                                    "trainer_logged_median_step_s": trained[fam].get("median_step_s"),
@@ -375,35 +386,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                       if k_ in timing},
                                    "timing": timing, "cost": drafting_cost(fam, args.k, greedy["tree"]),
                                    "measured_tokens_per_draft": greedy["num_draft_tokens"] / max(1, greedy["num_drafts"]),
-                                   "tree": greedy["tree"], "greedy": _drop(greedy), "t1": _drop(sampled)}
-        if greedy["tree"] is None:  # chains and blocks: also drafts sampled from the draft's own distribution
-            drawn = _cached(out, f"{tag}_t1_sampled_drafts", args, [export],
-                            functools.partial(decode, sampling=SamplingParams(temperature=1.0), seed=args.seed,
-                                              draft_sampling="probabilistic"))
-            report["families"][row]["t1_sampled_drafts"] = _drop(drawn)
-        print(f"[bench] {row}: greedy {greedy['mean_acceptance_length']:.3f}, "
-              f"T=1 {sampled['mean_acceptance_length']:.3f}", flush=True)
+                                   "tree": greedy["tree"], "greedy": _drop(greedy)}
+        line = f"[bench] {set_name} {row}: greedy {greedy['mean_acceptance_length']:.3f}"
+        if not args.greedy_only:
+            sampled = _cached(out, f"{tag}_t1", args, [export],
+                              functools.partial(decode, tree_shape=forced, sampling=SamplingParams(temperature=1.0),
+                                                seed=args.seed))
+            report["families"][row]["t1"] = _drop(sampled)
+            line += f", T=1 {sampled['mean_acceptance_length']:.3f}"
+            if greedy["tree"] is None:  # chains and blocks: also drafts sampled from the draft's own distribution
+                drawn = _cached(out, f"{tag}_t1_sampled_drafts", args, [export],
+                                functools.partial(decode, sampling=SamplingParams(temperature=1.0), seed=args.seed,
+                                                  draft_sampling="probabilistic"))
+                report["families"][row]["t1_sampled_drafts"] = _drop(drawn)
+        print(line, flush=True)
     served = [f for f in families if f in VLLM_METHOD and f not in CPU_UNSERVABLE]
-    if served:
-        head = TargetHead.from_pretrained(target)
-        for fam in served:  # what vLLM is (or would be) given: the family's own engine format
-            export = trained[fam]["export"]
-            report["families"][fam]["vllm_speculative_config"] = {
-                k_: v for k_, v in engine_format_of(export, head).vllm_speculative_config(export, args.k).items()
-                if k_ != "model"}
-    if not args.skip_vllm and served:
+    head = TargetHead.from_pretrained(target)
+    specs = {fam: engine_format_of(trained[fam]["export"], head).vllm_speculative_config(trained[fam]["export"], args.k)
+             for fam in served}
+    for fam in served:  # what vLLM is (or would be) given: the family's own engine format
+        report["families"][fam]["vllm_speculative_config"] = {k_: v for k_, v in specs[fam].items() if k_ != "model"}
+    if not args.skip_vllm and served and not args.greedy_only:
         exports = {f: trained[f]["export"] for f in served}
-        figures = _cached(out, "vllm", args, [exports[f] for f in served],
+        figures = _cached(out, prefix + "vllm", args, [exports[f] for f in served],
                           lambda: dict(zip(("greedy", "t1", "errors"), _vllm_figures(target, exports, prompts, args),
                                            strict=True)), drop=False)
-        greedy_served, sampled_served, errors = figures["greedy"], figures["t1"], figures["errors"]
         for fam in served:
-            if fam in errors:
-                report["families"][fam]["vllm_error"] = errors[fam]
-            if fam in greedy_served:
-                report["families"][fam]["vllm_greedy"] = greedy_served[fam]
-            if fam in sampled_served:
-                report["families"][fam]["vllm_t1"] = sampled_served[fam]
+            for key, src in (("vllm_error", "errors"), ("vllm_greedy", "greedy"), ("vllm_t1", "t1")):
+                if fam in figures[src]:
+                    report["families"][fam][key] = figures[src][fam]
+    if not args.skip_vllm and args.speed:
+        from benchmarks.vllm_side_by_side import side_by_side
+
+        drafts = {f: (trained[f]["export"], specs[f]) for f in served}
+        speed = _cached(out, prefix + "speed", args, [trained[f]["export"] for f in served],
+                        lambda: side_by_side(target, drafts, prompts.token_ids, prompts.eos_token_id, args.k,
+                                             args.max_new_tokens), drop=False)
+        report["vllm_side_by_side"] = {**speed, "loadavg_1min": os.getloadavg()[0], "cpu_count": os.cpu_count()}
+        for fam in served:
+            if "error" in speed.get(fam, {}):
+                report["families"][fam]["vllm_error"] = speed[fam]["error"]
+            elif args.greedy_only and fam in speed:
+                report["families"][fam]["vllm_greedy"] = speed[fam]
     for fam in families:
         if fam in CPU_UNSERVABLE:
             report["families"][fam]["vllm_unservable"] = CPU_UNSERVABLE[fam]
@@ -468,146 +492,24 @@ def _drop(res: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in res.items() if k not in ("outputs", "tree")}
 
 
-def _fmt_params(n: int | None) -> str:
-    return "-" if n is None else f"{n:,}"
-
-
-def _fmt_ms(cpu: float | None, wall: float | None) -> str:
-    if cpu is None:
-        return "-"
-    return f"{cpu:.0f}" if wall is None else f"{cpu:.0f} ({wall:.0f})"
-
-
-def table(report: dict[str, Any]) -> str:
-    """The README table (markdown), footnotes under it."""
-    k = report["k"]
-    lines = ["| family | drafting | trainable params | train step, ms: CPU (wall) | drafted tokens / target fwd | "
-             "draft forwards / round | tokens trained | ref. greedy | vLLM greedy (method) | ref. T=1 | "
-             "ref. T=1, sampled drafts | vLLM T=1 |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for fam, r in report["families"].items():
-        tree = r["tree"]
-        name = fam.removesuffix(" (tree)")
-        cost = r.get("cost") or drafting_cost(name, k, tree)
-        if tree:
-            drafting = f"tree top_k={tree['top_k']}, depth={tree['depth']}, {tree['total_tokens']} tokens/round"
-        elif name in BLOCK_OFFSET:
-            drafting = f"block {k + BLOCK_OFFSET[name]}, k={k}, one draft forward"
-        elif name == "peagle":
-            drafting = f"parallel, {k} depths in one forward"
-        else:
-            drafting = f"chain, k={k}"
-        if name == "eagle2":
-            drafting += " (eagle1 weights)"
-        tokens = f"{cost['tokens_per_target_forward']}"
-        measured = r.get("measured_tokens_per_draft")
-        if measured is not None and abs(measured - cost["tokens_per_target_forward"]) > 1e-9:
-            tokens += f" (mean {measured:.2f} nodes)"
-        vl = r.get("vllm_greedy")
-        if vl is not None:
-            vcell = f"{vl['mean_acceptance_length']:.3f} ({VLLM_METHOD[name]}; lossless {'yes' if vl['lossless'] else 'NO'})"
-        elif "vllm_unservable" in r:
-            vcell = f"- ({UNSERVED_SHORT.get(name, 'not served on CPU')})"
-        elif "vllm_error" in r:
-            vcell = f"- (vLLM failed: {r['vllm_error'].split(':')[0]})"
-        elif forced_tree_row(fam):
-            vcell = "- (no tree in vLLM 0.32)"
-        else:
-            vcell = "-"
-        vt1 = r.get("vllm_t1")
-        sd = r.get("t1_sampled_drafts")
-        lines.append(f"| {fam} | {drafting} | {_fmt_params(r.get('trainable_params'))} | "
-                     f"{_fmt_ms(r.get('step_ms_median'), r.get('timing', {}).get('wall_ms_median'))} | {tokens} | {cost['forwards_text']} | {r['tokens_seen']} | "
-                     f"{r['greedy']['mean_acceptance_length']:.3f} | {vcell} | {r['t1']['mean_acceptance_length']:.3f} | "
-                     f"{'-' if sd is None else format(sd['mean_acceptance_length'], '.3f')} | "
-                     f"{'-' if vt1 is None else format(vt1['mean_acceptance_length'], '.3f')} |")
-    return "\n".join(lines) + "\n\n" + "\n".join(footnotes(report))
-
-
-def forced_tree_row(row: str) -> bool:
-    return row.endswith(" (tree)")
-
-
-def footnotes(report: dict[str, Any]) -> list[str]:
-    fams = report["families"]
-    frozen = sorted({(f.removesuffix(" (tree)"), r["frozen_params"]) for f, r in fams.items()
-                     if r.get("frozen_params")})
-    timing = report.get("timing", {})
-    load = timing.get("loadavg_1min_before_after")
-    budget = sorted({r["tokens_seen"] for r in fams.values()})
-    notes = [f"Budget: {report['steps']} training steps per family, {', '.join(map(str, budget))} tokens "
-             f"(from each run's checkpoint), one union-layout store of {report.get('train_prompts', '?')} prompts; "
-             f"{report.get('eval_prompts', '?')} held-out prompts, up to {report.get('max_new_tokens', '?')} new tokens; "
-             f"k = {report['k']} drafts per target forward.",
-             "Mean acceptance length = 1 + accepted / drafts (vLLM's convention); T=1 with greedy drafts, and "
-             "with drafts sampled from the draft's own distribution (rejection sampling, lossless).",
-             "Trainable params: requires_grad parameters of the model the trainer builds. Frozen target pieces "
-             "are excluded: the frozen embedding copy ("
-             + (", ".join(f"{f} {n:,}" for f, n in frozen) if frozen else "none")
-             + " parameters) and the target LM head / the block drafters' target embedding (buffers). "
-             "EAGLE-3 / P-EAGLE's own draft-vocab head is trained and counted.",
-             f"Train step: a dedicated timing pass after all training, on one fixed micro-batch "
-             f"({timing.get('batch_sequences', '?')} sequences, the same samples for every family): "
-             f"{timing.get('warmup_steps', '?')} warm-up steps per family, then {timing.get('timed_steps', '?')} "
-             f"rounds of one step per family (round-robin), of the trainer's `train_step` (collate, forward, "
-             f"loss, backward, clip, AdamW; store reading excluded), CPU float32, "
-             f"{timing.get('torch_threads', '?')} torch thread(s); the median per family of the step's process "
-             f"CPU time (its work, insensitive to other jobs on a shared machine) and, in parentheses, of its "
-             f"wall time"
-             + (f" (1-min load average {load[0]:.1f} -> {load[1]:.1f} on {timing.get('cpu_count')} CPUs during "
-                "the pass: the wall time carries that contention)" if load else "")
-             + ". eagle2 and eagle3 (tree) rows reuse eagle1's / eagle3's model.",
-             "Draft forwards / round: draft-model forwards run one after another before the one verification "
-             "forward (reference decoder); dspark's Markov-head steps (lm_head row + rank-r bias of the previous "
-             "draft's embedding) and domino's GRU-cell steps are sequential but run no attention layer."]
-    errors = {f: r["vllm_error"] for f, r in fams.items() if "vllm_error" in r}
-    for f, e in errors.items():
-        notes.append(f"vLLM could not serve {f}: {e}")
-    return notes
-
-
-def plot(report: dict[str, Any], path: Path) -> Path:
-    """Bar chart of the reference decoder's mean acceptance length per family: greedy, T=1 (greedy
-    drafts), T=1 (sampled drafts, chains and blocks)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = list(report["families"])
-    series = [("greedy", "greedy"), ("T=1, greedy drafts", "t1"), ("T=1, sampled drafts", "t1_sampled_drafts")]
-    width = 0.8 / len(series)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows) + 2), 4.2))
-    for i, (label, key) in enumerate(series):
-        xs = [j + (i - (len(series) - 1) / 2) * width for j, r in enumerate(rows) if key in report["families"][r]]
-        ys = [report["families"][r][key]["mean_acceptance_length"] for r in rows if key in report["families"][r]]
-        bars = ax.bar(xs, ys, width, label=label)
-        ax.bar_label(bars, fmt="%.2f", fontsize=6, padding=1)
-    ax.set_xticks(range(len(rows)), rows, rotation=20, ha="right")
-    ax.set_ylabel("mean acceptance length (1 + accepted / drafts)")
-    ax.set_ylim(1.0, None)
-    ax.set_title(f"Drafter families on the embedded target: k={report['k']}, {report['steps']} steps each "
-                 "(reference decoder)", fontsize=9)
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     for key, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("HF_HUB_OFFLINE", "1"),
                        ("VLLM_CPU_KVCACHE_SPACE", "1")):
         os.environ.setdefault(key, value)
-    report = run(args)
-    text = table(report)
-    print(f"\nmean acceptance length (1 + accepted / drafts), {args.eval_prompts} held-out prompts, "
-          f"{args.steps} training steps, k={args.k}\n{text}")
-    (Path(args.out) / f"report_k{args.k}.json").write_text(json.dumps(report, indent=2, default=str))
-    (Path(args.out) / f"table_k{args.k}.md").write_text(text + "\n")
-    print(f"[bench] chart: {plot(report, Path(args.out) / f'acceptance_k{args.k}.png')}", flush=True)
-    return 0 if all(r.get("vllm_greedy", {}).get("lossless", True) for r in report["families"].values()) else 1
+    ok = True
+    for set_name, report in run(args).items():
+        stem = f"k{args.k}" if set_name == "heldout" else f"{set_name}_k{args.k}"
+        text = table(report) + ("\n\n" + speed_table(report) if "vllm_side_by_side" in report else "")
+        print(f"\n{set_name}: mean acceptance length (1 + accepted / drafts) and generated tokens per target "
+              f"forward, {report['eval_prompts']} held-out prompts, {args.steps} training steps, k={args.k}\n{text}")
+        (Path(args.out) / f"report_{stem}.json").write_text(json.dumps(report, indent=2, default=str))
+        (Path(args.out) / f"table_{stem}.md").write_text(text + "\n")
+        print(f"[bench] chart: {plot(report, Path(args.out) / f'acceptance_{stem}.png')}", flush=True)
+        ok = ok and all(r.get("vllm_greedy", {}).get("lossless", True) for r in report["families"].values())
+        ok = ok and all(r.get("lossless", True) for r in report.get("vllm_side_by_side", {}).values()
+                        if isinstance(r, dict))
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

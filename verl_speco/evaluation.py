@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from drafters.common.contract import DrafterFamily, EngineFormat, StoreStats, TreeDrafterFamily
-from drafters.common.metrics import AcceptanceStats
+from drafters.common.metrics import AcceptanceStats, tokens_per_target_forward
 from drafters.common.sampling import SamplingParams
 from drafters.common.target import TargetHead
 from drafters.common.tokens import cut_at_end
@@ -112,7 +112,10 @@ def reference_acceptance(target_dir: str | Path, export_dir: str | Path, prompts
         res = decode(torch.tensor(ids))
         total = total.merge(res.stats)
         outputs.append(res.token_ids.tolist())
-    return {**_summary(total), "outputs": outputs, "tree": tree}
+    generated = sum(len(o) for o in outputs)
+    return {**_summary(total), "generated_tokens": generated,
+            "tokens_per_target_forward": tokens_per_target_forward(generated, total.num_accepted, len(outputs)),
+            "outputs": outputs, "tree": tree}
 
 
 def export_untrained_like(export_dir: str | Path, target_dir: str | Path, out_dir: str | Path,

@@ -121,3 +121,22 @@ def block_row_metrics(logits: Tensor, labels: Tensor, draft_pos: Tensor, row_los
             out[f"acc_pos{j}"] = (hit1[at].sum(), cnt)
             out[f"loss_pos{j}"] = (torch.where(at, loss, torch.zeros_like(loss)).sum(), cnt)
         return out
+
+
+def tokens_per_target_forward(generated_tokens: int, accepted_tokens: int, requests: int = 1) -> float:
+    """Generated tokens per target forward, fair to methods that sometimes draft nothing (n-gram).
+
+    Each request's prefill forward yields its first token; every later target forward yields one
+    token plus the draft tokens it accepted, whether or not a draft was proposed. So over
+    `requests` requests generating G tokens with A accepted draft tokens, the target ran
+    G - A forwards (prefills included). Mean acceptance length (1 + A / drafts) instead divides by
+    drafted rounds only, flattering a method that skips rounds.
+
+    Worked example: 2 requests, 10 tokens each (G = 20), 8 drafts accepted in all (A = 8):
+    2 prefills + 10 decode forwards = 12 = G - A, i.e. 20 / 12 = 1.667 tokens per target forward.
+    """
+    if requests < 1 or generated_tokens < requests or not 0 <= accepted_tokens <= generated_tokens - requests:
+        raise ValueError(f"tokens_per_target_forward: got generated_tokens={generated_tokens}, "
+                         f"accepted_tokens={accepted_tokens}, requests={requests}; expected requests >= 1, "
+                         "generated >= requests and 0 <= accepted <= generated - requests")
+    return generated_tokens / (generated_tokens - accepted_tokens)

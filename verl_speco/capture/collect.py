@@ -38,7 +38,7 @@ from verl_speco.capture.chat import (
     prompt_messages,
     tokenize_chat,
 )
-from verl_speco.capture.generate import generate_responses
+from verl_speco.capture.generate import generate_responses, generate_responses_vllm
 from verl_speco.capture.hooks import FeatureCapture
 from verl_speco.capture.records import (
     LengthFilter,
@@ -140,12 +140,15 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
                      max_length: int | None = None, min_response_tokens: int = 1, seed: int = 0,
                      last_hidden: bool | None = None, target_model_id: str | None = None,
                      rank: int | None = None, world_size: int | None = None, device: str = "cpu",
-                     model: nn.Module | None = None, tokenizer: Any = None) -> CollectSummary:
+                     model: nn.Module | None = None, tokenizer: Any = None,
+                     engine: str = "hf") -> CollectSummary:
     """Fill ``store`` from the JSONL chats in ``data`` (see the module docstring).
 
     ``algorithm``: one drafter family or several (``"eagle1,eagle3"`` or a list): the union of their
     layouts is captured (``records.resolve_layout``); explicit ``layer_ids`` win.
     ``last_hidden``: store it (default: yes, or as the families' layouts say).
+    ``engine``: what generates the responses with ``generate``: "hf" (transformers' generate) or
+    "vllm" (the target served by vLLM, CPU build here; needs a local target directory).
     ``model``/``tokenizer`` may be passed already loaded (used on their device); otherwise they come
     from ``target`` (float32, moved to ``device``).
     """
@@ -158,6 +161,8 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}")
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: expected >= 1")
+    if engine not in ("hf", "vllm"):
+        raise ValueError(f"engine={engine!r}: expected 'hf' or 'vllm'")
     rank, world_size = _rank_world(rank, world_size)
     chats = load_chats(data, max_samples)[rank::world_size]  # first: the data fails fast, the model loads slowly
     if not layer_ids:
@@ -182,8 +187,13 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
     unfinished = 0
     if generate:
         prompts = [encode_prompt(tokenizer, prompt_messages(c)) for c in chats]
-        outs = generate_responses(model, prompts, end_ids=end_ids, pad_id=pad_id, max_new_tokens=max_new_tokens,
-                                  temperature=temperature, batch_size=batch_size, seed=seed + rank)
+        if engine == "vllm":
+            outs = generate_responses_vllm(str(target), prompts, end_ids=end_ids, max_new_tokens=max_new_tokens,
+                                           temperature=temperature, seed=seed + rank)
+        else:
+            outs = generate_responses(model, prompts, end_ids=end_ids, pad_id=pad_id,
+                                      max_new_tokens=max_new_tokens, temperature=temperature,
+                                      batch_size=batch_size, seed=seed + rank)
         unfinished = sum(not o.finished for o in outs)
         tokenized = [join_generated(p, o.response_ids) for p, o in zip(prompts, outs)]
     else:
@@ -225,10 +235,14 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="verl-speco-collect", description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True, help="HF target directory (config, weights, tokenizer)")
+    p.add_argument("--target", required=True,
+                   help="named target (embedded, smollm2-135m: built / converted once into the cache) or an "
+                        "HF target directory (config, weights, tokenizer)")
     p.add_argument("--data", required=True, help="JSONL chats: {'messages': [...]} (or ShareGPT/prompt rows)")
     p.add_argument("--store", required=True, help="Feature Store directory (created if absent)")
     p.add_argument("--generate", action="store_true", help="generate the assistant turn with the target first")
+    p.add_argument("--engine", default="hf", choices=("hf", "vllm"),
+                   help="what generates with --generate: transformers (hf) or the target served by vLLM")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     group = p.add_mutually_exclusive_group()
@@ -259,15 +273,20 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     from feature_store import StoreError
+    from verl_speco.target.build import BuildDigestError
+    from verl_speco.target.named import is_named_target, resolve_target
+    from verl_speco.target.smollm2 import TargetSourceError
 
     try:
+        target = resolve_target(args.target) if is_named_target(args.target) else args.target
         summary = collect_features(
-            args.target, args.data, args.store, layer_ids=layers, algorithm=args.algorithm,
+            target, args.data, args.store, layer_ids=layers, algorithm=args.algorithm,
             generate=args.generate, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             dtype=args.dtype, batch_size=args.batch_size, max_samples=args.max_samples,
             max_length=args.max_length, min_response_tokens=args.min_response_tokens, seed=args.seed,
-            last_hidden=False if args.no_last_hidden else None, target_model_id=args.target_model_id, device=args.device)
-    except (ValueError, OSError, StoreError) as e:
+            last_hidden=False if args.no_last_hidden else None, target_model_id=args.target_model_id, device=args.device,
+            engine=args.engine)
+    except (ValueError, OSError, StoreError, TargetSourceError, BuildDigestError) as e:
         print(f"verl-speco-collect: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     if summary.rows and summary.dropped_short == summary.rows and not args.generate:

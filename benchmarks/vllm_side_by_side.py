@@ -1,0 +1,72 @@
+"""vLLM (CPU) serving the target plainly, with its free n-gram proposer, and with each drafter:
+greedy, the same prompts and k, measured one after another in one process (side by side).
+
+Per method: vLLM's acceptance counters, generated tokens per target forward
+(`drafters.common.metrics.tokens_per_target_forward`: fair to the n-gram proposer, which drafts
+nothing when the context has no match), whether the outputs equal plain decoding (lossless), and the
+wall-clock output tokens/s of the `generate` call (engine start excluded; every engine decodes the
+same prompts in one batch with the same batch limit).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+NGRAM = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+
+
+def _run(target: Path, prompts: list[list[int]], max_new_tokens: int, eos: int, k: int,
+         draft: Path | None = None, spec: dict[str, Any] | None = None, max_num_seqs: int = 16) -> dict[str, Any]:
+    from drafters.common.metrics import tokens_per_target_forward
+    from drafters.common.tokens import cut_at_end
+    from verl_speco.engines import vllm_engine
+
+    longest = max(len(p) for p in prompts) + max_new_tokens + k + 1
+    if spec is None:
+        llm = vllm_engine.build_llm(target, None, max_model_len=longest, max_num_seqs=max_num_seqs)
+    else:
+        extra = {key: v for key, v in spec.items() if key not in ("method", "num_speculative_tokens", "model")}
+        if draft is None:  # n-gram: no draft model
+            llm = vllm_engine.build_llm(target, None, max_model_len=longest, max_num_seqs=max_num_seqs,
+                                        speculative_config={"num_speculative_tokens": k, **spec})
+        else:
+            llm = vllm_engine.build_llm(target, draft, method=spec["method"], num_speculative_tokens=k,
+                                        speculative_extra=extra, max_model_len=longest, max_num_seqs=max_num_seqs)
+    try:
+        before = vllm_engine.snapshot_spec_counters(llm)
+        t0 = time.perf_counter()
+        rows = vllm_engine.generate(llm, prompts, max_new_tokens, ignore_eos=False)
+        wall = time.perf_counter() - t0
+        counters = vllm_engine.read_spec_metrics(llm, since=before)
+    finally:
+        vllm_engine.shutdown(llm)
+    generated = sum(len(r) for r in rows)
+    return {**counters, "outputs": [cut_at_end(r, (eos,))[0] for r in rows], "generated_tokens": generated,
+            "wall_s": round(wall, 3), "output_tokens_per_s": generated / wall,
+            "tokens_per_target_forward": tokens_per_target_forward(
+                generated, int(counters.get("num_accepted_tokens", 0)), len(rows))}
+
+
+def side_by_side(target: Path, drafts: dict[str, tuple[Path, dict[str, Any]]], prompts: list[list[int]],
+                 eos: int, k: int, max_new_tokens: int) -> dict[str, dict[str, Any]]:
+    """{"plain": ..., "ngram": ..., family: ...} (see the module docstring). `drafts`: family ->
+    (export dir, its vLLM speculative config). A family vLLM fails to serve gets {"error": ...}."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    plain = _run(target, prompts, max_new_tokens, eos, k)
+    results: dict[str, dict[str, Any]] = {"plain": plain}
+    methods: dict[str, tuple[Path | None, dict[str, Any]]] = {"ngram": (None, NGRAM), **drafts}
+    for name, (draft, spec) in methods.items():
+        try:
+            res = _run(target, prompts, max_new_tokens, eos, k, draft, spec)
+        except Exception as err:  # reported in the table, the other methods still measured
+            results[name] = {"error": f"{type(err).__name__}: {err}"[:400]}
+            continue
+        res["lossless"] = res["outputs"] == plain["outputs"]
+        res["speedup_vs_plain"] = res["output_tokens_per_s"] / plain["output_tokens_per_s"]
+        results[name] = res
+    for res in results.values():
+        res.pop("outputs", None)
+    return results
