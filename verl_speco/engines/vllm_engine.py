@@ -221,13 +221,24 @@ class DraftReloadMixin:
                        "last_reason": "", "held": None})
         return state
 
+    def _speco_drafter(self) -> Any:
+        """The model runner's draft proposer, the object holding the draft `model`: `drafter` in
+        vLLM's V1 model runner (`vllm/v1/worker/gpu_model_runner.py`, and the CPU runner built on
+        it), `speculator` in the V2 runner (`vllm/v1/worker/gpu/model_runner.py`, the only one
+        serving DSpark); both names in 0.32.0 and 0.24.0."""
+        runner = self.model_runner
+        for proposer in (getattr(runner, "drafter", None), getattr(runner, "speculator", None)):
+            if getattr(proposer, "model", None) is not None:
+                return proposer
+        found = ", ".join(f"{name}={type(getattr(runner, name)).__name__}" for name in ("drafter", "speculator")
+                          if hasattr(runner, name)) or "neither attribute"
+        raise RuntimeError(
+            f"speco_load_draft: this engine has no draft model: its model runner ({type(runner).__name__}) has no "
+            f"`drafter` (vLLM's V1 runner) or `speculator` (V2 runner) holding a `model` (found: {found}); start it "
+            "with a speculative_config that loads a draft model (a drafter family's method, not ngram)")
+
     def _speco_draft_model(self) -> Any:
-        drafter = getattr(self.model_runner, "drafter", None)
-        model = getattr(drafter, "model", None)
-        if model is None:
-            raise RuntimeError("speco_load_draft: this engine has no draft model (start it with a "
-                               "speculative_config whose method is eagle/eagle3)")
-        return model
+        return self._speco_drafter().model
 
     def _speco_start_dir(self) -> Path | None:
         """The draft checkpoint directory the engine started from (None: not a local directory)."""
@@ -316,7 +327,7 @@ class DraftReloadMixin:
             finalize_layerwise_reload(model, config.speculative_config.draft_model_config)
             if mask is not None:
                 _load_mask_hidden(model, mask)
-                _refresh_parallel_drafting_hidden(self.model_runner.drafter)
+                _refresh_parallel_drafting_hidden(self._speco_drafter())
         _rebuild_dflash_buffers(model, buckets)
 
     def _speco_apply(self, buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
@@ -385,7 +396,7 @@ class DraftReloadMixin:
         live = dict(model.state_dict())
         if isinstance(getattr(model, MASK_HIDDEN, None), torch.Tensor):  # a non-persistent buffer: not in it
             live[MASK_HIDDEN] = getattr(model, MASK_HIDDEN)
-        mask_state = getattr(self.model_runner.drafter, "parallel_drafting_hidden_state_tensor", None)
+        mask_state = getattr(self._speco_drafter(), "parallel_drafting_hidden_state_tensor", None)
         if mask_state is not None:  # what the proposer puts at mask slots (fc(mask_hidden))
             live["drafter.parallel_drafting_hidden_state_tensor"] = mask_state
         for name, tensor in sorted(live.items()):

@@ -9,7 +9,8 @@ Engine settings speculative decoding depends on, all explicit (`engine_overrides
   request is the bonus token plus k drafts; vLLM's `uniform_decode_query_len`) up to max_num_seqs
   requests. The model runner is pinned (VLLM_USE_V2_MODEL_RUNNER in the Ray workers' environment):
   V1 for every family it serves, the runner whose draft reload the CPU tests exercise (the
-  extension reloads `model_runner.drafter`); DSpark exists only in the V2 runner. DFlash's draft
+  extension finds the draft as V1's `model_runner.drafter`, or V2's `model_runner.speculator`);
+  DSpark exists only in the V2 runner. DFlash's draft
   runs eagerly (`speculative_config.enforce_eager`): a publish rebuilds its fused context K/V
   buffer as new tensors (`_rebuild_dflash_buffers`) that a captured graph would never read. DSpark
   shares that buffer and the V2 runner captures FULL decode graphs for its draft whenever the
