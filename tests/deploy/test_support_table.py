@@ -5,8 +5,10 @@ the family a vLLM method and vLLM's CPU platform can serve it (`CPU_UNSERVABLE`)
 cannot; vLLM GPU cites 0.24.0's source iff versions.toml does not refuse the family on 0.24.0, and
 says "not supported" for it iff it does; the Ascend and SGLang GPU cells say "not supported" iff
 their line's release is refused, and vLLM Ascend cells are "refused" iff the draft reload's
-PATCHED_VLLM lacks the Ascend release; every release named is a line's or a source CI reads; every
-test a kind cites exists. README's table is the rendered one (tests/deploy/test_versions_agreement.py).
+PATCHED_VLLM lacks the Ascend release; a GPU or CPU cell says "launcher composes" for the line's
+release iff the launchers run that family on that engine and device (`recipes.refusal` is None:
+tests/verl/test_launchers.py and test_separate_training.py compose exactly those); every release
+named is a line's or a source CI reads; every test a kind cites exists. README's table is the rendered one (tests/deploy/test_versions_agreement.py).
 A planted wrong cell is caught.
 """
 
@@ -19,6 +21,7 @@ from drafters.registry import known_families
 from verl_speco.deploy.support import COLUMNS, KINDS, SGLANG_SOURCE, Evidence, catalog, render_table
 from verl_speco.deploy.versions import engine_refusal, load_versions
 from verl_speco.engines.vllm_engine import CPU_UNSERVABLE, PATCHED_VLLM
+from verl_speco.launchers import recipes
 
 ROOT = Path(__file__).resolve().parents[2]
 Catalog = dict[str, dict[tuple[str, str], tuple[Evidence, ...]]]
@@ -56,6 +59,14 @@ def support_problems(cat: Catalog) -> list[str]:
         refused_sgl = engine_refusal("sglang", sgl, family) is not None
         want(("unsupported" in _kinds(cells["sglang", "gpu"])) == refused_sgl, f"SGLang GPU 'not supported' on {sgl}")
         want(("flags" in _kinds(cells["sglang", "gpu"], sgl)) == (not refused_sgl), f"SGLang GPU 'flags' on {sgl}")
+        for engine, device in ((e, d) for e, d in COLUMNS if d != "npu"):  # the launchers refuse DEVICE=npu
+            if recipes.refusal(family, engine, device) is None:
+                release = recipes.line_engine_version(device, engine)
+                want(_kinds(cells[engine, device], release) >= {"launcher"},
+                     f"{engine} {device}: the launchers run it on {release}, the cell does not say so")
+            else:
+                want("launcher" not in _kinds(cells[engine, device]),
+                     f"{engine} {device}: 'launcher composes' where the launchers refuse it")
         for column, cell in cells.items():
             want(bool(cell), f"{column} is empty")
             for e in cell:
@@ -87,6 +98,13 @@ def test_planted_wrong_cells_are_caught() -> None:
         dataclasses.replace(e, version="0.25.0") if e.kind == "source" else e for e in cat["peagle"]["vllm", "gpu"])}
     assert "peagle: vLLM GPU 'source' on 0.24.0" in support_problems(cat)
     cat = catalog()
+    cat["dspark"] = {**cat["dspark"], ("vllm", "gpu"): tuple(e for e in cat["dspark"]["vllm", "gpu"]
+                                                            if e.kind != "launcher")}
+    cat["peagle"] = {**cat["peagle"], ("sglang", "gpu"): (*cat["peagle"]["sglang", "gpu"],
+                                                          Evidence("launcher", load_versions().line("gpu-sglang")["sglang"]))}
+    assert support_problems(cat) == ["dspark: vllm gpu: the launchers run it on 0.32.0, the cell does not say so",
+                                     "peagle: sglang gpu: 'launcher composes' where the launchers refuse it"]
+    cat = catalog()
     del cat["domino"]
     assert support_problems(cat)[0].startswith("families ")
 
@@ -95,4 +113,5 @@ def test_the_table_has_a_row_per_family_and_a_column_per_cell() -> None:
     rows = [r for r in render_table().splitlines() if r.startswith("| ")]
     assert [r.split(" | ")[0].removeprefix("| ") for r in rows[1:]] == list(known_families())
     assert all(r.count(" | ") == len(COLUMNS) for r in rows)
-    assert "0.24.0: not supported (no DSpark)" in rows[1 + list(known_families()).index("dspark")]
+    dspark = rows[1 + list(known_families()).index("dspark")]
+    assert "| 0.32.0: engine loader run on CPU, launcher composes; 0.24.0: not supported (no DSpark) |" in dspark

@@ -1,7 +1,8 @@
 """The support table: drafter family x {vLLM, SGLang} x {GPU, Ascend NPU, CPU}, each cell saying how it
 was verified. README's `## Support` table is `render_table()` (tests/deploy/test_support_table.py
 checks it, and checks every cell against the code: the catalog, CPU_UNSERVABLE, the versions
-file's refusals, the draft reload's PATCHED_VLLM). `python -m verl_speco.deploy.support` prints it.
+file's refusals, the draft reload's PATCHED_VLLM, the launchers' refusals). `python -m
+verl_speco.deploy.support` prints it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ KINDS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "flags": ("tests/deploy/test_sglang_source.py",),
     "contract": ("tests/engines/test_eagle3_sglang_contract.py", "tests/engines/test_sglang_http.py",
                  "tests/engines/test_sglang_publish.py", "tests/drafters/test_dflash_export.py"),
+    "launcher": ("tests/verl/test_launchers.py", "tests/verl/test_separate_training.py"),
     "unsupported": ("tests/deploy/test_engine_refusal.py",),
     "unchecked": ("tests/deploy/test_engine_refusal.py",),
 })
@@ -28,6 +30,7 @@ COLUMNS = (("vllm", "gpu"), ("vllm", "npu"), ("vllm", "cpu"), ("sglang", "gpu"),
 LABELS: Mapping[str, str] = MappingProxyType({
     "served": "served on CPU in CI", "source": "checked against source", "flags": "flags checked against source",
     "loader": "engine loader run on CPU", "contract": "request contract vs its classes",
+    "launcher": "launcher composes",
     "unsupported": "not supported", "unchecked": "refused"})
 SGLANG_SOURCE = "0.5.23"  # the SGLang source the contract tests read besides the line's (.venv/sglang_ref)
 
@@ -38,9 +41,19 @@ class Evidence:
     version: str  # the engine release it concerns ("": no release of that engine)
     note: str = ""
 
-    def text(self) -> str:
-        label = LABELS[self.kind] + (f" ({self.note})" if self.note else "")
-        return f"{self.version}: {label}" if self.version else label
+    def label(self) -> str:
+        return LABELS[self.kind] + (f" ({self.note})" if self.note else "")
+
+
+def cell_text(cell: tuple[Evidence, ...]) -> str:
+    """A cell's evidence, one entry per release in order of appearance, its labels comma-separated:
+    (served 0.32.0, launcher 0.32.0, source 0.24.0) -> "0.32.0: served on CPU in CI, launcher composes;
+    0.24.0: checked against source"."""
+    by_release: dict[str, list[str]] = {}
+    for e in cell:
+        by_release.setdefault(e.version, []).append(e.label())
+    return "; ".join(f"{release}: {', '.join(labels)}" if release else ", ".join(labels)
+                     for release, labels in by_release.items())
 
 
 def _lines() -> dict[str, str]:
@@ -60,12 +73,13 @@ def catalog() -> dict[str, dict[tuple[str, str], tuple[Evidence, ...]]]:
     no_sgl_cpu = (Evidence("unsupported", "", "CUDA-only line"),)
 
     def vllm_served(note: str = "") -> dict[tuple[str, str], tuple[Evidence, ...]]:
-        return {("vllm", "gpu"): (Evidence("served", gpu, note), Evidence("source", verl)),
+        return {("vllm", "gpu"): (Evidence("served", gpu, note), Evidence("launcher", gpu), Evidence("source", verl)),
                 ("vllm", "npu"): (Evidence("unchecked", npu, reload),),
-                ("vllm", "cpu"): (Evidence("served", cpu, note),)}
+                ("vllm", "cpu"): (Evidence("served", cpu, note), Evidence("launcher", cpu))}
 
     def sglang_served(*extra: Evidence) -> dict[tuple[str, str], tuple[Evidence, ...]]:
-        return {("sglang", "gpu"): (Evidence("flags", sgl), Evidence("contract", SGLANG_SOURCE), *extra),
+        return {("sglang", "gpu"): (Evidence("flags", sgl), Evidence("launcher", sgl), Evidence("contract", SGLANG_SOURCE),
+                                    *extra),
                 ("sglang", "npu"): no_sgl_npu, ("sglang", "cpu"): no_sgl_cpu}
 
     no_domino_vllm = Evidence("unsupported", "", "vLLM has no Domino")
@@ -75,7 +89,8 @@ def catalog() -> dict[str, dict[tuple[str, str], tuple[Evidence, ...]]]:
         "eagle2": {**vllm_served(no_tree), **sglang_served()},
         "eagle3": {**vllm_served(), **sglang_served()},
         "dflash": {**vllm_served(), **sglang_served()},
-        "dspark": {("vllm", "gpu"): (Evidence("loader", cpu), Evidence("unsupported", verl, "no DSpark")),
+        "dspark": {("vllm", "gpu"): (Evidence("loader", cpu), Evidence("launcher", gpu),
+                                     Evidence("unsupported", verl, "no DSpark")),
                    ("vllm", "npu"): (Evidence("unsupported", npu, "no DSpark"),),
                    ("vllm", "cpu"): (Evidence("loader", cpu), Evidence("unsupported", "", "its CPU runner refuses DSpark")),
                    ("sglang", "gpu"): (Evidence("unsupported", sgl, "no DSpark"),
@@ -102,7 +117,7 @@ def render_table() -> str:
              ("sglang", "npu"): "SGLang Ascend NPU", ("sglang", "cpu"): "SGLang CPU"}
     rows = ["| family | " + " | ".join(heads[c] for c in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
     for family, cells in catalog().items():
-        rows.append(f"| {family} | " + " | ".join("; ".join(e.text() for e in cells[c]) for c in COLUMNS) + " |")
+        rows.append(f"| {family} | " + " | ".join(cell_text(cells[c]) for c in COLUMNS) + " |")
     kinds = ["", "Tests behind each kind of cell:"]
     kinds += [f"- {kind}: " + ", ".join(f"`{t}`" for t in tests) for kind, tests in KINDS.items()]
     return "\n".join(rows + kinds) + "\n"
