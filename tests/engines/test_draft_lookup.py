@@ -84,6 +84,28 @@ def test_stats_and_target_shared_modules_through_the_v2_speculator() -> None:
     assert other._speco_target_owned() == {}
 
 
+class TiedTarget(torch.nn.Module):  # tie_word_embeddings: one tensor behind the embedding and the head
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(8, 4)
+        self.lm_head = torch.nn.Linear(4, 8, bias=False)
+        self.lm_head.weight = self.embed_tokens.weight
+
+
+def test_a_draft_module_holding_a_tied_target_tensor_is_target_owned() -> None:
+    target = TiedTarget()
+    draft = TinyDraft()
+    draft.lm_head = torch.nn.Linear(4, 8, bias=False)  # the draft's own module ...
+    draft.lm_head.weight = target.lm_head.weight       # ... tied to the target's embedding
+    owned = worker(V1Runner(Proposer(draft), target))._speco_target_owned()
+    assert owned == {"lm_head": "embed_tokens = lm_head"}
+    with pytest.raises(Exception, match=r"lm_head.weight -> target embed_tokens = lm_head"):
+        worker(V1Runner(Proposer(draft), target))._speco_check_not_target_owned(["lm_head.weight", "fc.weight"])
+    untied = TinyDraft()
+    untied.lm_head = torch.nn.Linear(4, 8, bias=False)
+    assert worker(V1Runner(Proposer(untied), target))._speco_target_owned() == {}
+
+
 @pytest.mark.parametrize("runner, found", [
     (object(), "found: neither attribute"),
     (V1Runner(NgramProposer()), "found: drafter=NgramProposer"),

@@ -264,16 +264,30 @@ class DraftReloadMixin:
         engine started with `load_format=dummy`) or one equal to the target's. A reload must never
         write into those: it would overwrite the policy's own weights.
 
+        A module of the draft's own whose parameter IS a target parameter counts too: a target with
+        tied embeddings (SmolLM2, small Llamas) has one tensor behind `lm_head.weight` and
+        `model.embed_tokens.weight`, so a draft head tied to it writes into the target's embedding.
+
         Example: the draft's `lm_head` is the target's `lm_head` -> {"lm_head": "lm_head"}; its
-        `model.embed_tokens` is the target's `model.embed_tokens` -> {"embed_tokens": "model.embed_tokens"}."""
+        `model.embed_tokens` is the target's `model.embed_tokens` -> {"embed_tokens": "model.embed_tokens"};
+        its own `lm_head` module holds the tied target's embedding weight -> {"lm_head": "lm_head =
+        model.embed_tokens"} (every target name of that tensor)."""
         target = getattr(self.model_runner, "model", None)
         if target is None:
             return {}
         target_modules = {id(m): name for name, m in target.named_modules()}
+        target_params: dict[int, list[str]] = {}
+        for pname, param in target.named_parameters(remove_duplicate=False):
+            target_params.setdefault(id(param), []).append(pname.rsplit(".", 1)[0])
         owned: dict[str, str] = {}
-        for name, module in self._speco_draft_model().named_modules():
+        draft = self._speco_draft_model()
+        for name, module in draft.named_modules():
             if name and id(module) in target_modules:
                 owned[name.removeprefix("model.")] = target_modules[id(module)]
+        for pname, param in draft.named_parameters(remove_duplicate=False):
+            if id(param) in target_params:
+                owned.setdefault(pname.rsplit(".", 1)[0].removeprefix("model."),
+                                 " = ".join(sorted(set(target_params[id(param)]))))
         return owned
 
     def _speco_check_not_target_owned(self, names: list[str]) -> None:
