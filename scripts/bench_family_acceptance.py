@@ -87,6 +87,20 @@ def _depth_settings(family: str, k: int) -> list[str]:
     return []
 
 
+REAL_TARGET_SETTINGS = {  # a real target's vocabulary (49152 for SmolLM2) on 2 CPU cores
+    # block drafters: anchors per sequence (each anchor's block computes full-vocabulary logits)
+    "dflash": ["drafter.settings.num_anchors=64"], "dspark": ["drafter.settings.num_anchors=64"],
+    "domino": ["drafter.settings.num_anchors=64"],
+    # EAGLE-3 / P-EAGLE: a reduced draft vocabulary (the papers: 32000 of Qwen3's 151936)
+    "eagle3": ["drafter.settings.draft_vocab_size=8192"], "peagle": ["drafter.settings.draft_vocab_size=8192"],
+}
+
+
+def _target_settings(family: str, target: str) -> list[str]:
+    """The overrides a non-embedded target gets on top of the family's quickstart preset."""
+    return [] if target == "embedded" else REAL_TARGET_SETTINGS.get(family, [])
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (default: %(default)s)")
@@ -162,7 +176,7 @@ def _train(args: argparse.Namespace, family: str, target: Path, stores: dict[str
     from verl_speco.train.compose import load_config
     from verl_speco.train.loop import run as train_run
 
-    extra = _depth_settings(family, args.k)
+    extra = _depth_settings(family, args.k) + _target_settings(family, args.target)
     key = [args.steps, args.seed, args.train_prompts, *extra]
     run_dir = out / "train" / (family if not extra else f"{family}_k{args.k}")
     done = run_dir.parent / f"{run_dir.name}.bench.json"  # reused by a rerun with the same settings
@@ -203,7 +217,7 @@ def _timing_setup(args: argparse.Namespace, family: str, target: Path, stores: d
     from verl_speco.train.rng import seed_everything
 
     cfg = load_config(_overrides(args, family, target, stores, Path(args.out).resolve() / "timing",
-                                 _depth_settings(family, args.k)))
+                                 _depth_settings(family, args.k) + _target_settings(family, args.target)))
     device = resolve_device(cfg.run.device)
     seed_everything(cfg.run.seed)
     fam = get_family(cfg.drafter.algorithm)

@@ -90,3 +90,13 @@ def test_build_target_cli_takes_the_name(smollm2: Path, capsys: pytest.CaptureFi
     with pytest.raises(SystemExit):
         main(["--target", "smollm2-135m", "--steps", "3"])
     assert "converted, not trained" in capsys.readouterr().err
+
+
+def test_cpu_grpo_launcher_takes_the_name_and_refuses_the_embedded_drafter(smollm2: Path, tmp_path: Path,
+                                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`run_cpu_grpo.sh --target smollm2-135m`: the embedded target's trained drafter cannot serve it."""
+    from verl_speco.verl_integration.cpu_launch import main
+
+    assert main(["--target", "smollm2-135m", "--drafter", "trained", "--out", str(tmp_path / "run")]) == 2
+    assert "trains on the embedded target only" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # refused before anything was written
