@@ -76,6 +76,7 @@ def build_llm(target_dir: str | Path, draft_dir: str | Path | None = None, metho
     from vllm import LLM
 
     from verl_speco.deploy.engine_check import require_vllm_spec
+    from verl_speco.engines.vllm_cpu_rebind import install_kernel_rebind_fix
 
     if draft_dir is not None and method == "dflash":
         _install_dflash_fix()
@@ -88,6 +89,7 @@ def build_llm(target_dir: str | Path, draft_dir: str | Path | None = None, metho
     }
     kwargs.update(llm_kwargs)
     require_vllm_spec(kwargs["speculative_config"], str(vllm.__version__))  # e.g. DSpark on vLLM 0.24
+    install_kernel_rebind_fix()  # bug C: a second engine in a process that imported numba
     return LLM(**kwargs)
 
 

