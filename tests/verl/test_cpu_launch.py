@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import pytest
 from speco_verl_helpers import ROOT, compose
 
 
@@ -22,6 +23,29 @@ def test_rl_dataset_has_verls_columns_and_disjoint_splits(tmp_path: Path) -> Non
     assert row["reward_model"]["style"] == "rule" and row["reward_model"]["ground_truth"]
     prompts = {p[0]["content"] for p in train["prompt"]}
     assert not prompts & {p[0]["content"] for p in val["prompt"]}
+
+
+def test_plain_arithmetic_rows_and_reward(tmp_path: Path) -> None:
+    import pandas as pd
+
+    from verl_speco.target.rl_data import PLAIN_SOURCE, compute_score, write_rl_dataset
+
+    paths = write_rl_dataset(tmp_path, n_train=40, n_val=10, task="plain")
+    train, val = pd.read_parquet(paths["train"]), pd.read_parquet(paths["val"])
+    for row in pd.concat([train, val]).itertuples():
+        a, b = int(row.extra_info["a"]), int(row.extra_info["b"])
+        expected = a + b if row.ability == "add" else a - b  # recomputed from the operands
+        word = "plus" if row.ability == "add" else "minus"
+        assert row.prompt[0]["content"] == f"What is {a} {word} {b}? Reply with the number."
+        assert row.reward_model["ground_truth"] == str(expected) and expected >= 0
+        assert row.data_source == PLAIN_SOURCE
+    assert not {p[0]["content"] for p in train["prompt"]} & {p[0]["content"] for p in val["prompt"]}
+    assert compute_score(PLAIN_SOURCE, "47 + 8 = 55", "55") == 1.0
+    assert compute_score(PLAIN_SOURCE, "The sum is 55, or maybe 56", "55") == 0.25
+    assert compute_score(PLAIN_SOURCE, "I think it is 155.", "55") == 0.0  # digits inside a number do not count
+    assert compute_score(PLAIN_SOURCE, "no idea", "55") == 0.0
+    with pytest.raises(ValueError, match="task: got 'poems'"):
+        write_rl_dataset(tmp_path, task="poems")
 
 
 def test_rule_reward() -> None:
@@ -65,6 +89,14 @@ def test_the_launcher_finds_the_quickstart_drafter_and_builds_the_command(tmp_pa
     assert f"actor_rollout_ref.rollout.drafter.model_path={export}" in cmd
     assert any(c.startswith("reward.custom_reward_function.path=") and c.endswith("rl_data.py") for c in cmd)
     assert not any("model_path" in c for c in launch_command(tmp_path, data, tmp_path, None, []))
+
+
+def test_a_real_target_gets_plain_english_problems() -> None:
+    from verl_speco.verl_integration.cpu_launch import build_parser, rl_task
+
+    assert rl_task("embedded", None) == "corpus" and rl_task("smollm2-135m", None) == "plain"
+    assert rl_task("smollm2-135m", "corpus") == "corpus"
+    assert build_parser().parse_args(["--task", "plain"]).task == "plain"
 
 
 def test_the_launcher_refuses_a_drafter_directory_without_an_export(tmp_path: Path) -> None:

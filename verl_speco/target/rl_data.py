@@ -15,16 +15,31 @@ loop read:
 does ("The answer is X." / "Sorted: X." / "Result: X."), else half the fraction of the reference's
 lines the response reproduces in order from the start, so short rollouts that follow the trace
 still get a graded signal.
+
+`task="plain"` (the default for a real pretrained target, which never saw the corpus's format) asks
+small additions and subtractions in plain English instead, data source `PLAIN_SOURCE`:
+
+    prompt       [{"role": "user", "content": "What is 47 plus 8? Reply with the number."}]
+    ability      "add" or "sub"
+    reward_model {"style": "rule", "ground_truth": "55"}
+
+and `compute_score` gives such a row 1.0 when the last integer of the response is the answer, 0.25
+when the answer appears elsewhere in it, else 0.
 """
 
 from __future__ import annotations
 
 import os
+import random
+import re
 from pathlib import Path
 from typing import Any
 
 DATA_SOURCE = "verl_speco/embedded"
+PLAIN_SOURCE = "verl_speco/plain_arithmetic"
+TASKS = ("corpus", "plain")
 _ANSWER_LEADS = ("The answer is ", "Sorted: ", "Result: ")
+_INTEGER = re.compile(r"-?\d+")
 
 
 def rl_rows(n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
@@ -36,6 +51,32 @@ def rl_rows(n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]
         rows.append({"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": ex.prompt}],
                      "ability": ex.task, "reward_model": {"style": "rule", "ground_truth": ex.answer},
                      "extra_info": {"index": i, "split": split, "reference": ex.response}})
+    return rows
+
+
+def plain_rows(n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
+    """`n` plain-English arithmetic problems of `split`: sums and differences of numbers below 100
+    (differences never negative); train and test draw from disjoint seeds, and a test problem that
+    also occurs in train (same operands) is skipped, so the splits share no prompt."""
+    seen: set[tuple[int, int, str]] = set()
+    if split != "train":  # the train problems a held-out row must differ from
+        seen = {(r["extra_info"]["a"], r["extra_info"]["b"], r["ability"]) for r in plain_rows(n, "train", seed)}
+    rng = random.Random(f"{seed}:{split}")
+    rows: list[dict[str, Any]] = []
+    while len(rows) < n:
+        a, b, op = rng.randrange(2, 100), rng.randrange(1, 20), rng.choice(("add", "sub"))
+        if (a, b, op) in seen:
+            continue
+        seen.add((a, b, op))
+        if op == "add":
+            question, answer = f"What is {a} plus {b}?", a + b
+        else:
+            a, b = max(a, b), min(a, b)
+            question, answer = f"What is {a} minus {b}?", a - b
+        rows.append({"data_source": PLAIN_SOURCE,
+                     "prompt": [{"role": "user", "content": f"{question} Reply with the number."}],
+                     "ability": op, "reward_model": {"style": "rule", "ground_truth": str(answer)},
+                     "extra_info": {"index": len(rows), "split": split, "a": a, "b": b}})
     return rows
 
 
@@ -51,13 +92,18 @@ def write_parquet(path: str | Path, rows: list[dict[str, Any]]) -> Path:
     return path
 
 
-def write_rl_dataset(out_dir: str | Path, n_train: int = 64, n_val: int = 8, seed: int = 0) -> dict[str, Path]:
-    """`{"train": <dir>/train.parquet, "val": <dir>/val.parquet}`, written."""
+def write_rl_dataset(out_dir: str | Path, n_train: int = 64, n_val: int = 8, seed: int = 0,
+                     task: str = "corpus") -> dict[str, Path]:
+    """`{"train": <dir>/train.parquet, "val": <dir>/val.parquet}`, written; `task` is "corpus"
+    (the embedded corpus's problems) or "plain" (plain-English arithmetic)."""
     if n_train < 1 or n_val < 1:
         raise ValueError(f"n_train={n_train}, n_val={n_val}: expected both >= 1")
+    if task not in TASKS:
+        raise ValueError(f"task: got {task!r}, expected one of {TASKS}")
+    rows = rl_rows if task == "corpus" else plain_rows
     out = Path(out_dir)
-    return {"train": write_parquet(out / "train.parquet", rl_rows(n_train, "train", seed)),
-            "val": write_parquet(out / "val.parquet", rl_rows(n_val, "test", seed))}
+    return {"train": write_parquet(out / "train.parquet", rows(n_train, "train", seed)),
+            "val": write_parquet(out / "val.parquet", rows(n_val, "test", seed))}
 
 
 def _states_answer(text: str, answer: str) -> bool:
@@ -79,6 +125,11 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
                   **kwargs: Any) -> float:
     """The rule reward of one response (see the module docstring)."""
     answer = str(ground_truth).strip()
+    if data_source == PLAIN_SOURCE:
+        numbers = _INTEGER.findall(solution_str)
+        if numbers and numbers[-1] == answer:
+            return 1.0
+        return 0.25 if answer in numbers else 0.0
     if _states_answer(solution_str, answer):
         return 1.0
     reference = str((extra_info or {}).get("reference", ""))

@@ -71,9 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-prompts", type=int, default=64, help="rows of train.parquet (default: %(default)s)")
     p.add_argument("--val-prompts", type=int, default=8,
                    help="rows of val.parquet, held-out problems (verl's validation; default: %(default)s)")
+    p.add_argument("--task", choices=("corpus", "plain"), default=None,
+                   help="rule-reward problems: the embedded corpus's, or plain-English arithmetic (default: corpus "
+                        "for the embedded target, plain for any other, which never saw the corpus's format)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("overrides", nargs="*", help="Hydra overrides passed to verl-speco")
     return p
+
+
+def rl_task(target: str, task: str | None) -> str:
+    """The rule-reward problems of a run: `task` when given, else the embedded corpus's for the
+    embedded target and plain-English arithmetic for any other (it never saw the corpus's format)."""
+    return task or ("corpus" if target == "embedded" else "plain")
 
 
 def launch_command(target: Path, data: dict[str, Path], out: Path, drafter: Path | None,
@@ -120,13 +129,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         source = "quickstart" if drafter is not None else "fresh (no quickstart export under runs/quickstart)"
     out.mkdir(parents=True, exist_ok=True)
     target = resolve_target(args.target, log=print)
-    data = write_rl_dataset(out / "data", n_train=args.train_prompts, n_val=args.val_prompts, seed=args.seed)
+    task = rl_task(args.target, args.task)
+    data = write_rl_dataset(out / "data", n_train=args.train_prompts, n_val=args.val_prompts, seed=args.seed,
+                            task=task)
     print(f"[run_cpu_grpo] target {target}; initial drafter: {drafter or 'freshly exported'} ({source})", flush=True)
     cmd = launch_command(target, data, out, drafter, args.overrides)
     env = cpu_environment()
     env["VERL_FILE_LOGGER_PATH"] = str(out / "metrics.jsonl")
     (out / "launch.json").write_text(json.dumps({"target": str(target), "drafter": str(drafter) if drafter else None,
-                                                 "drafter_source": source, "command": cmd}, indent=1))
+                                                 "drafter_source": source, "task": task, "command": cmd}, indent=1))
     started = time.perf_counter()
     rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
     print(f"[run_cpu_grpo] exit {rc} after {time.perf_counter() - started:.1f} s; metrics: {out / 'metrics.jsonl'}",
