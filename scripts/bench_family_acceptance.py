@@ -91,8 +91,9 @@ REAL_TARGET_SETTINGS = {  # a real target's vocabulary (49152 for SmolLM2) on 2 
     # block drafters: anchors per sequence (each anchor's block computes full-vocabulary logits)
     "dflash": ["drafter.settings.num_anchors=64"], "dspark": ["drafter.settings.num_anchors=64"],
     "domino": ["drafter.settings.num_anchors=64"],
-    # EAGLE-3 / P-EAGLE: a reduced draft vocabulary (the papers: 32000 of Qwen3's 151936)
-    "eagle3": ["drafter.settings.draft_vocab_size=8192"], "peagle": ["drafter.settings.draft_vocab_size=8192"],
+    # EAGLE-3 / P-EAGLE: a reduced draft vocabulary (the papers: 32000 of Qwen3's 151936); P-EAGLE's
+    # preset (no configs/drafter yaml) has no such key, so it is added
+    "eagle3": ["drafter.settings.draft_vocab_size=8192"], "peagle": ["+drafter.settings.draft_vocab_size=8192"],
 }
 
 

@@ -171,3 +171,24 @@ def test_bench_family_acceptance_decode_cache_is_keyed_by_export_bytes(tmp_path:
     bench._cached(tmp_path, "vllm", args, [export], failed, drop=False)
     assert len(calls) == 5
 
+
+
+def test_bench_family_acceptance_real_target_overrides_compose(tmp_path: Path) -> None:
+    """Every family's overrides for a real target (depth settings + REAL_TARGET_SETTINGS) compose
+    into a trainer config with the values asked for (P-EAGLE's preset lacks draft_vocab_size: the
+    override must add it), at both k of the README's tables."""
+    from verl_speco.train.compose import load_config
+
+    bench = _bench_family_module()
+    args = bench._parser().parse_args(["--target", "smollm2-135m"])
+    stores = {"train": tmp_path / "train", "eval": tmp_path / "eval"}
+    for family in ("eagle1", "eagle3", "dflash", "dspark", "domino", "peagle"):
+        for k in (3, 7):
+            extra = bench._depth_settings(family, k) + bench._target_settings(family, args.target)
+            cfg = load_config(bench._overrides(args, family, tmp_path / "target", stores, tmp_path / "run", extra))
+            settings = cfg.drafter.settings
+            if family in ("eagle3", "peagle"):
+                assert settings["draft_vocab_size"] == 8192, family
+            if family in ("dflash", "dspark", "domino"):
+                assert settings["num_anchors"] == 64, family
+    assert bench._target_settings("eagle3", "embedded") == []
