@@ -84,11 +84,27 @@ def test_the_launcher_finds_the_quickstart_drafter_and_builds_the_command(tmp_pa
     (export / "config.json").write_text("{}")
     assert quickstart_drafter(tmp_path) == export
     data = {"train": tmp_path / "t.parquet", "val": tmp_path / "v.parquet"}
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text('{"hidden_size": 64, "vocab_size": 512}')
+    (tmp_path / "config.json").write_text('{"hidden_size": 64, "vocab_size": 512}')
     cmd = launch_command(tmp_path / "target", data, tmp_path / "out", export, ["trainer.total_training_steps=5"])
     assert cmd[1:4] == ["-m", "verl_speco.main", PRESET] and cmd[-1] == "trainer.total_training_steps=5"
     assert f"actor_rollout_ref.rollout.drafter.model_path={export}" in cmd
     assert any(c.startswith("reward.custom_reward_function.path=") and c.endswith("rl_data.py") for c in cmd)
     assert not any("model_path" in c for c in launch_command(tmp_path, data, tmp_path, None, []))
+
+
+def test_the_weight_bucket_fits_the_targets_largest_tensor(tmp_path: Path) -> None:
+    import json
+
+    from verl_speco.verl_integration.cpu_launch import weight_bucket_megabytes
+
+    smollm2 = {"hidden_size": 576, "vocab_size": 49152, "intermediate_size": 1536}
+    (tmp_path / "config.json").write_text(json.dumps(smollm2))
+    embedding_mib = 49152 * 576 * 4 / 2**20  # 108.0: the float32 embedding verl syncs as one tensor
+    assert weight_bucket_megabytes(tmp_path) == 135 and weight_bucket_megabytes(tmp_path) > embedding_mib
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "vocab_size": 512}))
+    assert weight_bucket_megabytes(tmp_path) == 64  # the preset's bucket is the floor
 
 
 def test_a_real_target_gets_plain_english_problems() -> None:

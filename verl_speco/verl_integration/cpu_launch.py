@@ -85,9 +85,21 @@ def rl_task(target: str, task: str | None) -> str:
     return task or ("corpus" if target == "embedded" else "plain")
 
 
+def weight_bucket_megabytes(target: Path, floor: int = 64) -> int:
+    """verl's weight-sync bucket (`checkpoint_engine.update_weights_bucket_megabytes`) big enough for
+    the target's largest float32 tensor (its embedding or an MLP matrix) with a quarter to spare;
+    verl refuses a tensor larger than the bucket. SmolLM2-135M: embedding 49152 x 576 = 108 MiB -> 135."""
+    cfg = json.loads((target / "config.json").read_text())
+    hidden = int(cfg["hidden_size"])
+    largest = hidden * max(int(cfg["vocab_size"]), int(cfg.get("intermediate_size", 0)))  # elements
+    return max(floor, -(-largest * 4 * 5 // 4 // 2**20))
+
+
 def launch_command(target: Path, data: dict[str, Path], out: Path, drafter: Path | None,
                    overrides: Sequence[str]) -> list[str]:
     from verl_speco.target import rl_data
+
+    bucket = weight_bucket_megabytes(target)
 
     args = [sys.executable, "-m", "verl_speco.main", PRESET,
             f"actor_rollout_ref.model.path={target}",
@@ -95,7 +107,8 @@ def launch_command(target: Path, data: dict[str, Path], out: Path, drafter: Path
             f"reward.custom_reward_function.path={Path(rl_data.__file__).resolve()}",
             "reward.custom_reward_function.name=compute_score",
             f"actor_rollout_ref.rollout.drafter.publish_dir={out / 'publish'}",
-            f"actor_rollout_ref.rollout.drafter.feature_store.path={out / 'store'}"]
+            f"actor_rollout_ref.rollout.drafter.feature_store.path={out / 'store'}",
+            f"actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes={bucket}"]
     if drafter is not None:
         args.append(f"actor_rollout_ref.rollout.drafter.model_path={drafter}")
     return args + list(overrides)
