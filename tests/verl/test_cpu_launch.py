@@ -40,6 +40,9 @@ def test_plain_arithmetic_rows_and_reward(tmp_path: Path) -> None:
         assert row.reward_model["ground_truth"] == str(expected) and expected >= 0
         assert row.data_source == PLAIN_SOURCE
     assert not {p[0]["content"] for p in train["prompt"]} & {p[0]["content"] for p in val["prompt"]}
+    assert len(set(train["prompt"].map(lambda p: p[0]["content"]))) == 40  # distinct problems
+    with pytest.raises(ValueError, match=r"n_train \+ n_val: got 100 \+ 30, expected <= 126"):
+        write_rl_dataset(tmp_path, n_train=100, n_val=30, task="plain")
     assert compute_score(PLAIN_SOURCE, "47 + 8 = 55", "55") == 1.0
     assert compute_score(PLAIN_SOURCE, "The sum is 55, or maybe 56", "55") == 0.25
     assert compute_score(PLAIN_SOURCE, "I think it is 155.", "55") == 0.0  # digits inside a number do not count

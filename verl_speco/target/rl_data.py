@@ -19,9 +19,9 @@ still get a graded signal.
 `task="plain"` (the default for a real pretrained target, which never saw the corpus's format) asks
 small additions and subtractions in plain English instead, data source `PLAIN_SOURCE`:
 
-    prompt       [{"role": "user", "content": "What is 47 plus 8? Reply with the number."}]
+    prompt       [{"role": "user", "content": "What is 7 plus 8? Reply with the number."}]
     ability      "add" or "sub"
-    reward_model {"style": "rule", "ground_truth": "55"}
+    reward_model {"style": "rule", "ground_truth": "15"}
 
 and `compute_score` gives such a row 1.0 when the last integer of the response is the answer, 0.25
 when the answer appears elsewhere in it, else 0.
@@ -54,27 +54,25 @@ def rl_rows(n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]
     return rows
 
 
+PLAIN_POOL = 81 + 45  # distinct problems: a + b and a - b (a >= b) for digits a, b in 1..9
+
+
 def plain_rows(n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
-    """`n` plain-English arithmetic problems of `split`: sums and differences of numbers below 100
-    (differences never negative); train and test draw from disjoint seeds, and a test problem that
-    also occurs in train (same operands) is skipped, so the splits share no prompt."""
-    seen: set[tuple[int, int, str]] = set()
-    if split != "train":  # the train problems a held-out row must differ from
-        seen = {(r["extra_info"]["a"], r["extra_info"]["b"], r["ability"]) for r in plain_rows(n, "train", seed)}
-    rng = random.Random(f"{seed}:{split}")
+    """`n` plain-English arithmetic problems of `split`: sums and differences of the digits 1..9
+    (differences never negative; SmolLM2-135M answers about half of them). All `PLAIN_POOL`
+    problems are shuffled with `seed`; train takes them from the front, test from the back, so the
+    splits share no problem while train + test <= PLAIN_POOL."""
+    if not 1 <= n <= PLAIN_POOL:
+        raise ValueError(f"plain arithmetic rows: got n={n}, expected 1..{PLAIN_POOL} (distinct problems)")
+    pool = [(a, b, "add") for a in range(1, 10) for b in range(1, 10)]
+    pool += [(a, b, "sub") for a in range(1, 10) for b in range(1, a + 1)]
+    random.Random(seed).shuffle(pool)
+    picked = pool[:n] if split == "train" else pool[::-1][:n]
     rows: list[dict[str, Any]] = []
-    while len(rows) < n:
-        a, b, op = rng.randrange(2, 100), rng.randrange(1, 20), rng.choice(("add", "sub"))
-        if (a, b, op) in seen:
-            continue
-        seen.add((a, b, op))
-        if op == "add":
-            question, answer = f"What is {a} plus {b}?", a + b
-        else:
-            a, b = max(a, b), min(a, b)
-            question, answer = f"What is {a} minus {b}?", a - b
+    for a, b, op in picked:
+        word, answer = ("plus", a + b) if op == "add" else ("minus", a - b)
         rows.append({"data_source": PLAIN_SOURCE,
-                     "prompt": [{"role": "user", "content": f"{question} Reply with the number."}],
+                     "prompt": [{"role": "user", "content": f"What is {a} {word} {b}? Reply with the number."}],
                      "ability": op, "reward_model": {"style": "rule", "ground_truth": str(answer)},
                      "extra_info": {"index": len(rows), "split": split, "a": a, "b": b}})
     return rows
@@ -101,6 +99,9 @@ def write_rl_dataset(out_dir: str | Path, n_train: int = 64, n_val: int = 8, see
     if task not in TASKS:
         raise ValueError(f"task: got {task!r}, expected one of {TASKS}")
     rows = rl_rows if task == "corpus" else plain_rows
+    if task == "plain" and n_train + n_val > PLAIN_POOL:
+        raise ValueError(f"n_train + n_val: got {n_train} + {n_val}, expected <= {PLAIN_POOL} for task 'plain' "
+                         "(disjoint splits of its distinct problems)")
     out = Path(out_dir)
     return {"train": write_parquet(out / "train.parquet", rows(n_train, "train", seed)),
             "val": write_parquet(out / "val.parquet", rows(n_val, "test", seed))}
