@@ -119,6 +119,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=4, help="EAGLE-2 top_k (default: %(default)s)")
     p.add_argument("--total-tokens", type=int, default=16, help="EAGLE-2 tree tokens per round (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-sets", default=None,
+                   help="evaluation sets decoded (default: all; a real target has sharegpt and humaneval)")
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--greedy-only", action="store_true",
                    help="greedy decoding only (no T = 1 runs): the real target's budget on 2 cores")
@@ -355,9 +357,19 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             trained[fam]["timing"] = timing
     if "eagle2" in families:
         trained["eagle2"] = {**trained["eagle1"], "export": _as_eagle2(args, trained["eagle1"]["export"], target, out)}
-    sets = [key.split(":", 1)[1] for key in stores if key.startswith("eval_jsonl:")]
+    sets = _eval_sets(args.eval_sets, [key.split(":", 1)[1] for key in stores if key.startswith("eval_jsonl:")])
     return {name: _evaluate(args, families, trained, target, Path(stores[f"eval_jsonl:{name}"]), name, out)
             for name in sets}
+
+
+def _eval_sets(asked: str | None, available: list[str]) -> list[str]:
+    """The evaluation sets decoded: all `available` (None), or the comma-separated subset `asked`."""
+    if asked is None:
+        return available
+    wanted = [name.strip() for name in asked.split(",") if name.strip()]
+    if not wanted or set(wanted) - set(available):
+        raise SystemExit(f"--eval-sets: got {asked!r}, expected a comma-separated subset of {available}")
+    return [name for name in available if name in wanted]
 
 
 def _evaluate(args: argparse.Namespace, families: list[str], trained: dict[str, dict[str, Any]], target: Path,

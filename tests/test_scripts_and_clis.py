@@ -192,3 +192,7 @@ def test_bench_family_acceptance_real_target_overrides_compose(tmp_path: Path) -
             if family in ("dflash", "dspark", "domino"):
                 assert settings["num_anchors"] == 64, family
     assert bench._target_settings("eagle3", "embedded") == []
+    assert bench._eval_sets(None, ["sharegpt", "humaneval"]) == ["sharegpt", "humaneval"]
+    assert bench._eval_sets("humaneval", ["sharegpt", "humaneval"]) == ["humaneval"]
+    with pytest.raises(SystemExit, match=r"--eval-sets: got 'mmlu'"):
+        bench._eval_sets("mmlu", ["sharegpt", "humaneval"])
