@@ -196,3 +196,20 @@ def test_bench_family_acceptance_real_target_overrides_compose(tmp_path: Path) -
     assert bench._eval_sets("humaneval", ["sharegpt", "humaneval"]) == ["humaneval"]
     with pytest.raises(SystemExit, match=r"--eval-sets: got 'mmlu'"):
         bench._eval_sets("mmlu", ["sharegpt", "humaneval"])
+
+
+def test_the_real_target_results_commands_parse() -> None:
+    """The commands docs/results/smollm2/README.md gives parse with the script's and launcher's own
+    parsers, with the values the figures were measured at."""
+    import shlex
+
+    from verl_speco.verl_integration.cpu_launch import build_parser
+
+    text = (ROOT / "docs" / "results" / "smollm2" / "README.md").read_text()
+    blocks = [b.split("```", 1)[0].replace("\\\n", " ").strip() for b in text.split("```bash\n")[1:]]
+    bench_line = next(b for b in blocks if "bench_family_acceptance.py" in b)
+    args = _bench_family_module()._parser().parse_args(shlex.split(bench_line)[2:])
+    assert (args.target, args.k, args.steps, args.eval_sets, args.speed) == ("smollm2-135m", 3, 80, "sharegpt", True)
+    grpo_line = next(b for b in blocks if "run_cpu_grpo.sh" in b)
+    launch = build_parser().parse_args(shlex.split(grpo_line)[2:])
+    assert launch.target == "smollm2-135m" and "trainer.test_freq=1" in launch.overrides
