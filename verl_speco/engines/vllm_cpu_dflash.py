@@ -39,19 +39,15 @@ def normalize_context_k(self: Any, all_k: torch.Tensor) -> torch.Tensor:
 def install_dflash_k_norm_fix() -> bool:
     """Replace `DFlashQwen3Model._normalize_context_k` on vLLM's CPU platform (True when installed
     now, False when already installed or not on the CPU platform)."""
-    import vllm
-    from vllm.model_executor.models import qwen3_dflash
-    from vllm.platforms import current_platform
+    from verl_speco.engines.vllm_cpu_check import cpu_fix_applies
 
-    if not current_platform.is_cpu():
+    if not cpu_fix_applies(
+            "verl_speco.engines.vllm_cpu_dflash", "DFlash context k_norm fix (bug B)", PATCHED_VLLM,
+            "re-check whether the CPU rms_norm kernel applies a [L, head_dim] weight per layer "
+            "(tests/engines/test_family_vllm_parity.py) and update PATCHED_VLLM, or drop the fix"):
         return False
-    version = str(vllm.__version__)  # checked before touching the class: another release may lack the method
-    if version.split("+")[0] != PATCHED_VLLM:
-        raise RuntimeError(
-            f"verl_speco.engines.vllm_cpu_dflash: vLLM {version} on the CPU platform, but the DFlash context "
-            f"k_norm fix (bug B) was checked against vLLM {PATCHED_VLLM} only; re-check whether the CPU "
-            "rms_norm kernel applies a [L, head_dim] weight per layer (tests/engines/test_family_vllm_parity.py) "
-            "and update PATCHED_VLLM, or drop the fix")
+    from vllm.model_executor.models import qwen3_dflash
+
     model_cls = qwen3_dflash.DFlashQwen3Model
     if model_cls._normalize_context_k is normalize_context_k:
         return False

@@ -70,18 +70,13 @@ def rebind_kernels(overrides: list[tuple[Callable[..., Any], Any]]) -> None:
 def install_kernel_rebind_fix() -> bool:
     """Replace `vllm.triton_utils.dispatcher._rebind_kernels` on vLLM's CPU platform (True when
     installed now, False when already installed or not on the CPU platform)."""
-    import vllm
-    from vllm.platforms import current_platform
+    from verl_speco.engines.vllm_cpu_check import cpu_fix_applies
 
-    if not current_platform.is_cpu():
+    if not cpu_fix_applies(
+            "verl_speco.engines.vllm_cpu_rebind", "kernel-override scan fix (bug C)", PATCHED_VLLM,
+            "re-check vllm/triton_utils/dispatcher.py _rebind_kernels (tests/engines/test_vllm_cpu_rebind.py) and "
+            "update PATCHED_VLLM, or drop the fix if the scan skips non-dict instance attributes now"):
         return False
-    version = str(vllm.__version__)  # checked before touching the module: another release may differ
-    if version.split("+")[0] != PATCHED_VLLM:
-        raise RuntimeError(
-            f"verl_speco.engines.vllm_cpu_rebind: vLLM {version} on the CPU platform, but the "
-            f"kernel-override scan fix (bug C) was checked against vLLM {PATCHED_VLLM} only; re-check "
-            "vllm/triton_utils/dispatcher.py _rebind_kernels (tests/engines/test_vllm_cpu_rebind.py) and "
-            "update PATCHED_VLLM, or drop the fix if the scan skips non-dict instance attributes now")
     from vllm.triton_utils import dispatcher
 
     if dispatcher._rebind_kernels is rebind_kernels:

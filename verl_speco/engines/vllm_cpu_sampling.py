@@ -40,19 +40,15 @@ def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tok
 def install_spec_sampling_fix() -> bool:
     """Replace `vllm.v1.sample.rejection_sampler.expand_batch_to_tokens` on vLLM's CPU platform
     (True when installed now, False when already installed or not on the CPU platform)."""
-    import vllm
-    from vllm.platforms import current_platform
+    from verl_speco.engines.vllm_cpu_check import cpu_fix_applies
+
+    if not cpu_fix_applies(
+            "verl_speco.verl_integration.cpu_vllm", "expand_batch_to_tokens fix (bug A)", PATCHED_VLLM,
+            "re-check vllm/utils/cpu_triton_utils.py _expand_kernel_impl (tests/verl/test_cpu_vllm.py) and "
+            "update PATCHED_VLLM, or drop the fix if the kernel writes its float output now"):
+        return False
     from vllm.v1.sample import rejection_sampler
 
-    if not current_platform.is_cpu():
-        return False
-    version = str(vllm.__version__)  # checked before touching the module: another release may differ
-    if version.split("+")[0] != PATCHED_VLLM:
-        raise RuntimeError(
-            f"verl_speco.verl_integration.cpu_vllm: vLLM {version} on the CPU platform, but the "
-            f"expand_batch_to_tokens fix (bug A) was checked against vLLM {PATCHED_VLLM} only; re-check "
-            "vllm/utils/cpu_triton_utils.py _expand_kernel_impl (tests/verl/test_cpu_vllm.py) and update "
-            "PATCHED_VLLM, or drop the fix if the kernel writes its float output now")
     if rejection_sampler.expand_batch_to_tokens is expand_batch_to_tokens:
         return False
     global original_expand_batch_to_tokens
