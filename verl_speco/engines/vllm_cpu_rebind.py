@@ -10,9 +10,9 @@ llvmlite is imported by numba, which vLLM's n-gram proposer imports, so in one p
 engine followed by any other engine fails to start (measured: CI stop 24, 40 tests).
 
 `install_kernel_rebind_fix` replaces `_rebind_kernels` with `rebind_kernels` below, which does the
-same rebinding but reads an instance's attributes only when they are a real dict. Installed on
-vLLM's CPU platform only, and only on the release it was checked against (`PATCHED_VLLM`; any other
-raises, so the patch is re-checked instead of silently kept). `build_llm` and the verl worker
+same rebinding but reads an object's attributes only when its `__dict__` is a real mapping (an
+instance's dict or a class's mapping proxy). Installed on vLLM's CPU platform only, and only on the
+release it was checked against (`PATCHED_VLLM`, through `vllm_cpu_check.cpu_fix_applies`). `build_llm` and the verl worker
 extension install it before an engine is built.
 """
 
