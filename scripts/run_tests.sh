@@ -8,7 +8,7 @@ bash scripts/setup_env.sh
 export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 TOKENIZERS_PARALLELISM=false
 .venv/bin/ruff check feature_store drafters verl_speco tests scripts benchmarks
 .venv/bin/mypy
-.venv/bin/python -m pytest -q -ra -m "not cpu_grpo" "$@"
+.venv/bin/python -m pytest -q -ra --durations=40 -m "not cpu_grpo" "$@"
 # The real verl GRPO runs on the CPU platform (tests/verl/test_cpu_grpo.py) run after the rest and
 # alone: each takes both cores for a minute or two. Skipped when a selection is passed.
 if [ $# -eq 0 ]; then .venv/bin/python -m pytest -q -ra -m cpu_grpo tests/verl/test_cpu_grpo.py tests/verl/test_separate_training_cpu.py; fi

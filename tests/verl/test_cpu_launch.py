@@ -100,14 +100,33 @@ def test_the_launcher_finds_the_quickstart_drafter_and_builds_the_command(tmp_pa
 def test_the_weight_bucket_fits_the_targets_largest_tensor(tmp_path: Path) -> None:
     import json
 
-    from verl_speco.verl_integration.cpu_launch import weight_bucket_megabytes
+    from verl_speco.verl_integration.cpu_launch import target_config, weight_bucket_megabytes
 
     smollm2 = {"hidden_size": 576, "vocab_size": 49152, "intermediate_size": 1536}
-    (tmp_path / "config.json").write_text(json.dumps(smollm2))
     embedding_mib = 49152 * 576 * 4 / 2**20  # 108.0: the float32 embedding verl syncs as one tensor
-    assert weight_bucket_megabytes(tmp_path) == 135 and weight_bucket_megabytes(tmp_path) > embedding_mib
-    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, "vocab_size": 512}))
-    assert weight_bucket_megabytes(tmp_path) == 64  # the preset's bucket is the floor
+    assert weight_bucket_megabytes(smollm2) == 135 and weight_bucket_megabytes(smollm2) > embedding_mib
+    assert weight_bucket_megabytes({"hidden_size": 64, "vocab_size": 512}) == 64  # the preset's bucket is the floor
+    (tmp_path / "config.json").write_text(json.dumps(smollm2))
+    assert target_config(tmp_path) == smollm2
+    with pytest.raises(FileNotFoundError, match="no config.json there"):
+        target_config(tmp_path / "missing")
+
+
+def test_the_unbuilt_embedded_target_is_planned_from_its_recipe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A launcher's --print plans the embedded target's run before it is built (a fresh HOME)."""
+    from verl_speco.target.build import default_recipe, target_path
+    from verl_speco.verl_integration.cpu_launch import launch_command, target_config
+
+    monkeypatch.setenv("VERL_SPECO_CACHE", str(tmp_path / "cache"))
+    planned = target_path(default_recipe())
+    assert not planned.exists()
+    cfg = target_config(planned)
+    spec = default_recipe().model
+    assert (cfg["hidden_size"], cfg["vocab_size"], cfg["intermediate_size"]) == (
+        spec.hidden_size, default_recipe().vocab_size, spec.intermediate_size)
+    data = {"train": tmp_path / "t.parquet", "val": tmp_path / "v.parquet"}
+    cmd = launch_command(planned, data, tmp_path / "out", None, [])
+    assert "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=64" in cmd
 
 
 def test_a_real_target_gets_plain_english_problems() -> None:

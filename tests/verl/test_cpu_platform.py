@@ -8,6 +8,7 @@ before anything resolves verl's platform singleton).
 
 from __future__ import annotations
 
+import ast
 import inspect
 import json
 import re
@@ -50,23 +51,57 @@ PARAMS: list[tuple[str, str, list[str]]] = [
 ]
 
 
-def _resolve(module: str, qualname: str) -> Any:
-    obj: Any = __import__(module, fromlist=["_"])
+def _installed_def(module: str, qualname: str) -> tuple[ast.AST, str]:
+    """The definition of `module.qualname` as installed on disk, and its source: read from the
+    module's file, not the live attribute, which one of our CPU fixes may have replaced earlier in
+    the same process."""
+    live: Any = __import__(module, fromlist=["_"])
     for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return inspect.unwrap(obj)
+        live = getattr(live, part)
+    home = getattr(inspect.unwrap(live), "__module__", module)  # a re-export is read where it is defined
+    if home.split(".")[0] != module.split(".")[0]:  # replaced by one of ours: read the pinned module
+        home = module
+    text = inspect.getsource(__import__(home, fromlist=["_"]))
+    body: list[ast.stmt] = ast.parse(text).body
+    node: ast.AST | None = None
+    for part in qualname.split("."):
+        node = next((n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                     and n.name == part), None)
+        assert node is not None, f"{home} has no {qualname}"
+        body = node.body
+    segment = ast.get_source_segment(text, node)
+    assert node is not None and segment is not None
+    return node, segment
+
+
+def _installed_source(module: str, qualname: str) -> str:
+    return _installed_def(module, qualname)[1]
+
+
+def test_installed_source_ignores_a_replaced_attribute(vllm_alias: str) -> None:
+    from vllm.v1.sample import rejection_sampler
+
+    saved = rejection_sampler.expand_batch_to_tokens
+    rejection_sampler.expand_batch_to_tokens = len  # a planted replacement, as a CPU fix does
+    try:
+        source = _installed_source("vllm.v1.sample.rejection_sampler", "expand_batch_to_tokens")
+    finally:
+        rejection_sampler.expand_batch_to_tokens = saved
+    assert source.startswith("def expand_batch_to_tokens(") and "_expand(" in source
 
 
 @pytest.mark.parametrize(("module", "qualname", "needles"), SOURCE_PINS, ids=[f"{m}:{q}" for m, q, _ in SOURCE_PINS])
 def test_source_pins(vllm_alias: str, module: str, qualname: str, needles: list[str]) -> None:
-    source = inspect.getsource(_resolve(module, qualname))
+    source = _installed_source(module, qualname)
     missing = [n for n in needles if n not in source]
     assert not missing, f"{module}.{qualname} no longer contains {missing}"
 
 
 @pytest.mark.parametrize(("module", "qualname", "names"), PARAMS, ids=[f"{m}:{q}" for m, q, _ in PARAMS])
 def test_signatures(vllm_alias: str, module: str, qualname: str, names: list[str]) -> None:
-    params = list(inspect.signature(_resolve(module, qualname)).parameters)
+    node, _ = _installed_def(module, qualname)
+    assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)), f"{module}.{qualname} is not a function"
+    params = [a.arg for a in node.args.posonlyargs + node.args.args + node.args.kwonlyargs]
     assert params[:len(names)] == names, f"{module}.{qualname}: {params}"
 
 

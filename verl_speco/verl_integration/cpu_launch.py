@@ -22,8 +22,9 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = "+speco_cpu=grpo_embedded"
@@ -85,13 +86,26 @@ def rl_task(target: str, task: str | None) -> str:
     return task or ("corpus" if target == "embedded" else "plain")
 
 
-def weight_bucket_megabytes(target: Path, floor: int = 64) -> int:
+def target_config(target: Path) -> dict[str, Any]:
+    """The target's Hugging Face config: its config.json, or, for the embedded target's cache path
+    before it is built (a launcher's `--print` plans the run first), the config its recipe builds."""
+    from verl_speco.target.build import default_recipe, target_path
+    from verl_speco.target.model import make_config
+
+    if (target / "config.json").is_file():
+        return dict(json.loads((target / "config.json").read_text()))
+    recipe = default_recipe()
+    if target == target_path(recipe):
+        return dict(make_config(recipe.model, recipe.vocab_size, eos_token_id=0, pad_token_id=0).to_dict())
+    raise FileNotFoundError(f"target={str(target)!r}: no config.json there (expected a Hugging Face model directory)")
+
+
+def weight_bucket_megabytes(config: Mapping[str, Any], floor: int = 64) -> int:
     """verl's weight-sync bucket (`checkpoint_engine.update_weights_bucket_megabytes`) big enough for
     the target's largest float32 tensor (its embedding or an MLP matrix) with a quarter to spare;
     verl refuses a tensor larger than the bucket. SmolLM2-135M: embedding 49152 x 576 = 108 MiB -> 135."""
-    cfg = json.loads((target / "config.json").read_text())
-    hidden = int(cfg["hidden_size"])
-    largest = hidden * max(int(cfg["vocab_size"]), int(cfg.get("intermediate_size", 0)))  # elements
+    hidden = int(config["hidden_size"])
+    largest = hidden * max(int(config["vocab_size"]), int(config.get("intermediate_size", 0)))  # elements
     return max(floor, -(-largest * 4 * 5 // 4 // 2**20))
 
 
@@ -99,7 +113,7 @@ def launch_command(target: Path, data: dict[str, Path], out: Path, drafter: Path
                    overrides: Sequence[str]) -> list[str]:
     from verl_speco.target import rl_data
 
-    bucket = weight_bucket_megabytes(target)
+    bucket = weight_bucket_megabytes(target_config(target))
 
     args = [sys.executable, "-m", "verl_speco.main", PRESET,
             f"actor_rollout_ref.model.path={target}",
