@@ -31,8 +31,8 @@ from torch.utils.checkpoint import checkpoint
 # Rows per chunk (every family's `loss_chunk_rows` default). scripts/bench_chunked_loss.py, rows 4096,
 # vocab 32000, hidden 1024, EAGLE-3's soft CE against the rebuilt target with a trainable head, forward +
 # backward, CPU float32: peak memory vs unchunked 0.16 at 256 and 512 rows (the floor: the head's weight
-# gradient and the row tensors), 0.26 at 1024, 0.50 at 2048; time 1.09x at 512 (the recompute of the
-# two head matmuls), 1.12x at 1024, 1.26x at 256.
+# gradient and the row tensors), 0.26 at 1024, 0.50 at 2048; time (two runs on a busy machine) 1.09x /
+# 1.21x at 512 (the recompute of the two head matmuls), 1.12x / 1.25x at 1024, 1.26x at 256.
 DEFAULT_LOSS_CHUNK_ROWS = 512
 
 RowFn = Callable[..., tuple[Tensor, ...]]

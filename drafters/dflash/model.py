@@ -139,6 +139,8 @@ class DFlashDraft(nn.Module):
         Domino heads; the proposers call it step by step)."""
         return DFlashDraft.forward(self, features, block_ids, anchors, anchor_valid)
 
-    def logits(self, hidden: Tensor) -> Tensor:
-        """[..., H] post-norm draft hidden -> [..., V] logits through the frozen target lm_head."""
-        return hidden @ self.target_lm_head.to(hidden.dtype).T
+    def logits(self, hidden: Tensor, head: Tensor | None = None) -> Tensor:
+        """[..., H] post-norm draft hidden -> [..., V] logits through the frozen target lm_head. head: that
+        lm_head [V, H] already in hidden's dtype (`target_lm_head.to(dtype)`), when the caller casts it
+        once for many calls (the chunked loss); None casts it here."""
+        return hidden @ (self.target_lm_head.to(hidden.dtype) if head is None else head).T
