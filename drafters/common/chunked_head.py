@@ -15,13 +15,22 @@ up to float summation order.
 buffers; it must return per-row tensors only ([n] or [n, k]: loss terms, argmax / top-k ids),
 never logits, and must not draw random numbers (draw them before and close over them).
 
+Under FSDP2 over several ranks a module that `fn` calls is a sharded unit (a trainable head: EAGLE-3's
+`lm_head`, Domino's `embed_proj`, DSpark's Markov head): each call gathers its parameters, and its
+backward gathers and reduce-scatters them, so every rank must make the same number of calls, while
+the rows per rank differ. The trainer runs objectives inside `chunk_count_sync(sync)`: every
+`chunked_rows` / `chunked_argmax` call then runs sync(local count) chunks (the max over ranks), the
+extra ones empty (0 rows).
+
 The per-row terms (`soft_ce_rows`, `hard_ce_rows`, `l1_rows`, `topk_ids`) are the one place the
 families' logit numerics live. They compute in float32 (float64 inputs stay float64).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +45,27 @@ from torch.utils.checkpoint import checkpoint
 DEFAULT_LOSS_CHUNK_ROWS = 512
 
 RowFn = Callable[..., tuple[Tensor, ...]]
+_COUNT_SYNC: ContextVar[Callable[[int], int] | None] = ContextVar("chunk_count_sync", default=None)
+
+
+@contextmanager
+def chunk_count_sync(sync: Callable[[int], int]) -> Iterator[None]:
+    """Within: each chunked call runs max(local count, sync(local count)) chunks, the extra ones
+    empty; `sync` is called once per chunked call, in the same order on every rank (the trainer:
+    all-reduce max over the ranks)."""
+    token = _COUNT_SYNC.set(sync)
+    try:
+        yield
+    finally:
+        _COUNT_SYNC.reset(token)
+
+
+def _synced_bounds(n: int, chunk_rows: int) -> list[tuple[int, int]]:
+    bounds = chunk_bounds(n, chunk_rows)
+    sync = _COUNT_SYNC.get()
+    if sync is not None:
+        bounds += [(n, n)] * (sync(len(bounds)) - len(bounds))
+    return bounds
 
 
 def check_chunk_rows(chunk_rows: int) -> None:
@@ -64,7 +94,7 @@ def chunked_rows(fn: RowFn, rows: Sequence[Tensor], chunk_rows: int) -> tuple[Te
         raise ValueError(f"rows: dim 0 sizes {[int(r.shape[0]) for r in rows]}, expected all equal")
     needs_grad = torch.is_grad_enabled()
     pieces: list[tuple[Tensor, ...]] = []
-    for start, stop in chunk_bounds(n, chunk_rows):
+    for start, stop in _synced_bounds(n, chunk_rows):
         chunk = [r[start:stop] for r in rows]
         if needs_grad:
             out = checkpoint(fn, *chunk, use_reentrant=False, preserve_rng_state=False)

@@ -132,7 +132,8 @@ class DFlashDraft(nn.Module):
         mask = block_attention_mask(anchors, anchor_valid, n, bs)  # nb*B queries, n + nb*B keys
         for layer in self.layers:
             x = layer(x, ctx, block_pos, ctx_pos, mask, self.cfg.attn_backend)
-        return self.norm(x).view(batch, nb, bs, -1)  # [batch, nb, B, H]
+        # the norm (per row) after the reshape: the forward returns the norm's own output, not a view of it
+        return self.norm(x.view(batch, nb, bs, -1))  # [batch, nb, B, H]
 
     def block_hidden(self, features: Tensor, block_ids: Tensor, anchors: Tensor, anchor_valid: Tensor) -> Tensor:
         """The backbone alone: `DFlashDraft.forward` whatever a subclass's forward adds (DSpark and

@@ -146,3 +146,31 @@ def test_empty_rows_and_argmax() -> None:
     head = lambda h: h @ p["Wt"].T  # noqa: E731
     assert torch.equal(chunked_argmax(head, p["last_hidden"], 3), head(p["last_hidden"]).argmax(-1))
     assert chunked_argmax(head, p["last_hidden"][:0], 3).shape == (0,)
+
+
+def test_chunk_count_sync_pads_with_empty_chunks_and_keeps_values() -> None:
+    """Under `chunk_count_sync` (the trainer, several ranks: the max count over ranks) a chunked call runs
+    sync(local count) chunks, the extra ones on 0 rows; values and gradients are unchanged."""
+    from drafters.common.chunked_head import chunk_count_sync
+
+    x = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    sizes: list[int] = []
+
+    def fn(r: torch.Tensor) -> tuple[torch.Tensor]:
+        sizes.append(int(r.shape[0]))
+        return ((r @ w).logsumexp(-1),)
+
+    (ref,) = chunked_rows(fn, [x], 2)
+    ref_grads = torch.autograd.grad(ref.sum(), [x, w])
+    assert sizes[:3] == [2, 2, 1]
+    asked: list[int] = []
+    sizes.clear()
+    with chunk_count_sync(lambda n: asked.append(n) or 5):
+        (out,) = chunked_rows(fn, [x], 2)
+    assert asked == [3] and sizes == [2, 2, 1, 0, 0]
+    assert torch.equal(out, ref)
+    for g, r in zip(torch.autograd.grad(out.sum(), [x, w]), ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-14, atol=0.0)
+    (again,) = chunked_rows(fn, [x], 2)  # outside the context: no sync
+    assert asked == [3] and torch.equal(again, ref)
