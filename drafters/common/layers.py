@@ -97,7 +97,9 @@ class SelfAttention(nn.Module):
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # a copy (same strides), not a view of v_proj's output: v is returned, and FSDP2 warns that a view
+        # returned by a sharded module (a decoder layer) loses its pre-backward hook to any in-place op
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2).clone()
         cos, sin = self.rotary(position_ids)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if q_offset:

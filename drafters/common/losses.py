@@ -51,20 +51,6 @@ def geometric_weights(num_terms: int, decay: float) -> Tensor:
     return decay ** torch.arange(num_terms, dtype=torch.float32)
 
 
-def soft_cross_entropy(target_probs: Tensor, draft_logits: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-    """sum over rows of mask * (-sum_v p_v * log_softmax(draft_logits)_v), and sum(mask).
-
-    target_probs [..., V] (rows sum to 1, no grad), draft_logits [..., V], mask [...] (0/1 or
-    bool). Returns (numerator scalar, denominator scalar float).
-    """
-    if target_probs.shape != draft_logits.shape:
-        raise ValueError(f"target_probs {tuple(target_probs.shape)} vs draft_logits {tuple(draft_logits.shape)}")
-    logp = torch.log_softmax(draft_logits.float(), dim=-1)
-    per_row = -(target_probs.float() * logp).sum(-1)  # [...]
-    m = mask.to(per_row.dtype)
-    return (per_row * m).sum(), m.sum().detach()
-
-
 def masked_match_count(pred: Tensor, target: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
     """(number of masked rows with pred == target, number of masked rows); pred/target/mask [...]."""
     m = mask.to(torch.bool)

@@ -95,21 +95,22 @@ def simulated_acceptance_length(step_correct: Tensor, step_valid: Tensor,
     return (1 + leading[rows]).sum().float(), rows.sum().float()
 
 
-def block_row_metrics(logits: Tensor, labels: Tensor, draft_pos: Tensor, row_loss: Tensor,
+TOP_K = 5  # block_row_metrics' top-k accuracy
+
+
+def block_row_metrics(top: Tensor, labels: Tensor, draft_pos: Tensor, row_loss: Tensor,
                       num_positions: int) -> dict[str, tuple[Tensor, Tensor]]:
     """Diagnostics of a block drafter's loss rows, as (sum, count) pairs (DFlash, DSpark, Domino).
 
-    logits [N, V], labels int64 [N], draft_pos int64 [N] (1-based: the row drafts token j of its
-    block), row_loss [N] (the row's unweighted loss). Returns acc (top-1), top5, valid_tokens
-    (count 1), and per position j = 1..num_positions: acc_pos{j} and loss_pos{j} (mean row loss).
-    Worked example: logits rows argmax (3, 1), labels (3, 2), draft_pos (1, 2), row_loss (0.5, 2.0)
+    top int64 [N, k] (the rows' top ids, best first: common/chunked_head.topk_ids(logits, TOP_K)),
+    labels int64 [N], draft_pos int64 [N] (1-based: the row drafts token j of its block), row_loss
+    [N] (the row's unweighted loss). Returns acc (top-1), top5 (top-k), valid_tokens (count 1), and
+    per position j = 1..num_positions: acc_pos{j} and loss_pos{j} (mean row loss).
+    Worked example: top-1 ids (3, 1), labels (3, 2), draft_pos (1, 2), row_loss (0.5, 2.0)
     -> acc (1, 2), acc_pos1 (1, 1), acc_pos2 (0, 1), loss_pos2 (2.0, 1).
     """
     with torch.no_grad():
-        d = logits.detach()
-        n = torch.tensor(float(labels.numel()), device=d.device)
-        top = d.topk(min(5, d.shape[-1]), dim=-1).indices if d.numel() else \
-            torch.zeros(0, 1, dtype=torch.long, device=d.device)  # [N, 5]
+        n = torch.tensor(float(labels.numel()), device=labels.device)
         hit1 = (top[:, 0] == labels).float()
         hit5 = (top == labels[:, None]).any(-1).float()
         loss = row_loss.detach().float()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Self
 
 from drafters.common.attention import BACKENDS
+from drafters.common.chunked_head import DEFAULT_LOSS_CHUNK_ROWS, check_chunk_rows
 from drafters.common.layer_ids import (
     check_servable_aux_ids,
     default_dflash_layer_ids,
@@ -40,6 +41,8 @@ class DFlashConfig:
     loss_gamma: slot k >= 1 has loss weight exp(-(k - 1) / gamma) (7 for B = 16).
     num_anchors: blocks sampled per sequence per step (512).
     attn_backend: "auto" (flex on CUDA, else SDPA), "sdpa" or "flex".
+    loss_chunk_rows: loss rows per chunk of the LM head + loss (drafters/common/chunked_head.py): at
+        most this many rows of [rows, vocab] logits are alive at once; the loss does not depend on it.
     """
 
     num_layers: int = 5
@@ -50,8 +53,10 @@ class DFlashConfig:
     loss_gamma: float = 7.0
     num_anchors: int = 512
     attn_backend: str = "auto"
+    loss_chunk_rows: int = DEFAULT_LOSS_CHUNK_ROWS
 
     def __post_init__(self) -> None:
+        check_chunk_rows(self.loss_chunk_rows)
         if self.num_layers < 1:
             raise ValueError(f"num_layers: got {self.num_layers}, expected >= 1")
         if self.block_size < 2:

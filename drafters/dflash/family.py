@@ -34,7 +34,7 @@ class DFlashFamily:
     export_cls: type[DFlashExportConfig] = DFlashExportConfig
     required: tuple[str, ...] = REQUIRED_FIELDS
     # training-only choices: they shape the objective or the kernel, not the exported function
-    mutable_settings: tuple[str, ...] = ("loss_gamma", "num_anchors", "attn_backend")
+    mutable_settings: tuple[str, ...] = ("loss_gamma", "num_anchors", "attn_backend", "loss_chunk_rows")
 
     @staticmethod
     def _objective(model: Any, batch: dict[str, Tensor], progress: float) -> ObjectiveOutput:

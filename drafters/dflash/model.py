@@ -132,13 +132,16 @@ class DFlashDraft(nn.Module):
         mask = block_attention_mask(anchors, anchor_valid, n, bs)  # nb*B queries, n + nb*B keys
         for layer in self.layers:
             x = layer(x, ctx, block_pos, ctx_pos, mask, self.cfg.attn_backend)
-        return self.norm(x).view(batch, nb, bs, -1)  # [batch, nb, B, H]
+        # the norm (per row) after the reshape: the forward returns the norm's own output, not a view of it
+        return self.norm(x.view(batch, nb, bs, -1))  # [batch, nb, B, H]
 
     def block_hidden(self, features: Tensor, block_ids: Tensor, anchors: Tensor, anchor_valid: Tensor) -> Tensor:
         """The backbone alone: `DFlashDraft.forward` whatever a subclass's forward adds (DSpark and
         Domino heads; the proposers call it step by step)."""
         return DFlashDraft.forward(self, features, block_ids, anchors, anchor_valid)
 
-    def logits(self, hidden: Tensor) -> Tensor:
-        """[..., H] post-norm draft hidden -> [..., V] logits through the frozen target lm_head."""
-        return hidden @ self.target_lm_head.to(hidden.dtype).T
+    def logits(self, hidden: Tensor, head: Tensor | None = None) -> Tensor:
+        """[..., H] post-norm draft hidden -> [..., V] logits through the frozen target lm_head. head: that
+        lm_head [V, H] already in hidden's dtype (`target_lm_head.to(dtype)`), when the caller casts it
+        once for many calls (the chunked loss); None casts it here."""
+        return hidden @ (self.target_lm_head.to(hidden.dtype) if head is None else head).T

@@ -18,12 +18,12 @@ CE (., 2.0, 1.0) gives (2.0 + 0.8668) / 1.8668 = 1.5357.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from drafters.common.blocks import block_input_ids, block_labels, block_position_ids, sample_anchors
+from drafters.common.chunked_head import chunked_rows, hard_ce_rows, topk_ids
 from drafters.common.losses import ObjectiveOutput
-from drafters.common.metrics import block_row_metrics
+from drafters.common.metrics import TOP_K, block_row_metrics
 from drafters.dflash.model import DFlashDraft
 
 REQUIRED_FIELDS = ("input_ids", "loss_mask", "aux_hidden")
@@ -54,27 +54,31 @@ def label_mask(loss_mask: Tensor, anchors: Tensor, anchor_valid: Tensor, block_s
     return lm & slot & anchor_valid.to(torch.bool)[:, :, None]
 
 
-def dflash_loss(logits: Tensor, labels: Tensor, valid: Tensor, gamma: float) -> ObjectiveOutput:
-    """The weighted CE of the module docstring from full block logits.
-
-    logits [batch, nb, B, V], labels int64 [batch, nb, B], valid bool [batch, nb, B]. Metrics
-    (sum, count), common/metrics.block_row_metrics: acc / top5 over valid slots (unweighted),
-    acc_pos{k} / loss_pos{k} (mean CE) for k = 1..B-1, valid_tokens.
-    """
-    bs = logits.shape[2]
-    w = slot_weights(bs, gamma).to(logits.device)  # [B]
-    b, j, k = valid.nonzero(as_tuple=True)
-    return _loss_rows(logits[b, j, k], labels[b, j, k], k, w, bs)
-
-
-def _loss_rows(row_logits: Tensor, row_labels: Tensor, slot: Tensor, w: Tensor, bs: int) -> ObjectiveOutput:
-    """Loss over the N valid rows: row_logits [N, V], row_labels [N], slot [N] in 1..B-1."""
-    ce = F.cross_entropy(row_logits.float(), row_labels, reduction="none")  # [N]
-    wk = w[slot]  # [N]
+def dflash_loss(ce: Tensor, top: Tensor, labels: Tensor, slot: Tensor, gamma: float, block_size: int) -> ObjectiveOutput:
+    """The weighted CE of the module docstring over the N valid rows, from the chunked head's per-row
+    outputs (`head_rows`): ce [N] (differentiable), top int64 [N, k] (top ids, best first), labels
+    int64 [N], slot int64 [N] in 1..B-1. Metrics (sum, count), common/metrics.block_row_metrics:
+    acc / top5 over valid slots (unweighted), acc_pos{k} / loss_pos{k} (mean CE) for k = 1..B-1,
+    valid_tokens."""
+    wk = slot_weights(block_size, gamma).to(ce.device)[slot]  # [N]
     num = (wk * ce).sum()
     den = wk.sum().detach()
-    metrics = block_row_metrics(row_logits, row_labels, slot, ce, bs - 1)  # slot k drafts d_k
+    metrics = block_row_metrics(top, labels, slot, ce, block_size - 1)  # slot k drafts d_k
     return ObjectiveOutput(num.view(1), den.view(1), torch.ones(1, device=num.device), metrics)
+
+
+def head_rows(model: DFlashDraft, hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """hidden [N, H] post-norm rows, labels int64 [N] -> (CE [N], top-5 ids [N, 5]) through the frozen
+    target lm_head, `cfg.loss_chunk_rows` rows at a time (common/chunked_head.py)."""
+
+    head = model.target_lm_head.to(hidden.dtype)  # [V, H], cast once, not per chunk
+
+    def terms(h: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        logits = model.logits(h, head)  # [n, V]
+        return hard_ce_rows(logits, y), topk_ids(logits, TOP_K)
+
+    ce, top = chunked_rows(terms, [hidden, labels], model.cfg.loss_chunk_rows)
+    return ce, top
 
 
 def check_batch(batch: dict[str, Tensor], required: tuple[str, ...] = REQUIRED_FIELDS, label: str = "DFlash") -> None:
@@ -113,5 +117,5 @@ def dflash_objective(model: DFlashDraft, batch: dict[str, Tensor],
     valid = label_mask(loss_mask, anchors, anchor_valid, bs)  # [batch, nb, B]
     labels = block_labels(ids, anchors, bs)  # [batch, nb, B]
     b, j, k = valid.nonzero(as_tuple=True)
-    w = slot_weights(bs, cfg.loss_gamma).to(hidden.device)
-    return _loss_rows(model.logits(hidden[b, j, k]), labels[b, j, k], k, w, bs)
+    ce, top = head_rows(model, hidden[b, j, k], labels[b, j, k])  # [N], [N, 5]
+    return dflash_loss(ce, top, labels[b, j, k], k, cfg.loss_gamma, bs)

@@ -24,7 +24,8 @@ class DominoFamily(DFlashFamily):
     model_cls = DominoDraft
     export_cls = DominoExportConfig
     required = REQUIRED_FIELDS
-    mutable_settings = ("loss_gamma", "num_anchors", "attn_backend", "lambda_start", "lambda_decay_fraction")
+    mutable_settings = ("loss_gamma", "num_anchors", "attn_backend", "lambda_start", "lambda_decay_fraction",
+                        "loss_chunk_rows")
     proposer_cls = DominoProposer
 
     @staticmethod

@@ -49,14 +49,23 @@ class DominoDraft(DFlashDraft):
         """hidden [..., H], gru [..., G] -> the additive correction [..., V]."""
         return self.embed_proj(torch.cat([hidden, gru.to(hidden.dtype)], dim=-1))
 
+    def row_logits(self, hidden: Tensor, gru: Tensor, slot: Tensor,
+                   head: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """hidden [n, H], gru [n, G], slot int64 [n] (0 .. B-2) -> (base logits U [n, V], final logits
+        [n, V]); slot 0 keeps U (pure_draft_prefix_len = 1). The objective calls it chunk by chunk
+        (head: see `logits`)."""
+        base = self.logits(hidden, head)  # [n, V]
+        corrected = (slot >= 1)[:, None]  # [n, 1]
+        return base, torch.where(corrected, base + self.correction(hidden, gru), base)
+
     def forward(self, features: Tensor, block_ids: Tensor, anchors: Tensor,  # type: ignore[override]
                 anchor_valid: Tensor, prev_ids: Tensor, select: Tensor) -> tuple[Tensor, Tensor]:
-        """Training forward (teacher forcing) over the B - 1 drafting slots of every block; the
-        heads run on the rows where `select` holds (FSDP's hooks wrap this call).
+        """Training forward (teacher forcing) over the B - 1 drafting slots of every block, kept on the
+        rows where `select` holds (FSDP's hooks wrap this call); `row_logits` projects them to the vocab.
 
         prev_ids int64 [batch, nb, B - 1]: slot k's preceding token t_k (= x_{a+k}); select bool
-        [batch, nb, B - 1]. Returns (base logits U [N, V], final logits [N, V]) over the N selected
-        rows in `select.nonzero()` order."""
+        [batch, nb, B - 1]. Returns (post-norm backbone hidden [N, H], GRU outputs [N, G]) over the N
+        selected rows in `select.nonzero()` order."""
         batch, nb, bs = block_ids.shape
         if tuple(prev_ids.shape) != (batch, nb, bs - 1) or tuple(select.shape) != (batch, nb, bs - 1):
             raise ValueError(f"prev_ids {tuple(prev_ids.shape)} / select {tuple(select.shape)}: expected "
@@ -64,9 +73,4 @@ class DominoDraft(DFlashDraft):
         hidden = self.block_hidden(features, block_ids, anchors, anchor_valid)[:, :, : bs - 1]  # [batch, nb, B-1, H]
         gru, _ = self.gru_states(prev_ids.reshape(batch * nb, bs - 1))  # [batch*nb, B-1, G]
         gru = gru.view(batch, nb, bs - 1, -1)
-        h, g = hidden[select], gru[select]  # [N, H], [N, G]
-        base = self.logits(h)  # [N, V]
-        slot = select.nonzero(as_tuple=True)[2]  # [N]
-        corrected = (slot >= 1)[:, None]  # pure_draft_prefix_len = 1: slot 0 keeps U
-        final = torch.where(corrected, base + self.correction(h, g), base)
-        return base, final
+        return hidden[select], gru[select]  # [N, H], [N, G]

@@ -18,7 +18,6 @@ Slot 0's final logits are its base logits, so its row is CE(U_0) whatever lam is
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from drafters.common.blocks import (
@@ -29,8 +28,9 @@ from drafters.common.blocks import (
     next_token_slot_weights,
     sample_anchors,
 )
+from drafters.common.chunked_head import chunked_rows, hard_ce_rows, topk_ids
 from drafters.common.losses import ObjectiveOutput
-from drafters.common.metrics import block_row_metrics
+from drafters.common.metrics import TOP_K, block_row_metrics
 from drafters.dflash.objective import check_batch
 from drafters.domino.config import curriculum_lambda
 from drafters.domino.model import DominoDraft
@@ -38,13 +38,28 @@ from drafters.domino.model import DominoDraft
 REQUIRED_FIELDS = ("input_ids", "loss_mask", "aux_hidden")
 
 
-def domino_loss(base: Tensor, final: Tensor, labels: Tensor, slot: Tensor, lam: float,
-                gamma: float, num_slots: int) -> ObjectiveOutput:
-    """The curriculum CE of the module docstring over N rows: base / final logits [N, V], labels
-    int64 [N], slot int64 [N] in 0..num_slots-1. Metrics: ce_final / ce_base (weighted means), lambda,
-    and common/metrics.block_row_metrics of the final logits (slot k drafts d_{k+1})."""
-    ce_final = F.cross_entropy(final.float(), labels, reduction="none")  # [N]
-    ce_base = F.cross_entropy(base.float(), labels, reduction="none")  # [N]
+def head_rows(model: DominoDraft, hidden: Tensor, gru: Tensor, labels: Tensor,
+              slot: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """hidden [N, H], gru [N, G], labels int64 [N], slot int64 [N] -> (CE of the final logits [N], CE of
+    the base logits [N], base argmax [N], final top-5 ids [N, 5]), `cfg.loss_chunk_rows` rows at a
+    time (common/chunked_head.py)."""
+
+    head = model.target_lm_head.to(hidden.dtype)  # [V, H], cast once, not per chunk
+
+    def terms(h: Tensor, g: Tensor, y: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        base, final = model.row_logits(h, g, k, head)  # [n, V] each
+        return hard_ce_rows(final, y), hard_ce_rows(base, y), base.detach().argmax(-1), topk_ids(final, TOP_K)
+
+    ce_final, ce_base, base_argmax, top = chunked_rows(terms, [hidden, gru, labels, slot], model.cfg.loss_chunk_rows)
+    return ce_final, ce_base, base_argmax, top
+
+
+def domino_loss(ce_final: Tensor, ce_base: Tensor, base_argmax: Tensor, top: Tensor, labels: Tensor, slot: Tensor,
+                lam: float, gamma: float, num_slots: int) -> ObjectiveOutput:
+    """The curriculum CE of the module docstring over N rows from `head_rows`' outputs: ce_final /
+    ce_base [N], base_argmax int64 [N], top int64 [N, k] (final logits), labels int64 [N], slot int64
+    [N] in 0..num_slots-1. Metrics: ce_final / ce_base (weighted means), lambda, acc_base, and
+    common/metrics.block_row_metrics of the final logits (slot k drafts d_{k+1})."""
     row = (1.0 - lam) * ce_final + lam * ce_base
     w = next_token_slot_weights(num_slots, gamma).to(row.device)[slot]  # [N]
     num, den = (w * row).sum(), w.sum().detach()
@@ -53,9 +68,9 @@ def domino_loss(base: Tensor, final: Tensor, labels: Tensor, slot: Tensor, lam: 
         metrics: dict[str, tuple[Tensor, Tensor]] = {
             "ce_final": ((w * ce_final).sum(), den), "ce_base": ((w * ce_base).sum(), den),
             "lambda": (one * lam, one),
-            "acc_base": ((base.detach().argmax(-1) == labels).float().sum(), one * labels.numel()),
+            "acc_base": ((base_argmax == labels).float().sum(), one * labels.numel()),
         }
-        metrics.update(block_row_metrics(final, labels, slot + 1, row, num_slots))
+        metrics.update(block_row_metrics(top, labels, slot + 1, row, num_slots))
     return ObjectiveOutput(num.view(1), den.view(1), torch.ones(1, device=num.device), metrics)
 
 
@@ -64,7 +79,8 @@ def domino_objective(model: DominoDraft, batch: dict[str, Tensor], progress: flo
     """One micro-batch: sample anchors (with `generator`), backbone + GRU head, curriculum CE.
 
     batch: input_ids, loss_mask, attention_mask [batch, seq], aux_hidden [batch, seq, m*H];
-    progress in [0, 1] drives lam. The target lm_head and embed_proj run on the counted rows only."""
+    progress in [0, 1] drives lam. The target lm_head and embed_proj run on the counted rows only,
+    chunk by chunk."""
     check_batch(batch, REQUIRED_FIELDS, "Domino")
     cfg = model.cfg
     assert cfg.mask_token_id is not None
@@ -75,7 +91,9 @@ def domino_objective(model: DominoDraft, batch: dict[str, Tensor], progress: flo
     select = next_token_prefix_mask(valid, anchors, anchor_valid, bs)[:, :, :slots]  # [batch, nb, B-1]
     labels = block_labels(ids, anchors + 1, bs)[:, :, :slots][select]  # [N]: x_{a+k+1}
     prev = block_labels(ids, anchors, bs)[:, :, :slots]  # [batch, nb, B-1]: x_{a+k}
-    base, final = model(batch["aux_hidden"], block_input_ids(ids, anchors, bs, cfg.mask_token_id), anchors,
-                        anchor_valid, prev, select)
-    slot = select.nonzero(as_tuple=True)[2]
-    return domino_loss(base, final, labels, slot, curriculum_lambda(cfg, progress), cfg.loss_gamma, slots)
+    hidden, gru = model(batch["aux_hidden"], block_input_ids(ids, anchors, bs, cfg.mask_token_id), anchors,
+                        anchor_valid, prev, select)  # [N, H], [N, G]
+    slot = select.nonzero(as_tuple=True)[2]  # [N]
+    ce_final, ce_base, base_argmax, top = head_rows(model, hidden, gru, labels, slot)
+    return domino_loss(ce_final, ce_base, base_argmax, top, labels, slot, curriculum_lambda(cfg, progress),
+                       cfg.loss_gamma, slots)

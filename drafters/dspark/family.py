@@ -25,7 +25,7 @@ class DSparkFamily(DFlashFamily):
     export_cls = DSparkExportConfig
     required = REQUIRED_FIELDS
     mutable_settings = ("loss_gamma", "num_anchors", "attn_backend", "ce_weight", "l1_weight", "conf_weight",
-                        "ce_mode", "ce_vocab")
+                        "ce_mode", "ce_vocab", "loss_chunk_rows")
     proposer_cls = DSparkProposer
 
     @staticmethod

@@ -12,7 +12,8 @@ Row math, for a block row with post-norm backbone hidden h [H] and Markov predec
     e = W1[x_prev]  (gated: sigmoid(gate_proj([h ; W1[x_prev]])) * W1[x_prev])   # [r]
     draft logits = U + W2 e                               # [V]
     confidence = sigmoid(proj([h ; e]))  (or proj(h))     # scalar
-`forward` runs the backbone and the heads on the selected rows only (FSDP's hooks wrap it);
+`forward` runs the backbone, the Markov features and the confidence head on the selected rows only
+(FSDP's hooks wrap it); the objective projects them to the vocab chunk by chunk (`draft_logits`).
 `block_hidden` and `head_logits` are the pieces the proposer calls step by step.
 """
 
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from drafters.common.chunked_head import wide_float
 from drafters.common.target import TargetHead
 from drafters.dflash.model import DFlashDraft
 from drafters.dspark.config import DSparkConfig
@@ -57,17 +59,18 @@ class ConfidenceHead(nn.Module):
         self.proj = nn.Linear(in_features, 1)
 
     def forward(self, x: Tensor) -> Tensor:
-        """[..., H (+ r)] -> probability [...] (float32)."""
-        return torch.sigmoid(self.proj(x).float().squeeze(-1))
+        """[..., H (+ r)] -> probability [...] (float32; float64 stays float64)."""
+        return torch.sigmoid(wide_float(self.proj(x)).squeeze(-1))
 
 
 @dataclass
 class DSparkRows:
-    """The selected rows of one forward: hidden [N, H] (post-norm backbone), logits [N, V] (draft,
-    Markov-corrected), confidence [N] float32 or None (no confidence head)."""
+    """The selected rows of one forward, before the vocab projection (the objective runs it chunk by
+    chunk, common/chunked_head.py): hidden [N, H] (post-norm backbone), markov [N, r] (the Markov
+    features e; None without a Markov head), confidence [N] float32 or None (no confidence head)."""
 
     hidden: Tensor
-    logits: Tensor
+    markov: Tensor | None
     confidence: Tensor | None
 
 
@@ -89,27 +92,37 @@ class DSparkDraft(DFlashDraft):
         else:
             self.confidence_head = None
 
+    def markov_features(self, hidden: Tensor, prev_ids: Tensor) -> Tensor | None:
+        """hidden [..., H], prev_ids int64 [...] -> e [..., r] (None without a Markov head)."""
+        return None if self.markov_head is None else self.markov_head.features(prev_ids, hidden)
+
+    def draft_logits(self, hidden: Tensor, markov: Tensor | None, head: Tensor | None = None) -> Tensor:
+        """hidden [..., H], e [..., r] or None -> draft logits [..., V] = U + W2 e (head: see `logits`)."""
+        base = self.logits(hidden, head)  # [..., V]
+        if markov is None:
+            return base
+        assert self.markov_head is not None
+        return base + self.markov_head.bias(markov)
+
+    def row_confidence(self, hidden: Tensor, markov: Tensor | None) -> Tensor | None:
+        """hidden [..., H], e [..., r] or None -> confidence [...] float32 (None without the head)."""
+        if self.confidence_head is None:
+            return None
+        if markov is not None and self.cfg.confidence_head_with_markov:
+            return self.confidence_head(torch.cat([hidden, markov], dim=-1))  # [..., H + r]
+        return self.confidence_head(hidden)
+
     def head_logits(self, hidden: Tensor, prev_ids: Tensor) -> tuple[Tensor, Tensor | None]:
         """hidden [..., H], prev_ids [...] -> (draft logits [..., V], confidence [...] or None)."""
-        base = self.logits(hidden)
-        if self.markov_head is None:
-            e = None
-            out = base
-        else:
-            e = self.markov_head.features(prev_ids, hidden)
-            out = base + self.markov_head.bias(e)
-        conf = None
-        if self.confidence_head is not None:
-            conf_in = torch.cat([hidden, e], dim=-1) if e is not None and self.cfg.confidence_head_with_markov \
-                else hidden
-            conf = self.confidence_head(conf_in)
-        return out, conf
+        e = self.markov_features(hidden, prev_ids)
+        return self.draft_logits(hidden, e), self.row_confidence(hidden, e)
 
     def forward(self, features: Tensor, block_ids: Tensor, anchors: Tensor, anchor_valid: Tensor,  # type: ignore[override]
                 prev_ids: Tensor, select: Tensor) -> DSparkRows:
-        """Backbone over the blocks, then the heads on the rows where `select` (bool [batch, nb, B])
-        holds; prev_ids int64 [batch, nb, B] are the rows' Markov predecessors. Rows are in
-        `select.nonzero()` order."""
+        """Backbone over the blocks, then the Markov features and the confidence head on the rows
+        where `select` (bool [batch, nb, B]) holds; prev_ids int64 [batch, nb, B] are the rows' Markov
+        predecessors. Rows are in `select.nonzero()` order; the vocab projection (`draft_logits`) is
+        the objective's, chunked."""
         hidden = self.block_hidden(features, block_ids, anchors, anchor_valid)[select]  # [N, H]
-        logits, conf = self.head_logits(hidden, prev_ids[select])
-        return DSparkRows(hidden, logits, conf)
+        e = self.markov_features(hidden, prev_ids[select])  # [N, r] or None
+        return DSparkRows(hidden, e, self.row_confidence(hidden, e))

@@ -34,41 +34,77 @@ from drafters.common.blocks import (
     next_token_slot_weights,
     sample_anchors,
 )
+from drafters.common.chunked_head import chunked_rows, hard_ce_rows, l1_rows, topk_ids, wide_float
 from drafters.common.losses import ObjectiveOutput
-from drafters.common.metrics import block_row_metrics
+from drafters.common.metrics import TOP_K, block_row_metrics
 from drafters.dflash.objective import check_batch
 from drafters.dspark.config import DSparkConfig
-from drafters.dspark.model import DSparkDraft
+from drafters.dspark.model import DSparkDraft, DSparkRows
 
 REQUIRED_FIELDS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
 
 
-def ce_rows(logits: Tensor, labels: Tensor, target_probs: Tensor, cfg: DSparkConfig,
-            generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
-    """Per-row CE [N] and the candidate count per row [N] (V for "full").
+def sampled_negatives(vocab: int, cfg: DSparkConfig, device: torch.device,
+                      generator: torch.Generator | None = None) -> Tensor | None:
+    """ce_mode "sampled": the n = ce_vocab negatives (int64 [n], a uniform draw without replacement,
+    the same for every row), drawn once per micro-batch before the chunked loss; None otherwise."""
+    if cfg.ce_mode != "sampled":
+        return None
+    draw_on = generator.device if generator is not None else device
+    return torch.randperm(vocab, generator=generator, device=draw_on)[: cfg.ce_vocab].to(device)  # [n]
+
+
+def ce_rows(logits: Tensor, labels: Tensor, target_logits: Tensor, cfg: DSparkConfig,
+            negatives: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Per-row CE [n] and the candidate count per row [n] (V for "full"), for one chunk of rows:
+    logits [n, V] (draft), labels int64 [n], target_logits [n, V] (no grad), negatives from
+    `sampled_negatives` ("sampled" only).
 
     restricted: -z_y + logsumexp(z over S), S = the target's top ce_vocab tokens plus the label;
     sampled: -z_y + logsumexp([z_y, z_neg + log((V - 1) / n)]) with n = ce_vocab negatives drawn
     uniformly (without replacement) from the vocabulary minus the label, the same draw for every
     row except where it hits the row's label (that negative is dropped)."""
-    z = logits.float()
-    n_rows, vocab = z.shape
+    n_rows, vocab = logits.shape
     if cfg.ce_mode == "full":
-        return F.cross_entropy(z, labels, reduction="none"), torch.full((n_rows,), float(vocab), device=z.device)
+        return hard_ce_rows(logits, labels), torch.full((n_rows,), float(vocab), device=logits.device)
+    z = wide_float(logits)
     zy = z.gather(1, labels[:, None]).squeeze(1)
     if cfg.ce_mode == "restricted":
-        top = target_probs.topk(cfg.ce_vocab, dim=-1).indices  # [N, c]
+        target_probs = torch.softmax(wide_float(target_logits.detach()), dim=-1)  # [n, V]
+        top = target_probs.topk(cfg.ce_vocab, dim=-1).indices  # [n, c]
         member = torch.zeros_like(z, dtype=torch.bool).scatter_(1, top, True)
         member.scatter_(1, labels[:, None], True)
         lse = torch.logsumexp(z.masked_fill(~member, float("-inf")), dim=-1)
         return lse - zy, member.sum(-1).float()
-    device = generator.device if generator is not None else z.device
-    neg = torch.randperm(vocab, generator=generator, device=device)[: cfg.ce_vocab].to(z.device)  # [n]
-    keep = neg[None, :] != labels[:, None]  # [N, n]
+    if negatives is None:
+        raise ValueError("ce_mode 'sampled': negatives missing (sampled_negatives)")
+    keep = negatives[None, :] != labels[:, None]  # [n, c]
     corr = math.log((vocab - 1) / cfg.ce_vocab)
-    zneg = (z[:, neg] + corr).masked_fill(~keep, float("-inf"))
+    zneg = (z[:, negatives] + corr).masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(torch.cat([zy[:, None], zneg], dim=1), dim=-1)
     return lse - zy, 1.0 + keep.sum(-1).float()
+
+
+def head_rows(model: DSparkDraft, rows: DSparkRows, labels: Tensor, target_hidden: Tensor,
+              negatives: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The vocab-wide terms of the N rows, `cfg.loss_chunk_rows` rows at a time (common/chunked_head.py):
+    rows (hidden [N, H], markov [N, r] or None), labels int64 [N], target_hidden [N, H] (the target's
+    post-norm last hidden at a + k: p_t is rebuilt per chunk) -> (ce [N], ce candidate count [N],
+    l1 [N], top-5 ids [N, 5])."""
+    cfg = model.cfg
+    head = model.target_lm_head.to(rows.hidden.dtype)  # [V, H], cast once, not per chunk
+    target_head = model.target_lm_head.to(target_hidden.dtype)
+
+    def terms(h: Tensor, y: Tensor, lh: Tensor, *markov: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        logits = model.draft_logits(h, markov[0] if markov else None, head)  # [n, V]
+        with torch.no_grad():
+            target = model.logits(lh, target_head)  # [n, V]
+        ce, size = ce_rows(logits, y, target, cfg, negatives)
+        return ce, size, l1_rows(logits, target), topk_ids(logits, TOP_K)
+
+    extra = [] if rows.markov is None else [rows.markov]
+    ce, size, l1, top = chunked_rows(terms, [rows.hidden, labels, target_hidden.detach(), *extra], cfg.loss_chunk_rows)
+    return ce, size, l1, top
 
 
 def dspark_objective(model: DSparkDraft, batch: dict[str, Tensor],
@@ -88,12 +124,9 @@ def dspark_objective(model: DSparkDraft, batch: dict[str, Tensor],
     rows = model(batch["aux_hidden"], block_input_ids(ids, anchors, bs, cfg.mask_token_id), anchors, anchor_valid,
                  prev, select)
     b, j, k = select.nonzero(as_tuple=True)
-    with torch.no_grad():
-        pos = (anchors[b, j] + k).clamp(max=ids.shape[1] - 1)  # [N]: p_t from the last hidden at a + k
-        target_probs = torch.softmax(model.logits(batch["last_hidden"][b, pos]).float(), dim=-1)  # [N, V]
-    draft_probs = torch.softmax(rows.logits.float(), dim=-1)  # [N, V]
-    l1 = (draft_probs - target_probs).abs().sum(-1)  # [N]
-    ce, ce_size = ce_rows(rows.logits, labels, target_probs, cfg, generator)
+    pos = (anchors[b, j] + k).clamp(max=ids.shape[1] - 1)  # [N]: p_t from the last hidden at a + k
+    negatives = sampled_negatives(model.target_lm_head.shape[0], cfg, rows.hidden.device, generator)
+    ce, ce_size, l1, top = head_rows(model, rows, labels, batch["last_hidden"][b, pos], negatives)
     conf_target = torch.nan_to_num((1.0 - 0.5 * l1).detach(), nan=0.0).clamp(0.0, 1.0)  # a NaN row is dropped below
     if rows.confidence is not None:
         conf = F.binary_cross_entropy(rows.confidence.clamp(1e-6, 1 - 1e-6), conf_target, reduction="none")
@@ -106,21 +139,21 @@ def dspark_objective(model: DSparkDraft, batch: dict[str, Tensor],
     num = (w * safe).sum()
     den = w.sum().detach()
     return ObjectiveOutput(num.view(1), den.view(1), torch.ones(1, device=num.device),
-                           _metrics(rows.logits, labels, k, w, finite, ce, l1, conf, safe, ce_size, bs))
+                           _metrics(top, labels, k, w, finite, ce, l1, conf, safe, ce_size, bs))
 
 
-def _metrics(logits: Tensor, labels: Tensor, slot: Tensor, w: Tensor, finite: Tensor, ce: Tensor, l1: Tensor,
+def _metrics(top: Tensor, labels: Tensor, slot: Tensor, w: Tensor, finite: Tensor, ce: Tensor, l1: Tensor,
              conf: Tensor, row_loss: Tensor, ce_size: Tensor, bs: int) -> dict[str, tuple[Tensor, Tensor]]:
     """(sum, count) metrics: weighted ce / l1 / conf terms, non-finite row count, mean CE candidate
     count, and common/metrics.block_row_metrics (top-1 / top-5, valid_tokens, per-draft accuracy
     and row loss; slot k drafts d_{k+1}). Non-finite rows enter the sums as 0."""
     with torch.no_grad():
-        n = torch.tensor(float(labels.numel()), device=logits.device)
+        n = torch.tensor(float(labels.numel()), device=labels.device)
         den = w.sum()
         z = lambda t: torch.where(finite, t, torch.zeros_like(t))  # noqa: E731
         out: dict[str, tuple[Tensor, Tensor]] = {
             "ce": ((w * z(ce)).sum(), den), "l1": ((w * z(l1)).sum(), den), "conf_bce": ((w * z(conf)).sum(), den),
             "nonfinite_rows": ((~finite).sum().float(), torch.ones_like(n)), "ce_vocab": (ce_size.sum(), n),
         }
-        out.update(block_row_metrics(logits, labels, slot + 1, z(row_loss), bs))
+        out.update(block_row_metrics(top, labels, slot + 1, z(row_loss), bs))
         return out

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from drafters.common.attention import BACKENDS
+from drafters.common.chunked_head import DEFAULT_LOSS_CHUNK_ROWS, check_chunk_rows
 from drafters.common.target import TargetSpec
 
 
@@ -24,14 +25,18 @@ class Eagle1Config:
     value_weight: weight of the SmoothL1 feature-regression term (v_w = 1.0).
     prob_weight: weight of the soft cross-entropy term through the frozen target head (p_w = 0.1).
     attn_backend: "auto" (flex on CUDA, else SDPA), "sdpa" or "flex".
+    loss_chunk_rows: loss rows per chunk of the LM head + loss (drafters/common/chunked_head.py): at
+        most this many rows of [rows, vocab] logits are alive at once; the loss does not depend on it.
     """
 
     feature_noise: float = 0.2
     value_weight: float = 1.0
     prob_weight: float = 0.1
     attn_backend: str = "auto"
+    loss_chunk_rows: int = DEFAULT_LOSS_CHUNK_ROWS
 
     def __post_init__(self) -> None:
+        check_chunk_rows(self.loss_chunk_rows)
         for name in ("feature_noise", "value_weight", "prob_weight"):
             value = float(getattr(self, name))
             if not math.isfinite(value) or value < 0:

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from drafters.common.losses import ObjectiveOutput, masked_match_count, smooth_l1_rows, soft_cross_entropy
+from drafters.common.chunked_head import chunked_rows, soft_ce_rows
+from drafters.common.losses import ObjectiveOutput, masked_match_count, smooth_l1_rows
 from drafters.common.masks import shift_left
 from drafters.common.metrics import simulated_acceptance_length
 from drafters.eagle1.model import Eagle1Model
@@ -98,15 +99,19 @@ def eagle1_objective(model: Eagle1Model, batch: dict[str, Tensor],
     pred_rows, target_rows = predicted[b, t], rows.target_features[b, t].to(predicted.dtype)  # [N, H]
     ones = torch.ones(b.shape[0], dtype=torch.bool, device=predicted.device)
     vnum, den = smooth_l1_rows(pred_rows, target_rows.detach(), ones)
-    with torch.no_grad():
-        target_logits = model.head_logits(target_rows)  # [N, V]
-        target_probs = torch.softmax(target_logits.float(), dim=-1)
-    draft_logits = model.head_logits(pred_rows)  # [N, V]
-    pnum, _ = soft_cross_entropy(target_probs, draft_logits, ones)
+
+    def head_terms(pred: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        draft_logits = model.head_logits(pred)  # [n, V]
+        target_logits = model.head_logits(target)  # [n, V], no grad (target rows are detached)
+        return soft_ce_rows(draft_logits, target_logits), draft_logits.detach().argmax(-1), target_logits.argmax(-1)
+
+    ploss, draft_argmax, target_argmax = chunked_rows(head_terms, [pred_rows, target_rows.detach()],
+                                                      model.cfg.loss_chunk_rows)  # [N] each
+    pnum = ploss.sum()
     cfg = model.cfg
-    hits, count = masked_match_count(draft_logits.detach().argmax(-1), target_logits.argmax(-1), ones)
+    hits, count = masked_match_count(draft_argmax, target_argmax, ones)
     correct = torch.zeros_like(rows.row_mask)
-    correct[b, t] = draft_logits.detach().argmax(-1) == target_logits.argmax(-1)
+    correct[b, t] = draft_argmax == target_argmax
     metrics = {"acc_step0": (hits, count),
                "sim_accept_len": simulated_acceptance_length(correct[None], rows.row_mask[None]),
                "vloss": (vnum.detach(), den), "ploss": (pnum.detach(), den)}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Self
 
 from drafters.common.attention import BACKENDS
+from drafters.common.chunked_head import DEFAULT_LOSS_CHUNK_ROWS, check_chunk_rows
 from drafters.common.layer_ids import check_servable_aux_ids, default_eagle3_layer_ids
 from drafters.common.target import TargetSpec
 
@@ -28,6 +29,8 @@ class Eagle3Architecture:
     attn_backend: "auto" (flex on CUDA, else SDPA), "sdpa" or "flex".
     norm_before_residual: vLLM option: the residual is hidden_norm(h) instead of h.
     lm_head_init: "random" (SafeAILab) or "target" (rows of the target lm_head at the draft vocab).
+    loss_chunk_rows: loss rows per chunk of the LM head + loss (drafters/common/chunked_head.py): at
+        most this many rows of [rows, vocab] logits are alive at once; the loss does not depend on it.
     """
 
     draft_vocab_size: int | None = None
@@ -36,8 +39,10 @@ class Eagle3Architecture:
     attn_backend: str = "auto"
     norm_before_residual: bool = False
     lm_head_init: str = "random"
+    loss_chunk_rows: int = DEFAULT_LOSS_CHUNK_ROWS
 
     def __post_init__(self) -> None:
+        check_chunk_rows(self.loss_chunk_rows)
         if self.num_layers < 1:
             raise ValueError(f"num_layers: got {self.num_layers}, expected >= 1")
         if self.attn_backend not in BACKENDS:

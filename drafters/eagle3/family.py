@@ -38,7 +38,7 @@ class Eagle3Family:
     proposer_cls: Any = Eagle3Proposer
     export_module = EXPORT_MODULE
     # may change on a drafter loaded from an export: they shape training, not the exported function
-    mutable_settings: tuple[str, ...] = ("ttt_steps", "ttt_decay", "attn_backend")
+    mutable_settings: tuple[str, ...] = ("ttt_steps", "ttt_decay", "attn_backend", "loss_chunk_rows")
 
     def _as_model(self, model: nn.Module) -> Any:
         if not isinstance(model, self.model_cls):

@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from drafters.common.losses import ObjectiveOutput, geometric_weights, masked_match_count, soft_cross_entropy
+from drafters.common.chunked_head import chunked_argmax, chunked_rows, soft_ce_rows
+from drafters.common.losses import ObjectiveOutput, geometric_weights, masked_match_count
 from drafters.common.masks import shift_left
 from drafters.common.metrics import simulated_acceptance_length
 from drafters.common.vocab import target_logits_to_draft
@@ -38,26 +39,26 @@ REQUIRED_FIELDS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
 
 @dataclass
 class Eagle3Targets:
-    """Position-level (unshifted) targets. target_probs [B, T, Vd] float32 over the draft vocab
-    (zero rows where position_mask is False); target_argmax [B, T] int64 target ids (0 where
-    loss_mask & attention_mask is False: those rows never carry loss); position_mask [B, T] bool."""
+    """Position-level (unshifted) targets. last_hidden [B, T, H]: the target head's input (each loss
+    chunk rebuilds its target logits from it, `target_draft_logits`; the [rows, vocab] target
+    distribution is never stored); target_argmax [B, T] int64 target ids (0 where loss_mask &
+    attention_mask is False: those rows never carry loss); position_mask [B, T] bool."""
 
-    target_probs: Tensor
+    last_hidden: Tensor
     target_argmax: Tensor
     position_mask: Tensor
 
     def rows_at_step(self, step: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The loss rows of TTT step `step`: (batch index [N], row index t [N], target_probs
-        [N, Vd], target_argmax [N]) for the rows with at_step(step)'s mask set (position t+1+step)."""
+        """The loss rows of TTT step `step`: (batch index [N], row index t [N], target last hidden
+        [N, H], target_argmax [N]) for the rows with at_step(step)'s mask set (position t+1+step)."""
         n = step + 1
         b, p = self.position_mask[:, n:].nonzero(as_tuple=True)
-        return b, p, self.target_probs[b, p + n], self.target_argmax[b, p + n]
+        return b, p, self.last_hidden[b, p + n], self.target_argmax[b, p + n]
 
-    def at_step(self, step: int) -> tuple[Tensor, Tensor, Tensor]:
-        """(target_probs, target_argmax, mask) for TTT step `step`: shifted left by step + 1."""
+    def at_step(self, step: int) -> tuple[Tensor, Tensor]:
+        """(target_argmax, mask) [B, T] for TTT step `step`: shifted left by step + 1."""
         n = step + 1
-        return (shift_left(self.target_probs, n), shift_left(self.target_argmax, n),
-                shift_left(self.position_mask, n, fill=False))
+        return shift_left(self.target_argmax, n), shift_left(self.position_mask, n, fill=False)
 
 
 def step_input_ids(input_ids: Tensor, steps: int) -> Tensor:
@@ -65,23 +66,38 @@ def step_input_ids(input_ids: Tensor, steps: int) -> Tensor:
     return torch.stack([shift_left(input_ids.long(), j + 1) for j in range(steps)])
 
 
+def target_draft_logits(model: Eagle3Backbone[Any], last_hidden: Tensor) -> Tensor:
+    """[n, H] post-norm target hidden -> [n, Vd] target logits of the draft-vocab tokens (no grad);
+    softmax of it is the training target distribution (EAGLE-3, P-EAGLE)."""
+    return target_logits_to_draft(model.target_logits(last_hidden), model.t2d)
+
+
 def prepare_targets(model: Eagle3Backbone[Any], batch: dict[str, Tensor]) -> Eagle3Targets:
-    """Target distributions and masks from `last_hidden` [B, T, H] with the frozen target head."""
+    """Target argmax and masks from `last_hidden` [B, T, H] with the frozen target head (run chunk
+    by chunk on the loss rows only)."""
     last_hidden = batch["last_hidden"]
     b, t = last_hidden.shape[:2]
     candidate = batch["loss_mask"].to(torch.bool) & batch["attention_mask"].to(torch.bool)  # [B, T]
-    rows = candidate.nonzero(as_tuple=True)  # the target head runs on loss rows only
-    target_logits = model.target_logits(last_hidden[rows])  # [N, V]
-    argmax_rows = target_logits.argmax(-1)
-    keep = model.t2d[argmax_rows]
+    rows = candidate.nonzero(as_tuple=True)
+    argmax_rows = chunked_argmax(model.target_logits, last_hidden[rows], model.cfg.loss_chunk_rows)  # [N]
     argmax = torch.zeros(b, t, dtype=torch.long, device=last_hidden.device)
     argmax[rows] = argmax_rows
     mask = torch.zeros(b, t, dtype=torch.bool, device=last_hidden.device)
-    mask[rows] = keep
-    probs = torch.zeros(b, t, model.draft_vocab.draft_size, dtype=torch.float32, device=last_hidden.device)
-    probs[rows[0][keep], rows[1][keep]] = torch.softmax(
-        target_logits_to_draft(target_logits[keep], model.t2d).float(), dim=-1)
-    return Eagle3Targets(probs, argmax, mask)
+    mask[rows] = model.t2d[argmax_rows]
+    return Eagle3Targets(last_hidden, argmax, mask)
+
+
+def soft_ce_head(model: Eagle3Backbone[Any], hidden: Tensor, last_hidden: Tensor) -> tuple[Tensor, Tensor]:
+    """Soft CE of the draft head against the target distribution over N rows, chunked
+    (common/chunked_head.py): hidden [N, H] post-norm draft rows, last_hidden [N, H] the target's
+    rows -> (per-row soft CE [N], draft argmax [N] as target ids)."""
+
+    def terms(h: Tensor, lh: Tensor) -> tuple[Tensor, Tensor]:
+        draft = model.lm_head(h)  # [n, Vd]
+        return soft_ce_rows(draft, target_draft_logits(model, lh)), draft.detach().argmax(-1)
+
+    ce, draft_argmax = chunked_rows(terms, [hidden, last_hidden], model.cfg.loss_chunk_rows)
+    return ce, model.draft_vocab.draft_to_target(draft_argmax)
 
 
 def needed_row_starts(position_mask: Tensor, steps: int) -> list[int]:
@@ -128,17 +144,14 @@ def eagle3_objective(model: Eagle3Model, batch: dict[str, Tensor]) -> ObjectiveO
     starts = needed_row_starts(targets.position_mask, steps)
     hidden = model.unroll(ids, batch["aux_hidden"], batch["attention_mask"].to(torch.bool),
                           row_start=starts)  # S x [B, T - starts[j], H]
-    vocab = model.draft_vocab
     nums, dens, correct, valid = [], [], [], []
     metrics: dict[str, tuple[Tensor, Tensor]] = {}
     for j, step_hidden in enumerate(hidden):
-        b, t, probs, argmax = targets.rows_at_step(j)  # lm_head + loss on the N loss rows only
-        step_logits = model.lm_head(step_hidden[b, t - starts[j]])  # [N, Vd]
-        rows = torch.ones(b.shape[0], dtype=torch.bool, device=step_logits.device)
-        num, den = soft_cross_entropy(probs, step_logits, rows)
-        nums.append(num)
-        dens.append(den)
-        draft_pred = vocab.draft_to_target(step_logits.detach().argmax(-1))
+        b, t, last_hidden, argmax = targets.rows_at_step(j)  # lm_head + loss on the N loss rows only
+        ce, draft_pred = soft_ce_head(model, step_hidden[b, t - starts[j]], last_hidden)  # [N], [N]
+        rows = torch.ones(b.shape[0], dtype=torch.bool, device=ce.device)
+        nums.append(ce.sum())
+        dens.append(rows.sum().to(ce.dtype))
         metrics[f"acc_step{j}"] = masked_match_count(draft_pred, argmax, rows)
         hit = torch.zeros_like(targets.position_mask)
         hit[b, t] = draft_pred == argmax

@@ -31,7 +31,7 @@ class PEagleFamily(Eagle3Family):
     proposer_cls = PEagleProposer
     export_module = "drafters.peagle.export"
     # training-only choices: the COD budget and the partitioning change no exported function
-    mutable_settings = ("cod_ratio", "cod_ratio_min", "num_segments", "attn_backend")
+    mutable_settings = ("cod_ratio", "cod_ratio_min", "num_segments", "attn_backend", "loss_chunk_rows")
 
     def engine_format(self, cfg: Any, target_spec: TargetSpec) -> PEagleExportConfig:
         return PEagleExportConfig.from_peagle(cfg, target_spec)

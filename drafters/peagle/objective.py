@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from drafters.common.losses import ObjectiveOutput, masked_match_count, soft_cross_entropy
-from drafters.eagle3.objective import prepare_targets
+from drafters.common.losses import ObjectiveOutput, masked_match_count
+from drafters.eagle3.objective import prepare_targets, soft_ce_head
 from drafters.peagle.cod import cod_sample, document_ids
 from drafters.peagle.model import PEagleModel
 
@@ -60,14 +60,13 @@ def peagle_objective(model: PEagleModel, batch: dict[str, Tensor],
     scored = layout.exists & ~beyond & torch.gather(targets.position_mask, 1, target_pos)  # [B, N]
     b, n = scored.nonzero(as_tuple=True)
     p = target_pos[b, n]
-    logits = model.lm_head(hidden[b, n])  # [M, Vd]
-    rows = torch.ones(b.shape[0], dtype=torch.bool, device=logits.device)
-    num, den = soft_cross_entropy(targets.target_probs[b, p], logits, rows)
-    draft_pred = model.draft_vocab.draft_to_target(logits.detach().argmax(-1))
+    ce, draft_pred = soft_ce_head(model, hidden[b, n], targets.last_hidden[b, p])  # [M], [M]: lm_head + loss, chunked
+    rows = torch.ones(b.shape[0], dtype=torch.bool, device=ce.device)
+    num, den = ce.sum(), rows.sum().to(ce.dtype)
     target_argmax = targets.target_argmax[b, p]
     depth = layout.depth[b, n]
     metrics: dict[str, tuple[Tensor, Tensor]] = {"acc": masked_match_count(draft_pred, target_argmax, rows)}
-    rows_count = torch.tensor(float(layout.counts.shape[0]), device=logits.device)
+    rows_count = torch.tensor(float(layout.counts.shape[0]), device=ce.device)
     for d in range(cfg.num_depths):
         metrics[f"acc_pos{d}"] = masked_match_count(draft_pred, target_argmax, depth == d)
         metrics[f"cod_elements_pos{d}"] = (layout.counts[:, d].sum().float(), rows_count)

@@ -9,6 +9,9 @@ import torch
 from drafter_targets import tiny_spec
 
 from drafters.common.blocks import block_input_ids, sample_anchors
+from drafters.common.chunked_head import hard_ce_rows, topk_ids
+from drafters.common.losses import ObjectiveOutput
+from drafters.common.metrics import TOP_K
 from drafters.common.target import TargetHead
 from drafters.dflash import DFlashConfig, DFlashDraft
 from drafters.dflash.objective import dflash_loss, dflash_objective, label_mask, slot_weights
@@ -44,6 +47,13 @@ def _slow_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, 
     return num, den
 
 
+def _block_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, gamma: float) -> ObjectiveOutput:
+    """dflash_loss from full block logits [batch, nb, B, V] (the per-row terms the chunked head computes)."""
+    b, j, k = valid.nonzero(as_tuple=True)
+    rows, y = logits[b, j, k], labels[b, j, k]
+    return dflash_loss(hard_ce_rows(rows, y), topk_ids(rows, TOP_K), y, k, gamma, logits.shape[2])
+
+
 def test_loss_matches_slow_loop() -> None:
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 3, 4, 11, generator=g, requires_grad=True)
@@ -52,7 +62,7 @@ def test_loss_matches_slow_loop() -> None:
     valid[:, :, 0] = False
     labels[0, 0, 1] = int(logits[0, 0, 1].argmax())  # at least one hit
     valid[0, 0, 1] = True
-    out = dflash_loss(logits, labels, valid, 3.0)
+    out = _block_loss(logits, labels, valid, 3.0)
     num, den = _slow_loss(logits.detach(), labels, valid, 3.0)
     assert abs(float(out.numerators[0].detach()) - num) < 1e-4 and abs(float(out.denominators[0]) - den) < 1e-5
     assert abs(float(out.loss().detach()) - num / den) < 1e-5
@@ -71,7 +81,7 @@ def test_worked_example_of_the_docstring() -> None:
     logits = torch.full((1, 1, 3, 2), 0.0)
     logits[0, 0, 1] = torch.tensor([0.0, math.log(math.exp(2.0) - 1)])  # CE(label 0) = 2.0
     logits[0, 0, 2] = torch.tensor([0.0, math.log(math.e - 1)])  # CE(label 0) = 1.0
-    out = dflash_loss(logits, torch.zeros(1, 1, 3, dtype=torch.long), torch.tensor([[[False, True, True]]]), 7.0)
+    out = _block_loss(logits, torch.zeros(1, 1, 3, dtype=torch.long), torch.tensor([[[False, True, True]]]), 7.0)
     assert abs(float(out.loss()) - 1.5357) < 1e-4
 
 

@@ -172,8 +172,9 @@ def test_greedy_rollout_equals_the_teacher_forced_forward_on_its_own_drafts() ->
     block = block_input_ids(ctx.token_ids[None], torch.tensor([[n]]), BS, 31)
     prev = torch.cat([ctx.token_ids[-1:], drafts[:-1]])[None, None]  # t_0 = x_n, t_k = d_k
     with torch.no_grad():
-        base, final = model(features, block, torch.tensor([[n]]), torch.tensor([[True]]), prev,
-                            torch.ones(1, 1, BS - 1, dtype=torch.bool))
+        h, g = model(features, block, torch.tensor([[n]]), torch.tensor([[True]]), prev,
+                     torch.ones(1, 1, BS - 1, dtype=torch.bool))
+        base, final = model.row_logits(h, g, torch.arange(BS - 1))
     assert final.argmax(-1).tolist() == drafts.tolist()
     assert not torch.equal(final[1:].argmax(-1), base[1:].argmax(-1)) or not torch.allclose(final[1:], base[1:])
     torch.testing.assert_close(final[0], base[0])  # slot 0 keeps the base logits
@@ -183,8 +184,9 @@ def test_greedy_rollout_equals_the_teacher_forced_forward_on_its_own_drafts() ->
     assert sampled.probs is not None and sampled.probs.shape == (BS - 1, 32)
     prev = torch.cat([ctx.token_ids[-1:], sampled.token_ids[:-1]])[None, None]
     with torch.no_grad():
-        _, final = model(features, block, torch.tensor([[n]]), torch.tensor([[True]]), prev,
-                         torch.ones(1, 1, BS - 1, dtype=torch.bool))
+        h, g = model(features, block, torch.tensor([[n]]), torch.tensor([[True]]), prev,
+                     torch.ones(1, 1, BS - 1, dtype=torch.bool))
+        _, final = model.row_logits(h, g, torch.arange(BS - 1))
     torch.testing.assert_close(sampled.probs, torch.softmax(final.float(), -1))
     with pytest.raises(ValueError, match="1 <= num_tokens <= block_size - 1 = 3"):
         DominoProposer(model).propose(ctx, 4, SamplingParams())

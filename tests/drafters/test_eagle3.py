@@ -14,7 +14,7 @@ from drafters.common.contract import StoreStats
 from drafters.common.target import TargetHead
 from drafters.common.vocab import DraftVocab, token_counts
 from drafters.eagle3 import FAMILY, Eagle3Config, Eagle3Model
-from drafters.eagle3.objective import prepare_targets, step_input_ids
+from drafters.eagle3.objective import prepare_targets, step_input_ids, target_draft_logits
 from feature_store import Layout
 
 AUX = (1, 2, 3)
@@ -82,12 +82,14 @@ def test_shift_alignment_golden() -> None:
     expected_masks = [[[1, 0, 1, 1, 0], [1, 1, 0, 0, 0]], [[0, 1, 1, 0, 0], [1, 0, 0, 0, 0]]]
     expected_argmax = [[[3, 7, 5, 6, 0], [5, 6, 0, 0, 0]], [[7, 5, 6, 0, 0], [6, 0, 0, 0, 0]]]
     for j in range(2):
-        probs, am, mask = targets.at_step(j)
+        am, mask = targets.at_step(j)
         assert mask.int().tolist() == expected_masks[j]
         assert am.tolist() == expected_argmax[j]
-    probs0 = targets.at_step(0)[0]
+    b, t, last_hidden, _ = targets.rows_at_step(0)
+    assert (int(b[0]), int(t[0])) == (0, 0)
+    probs0 = torch.softmax(target_draft_logits(model, last_hidden), -1)  # the target the loss rebuilds per chunk
     row = torch.tensor([0.0, 0.0, 0.0, 4.0, 0.0, 0.0, 0.0])  # b0 step 0 row 0 = position 1 (argmax 3), no token 7
-    torch.testing.assert_close(probs0[0, 0], torch.softmax(row, -1))
+    torch.testing.assert_close(probs0[0], torch.softmax(row, -1))
 
 
 def test_objective_matches_explicit_loop() -> None:

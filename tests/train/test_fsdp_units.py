@@ -29,3 +29,29 @@ def test_a_partly_frozen_container_is_split_further() -> None:
     model.layers[1].weight.requires_grad_(False)
     units = _shard_units(model)
     assert model.layers[0] in units and model.layers[1] not in units
+
+
+class _Holder(nn.Module):
+    """No forward of its own: its pieces are called by other methods (as DSpark's Markov head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Embedding(10, 4)
+        self.w2 = nn.Linear(4, 10, bias=False)
+
+    def bias(self, ids):  # type: ignore[no-untyped-def]
+        return self.w2(self.w1(ids))
+
+
+def test_a_module_without_forward_gives_its_members_and_an_all_trainable_root_is_split() -> None:
+    # FSDP2 gathers a unit's parameters around its forward only: a forward-less holder reached through
+    # `bias` would compute with the shards, so its members are the units; an all-trainable root is split
+    # too (the chunked loss calls head units after the root's forward)
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.head = _Holder()
+
+    root = Root()
+    assert _shard_units(root) == [root.fc, root.head.w1, root.head.w2]

@@ -4,8 +4,10 @@
 - backend: auto -> nccl (cuda) | hccl (npu) | gloo (cpu).
 - Under torchrun (RANK/WORLD_SIZE set) the env:// rendezvous is used; a plain single process
   gets a private in-memory store, so the same FSDP2 code path runs with world size 1.
-- FSDP2: each maximal submodule whose parameters are all trainable becomes one `fully_shard`
-  unit, then the root is sharded with every frozen parameter outside those units ignored
+- FSDP2: each maximal proper submodule whose parameters are all trainable becomes one `fully_shard`
+  unit (also when the whole draft is trainable: the chunked LM head + loss calls head modules, e.g.
+  Domino's `embed_proj`, DSpark's Markov head, after the root's forward, and only a unit's own
+  forward gathers its parameters), then the root is sharded with every frozen parameter outside those units ignored
   (`ignored_params`): frozen target pieces (embedding, target head) stay replicated, plain
   tensors, and the root owns any trainable parameter held directly by a mixed module.
   Gradients are SUM-reduced (divide factor 1): the objective is already normalised by the
@@ -77,13 +79,21 @@ def _all_trainable(module: nn.Module) -> bool:
     return bool(params) and all(p.requires_grad for p in params)
 
 
+def _has_forward(module: nn.Module) -> bool:
+    """Whether the module's class defines a forward (nn.Module's own raises NotImplementedError)."""
+    return type(module).forward is not nn.Module.forward
+
+
 def _shard_units(module: nn.Module) -> list[nn.Module]:
-    """Maximal submodules whose parameters are all trainable (pre-order). Containers without a
-    forward of their own (ModuleList/ModuleDict, which FSDP2 cannot wrap) give their members instead."""
+    """Maximal submodules whose parameters are all trainable (pre-order). Modules without a forward
+    of their own give their members instead: ModuleList/ModuleDict, which FSDP2 cannot wrap, and
+    holders of pieces that are called by other methods (DSpark's Markov head: `features`, `bias`).
+    FSDP2 gathers a unit's parameters around its forward only, so a unit reached through another
+    method would compute with the local shards; its members' forwards are what runs."""
     units: list[nn.Module] = []
     for child in module.children():
-        if isinstance(child, nn.ModuleList | nn.ModuleDict):
-            units.extend(_shard_units(child) if not _all_trainable(child) else list(child.children()))
+        if not _has_forward(child):
+            units.extend(_shard_units(child))
         elif _all_trainable(child):
             units.append(child)
         elif any(p.requires_grad for p in child.parameters()):
@@ -102,7 +112,7 @@ def apply_fsdp(model: nn.Module, device: torch.device, mixed_precision: str | No
     mp = MixedPrecisionPolicy()
     if mixed_precision is not None:
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[mixed_precision], reduce_dtype=torch.float32)
-    units = [] if _all_trainable(model) else _shard_units(model)
+    units = _shard_units(model)  # also under an all-trainable root: objectives call head units outside its forward
     covered = {id(p) for u in units for p in u.parameters()}
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
@@ -122,3 +132,12 @@ def all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(out)
     return out
+
+
+def all_reduce_max_int(n: int, device: torch.device) -> int:
+    """Max over ranks of a Python int (on `device`, as `all_reduce_sum`); `n` itself in a world of 1."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return n
+    t = torch.tensor([n], dtype=torch.int32 if device.type == "npu" else torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())

@@ -30,8 +30,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from drafters.common.chunked_head import chunk_count_sync
 from verl_speco.train.data import count_tokens, to_device
-from verl_speco.train.distributed import all_reduce_sum
+from verl_speco.train.distributed import all_reduce_max_int, all_reduce_sum
 
 
 @dataclass
@@ -140,12 +141,19 @@ def _fork_rng(device: torch.device) -> Any:
     return torch.random.fork_rng(devices=[device.index or 0], device_type=device.type)
 
 
+def _objective(family: Any, model: nn.Module, batch: dict[str, Tensor], progress: float, device: torch.device) -> Any:
+    """The family's objective with the chunked head's chunk counts equal on every rank (the max):
+    a sharded head unit called once per chunk runs collectives per call (drafters/common/chunked_head.py)."""
+    with chunk_count_sync(lambda n: all_reduce_max_int(n, device)):
+        return family.objective(model, batch, progress)
+
+
 def _backward(model: nn.Module, family: Any, batches: list[dict[str, Tensor]], mode: str,
               device: torch.device, progress: float, timer: StageTimer) -> tuple[Tensor, list[Any]]:
     """Back-propagate the globally normalised loss; returns (this rank's loss part, outputs)."""
     def objective(b: dict[str, Tensor]) -> Any:
         with timer.objective(model):
-            return family.objective(model, b, progress)
+            return _objective(family, model, b, progress, device)
 
     if mode == "retain":  # keep every micro-batch's graph until the denominators are known
         outs = [objective(b) for b in batches]
@@ -209,7 +217,7 @@ def evaluate(model: nn.Module, family: Any, micro: Iterable[list[dict[str, Tenso
     model.eval()
     outs = []
     for samples in micro:
-        out = family.objective(model, to_device(family.collate(samples), device))
+        out = _objective(family, model, to_device(family.collate(samples), device), 0.0, device)
         out.numerators = out.numerators.detach()
         outs.append(out)
     model.train(was_training)

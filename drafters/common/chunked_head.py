@@ -1,0 +1,143 @@
+"""The LM head and every loss term that reads its logits, over chunks of rows (issue 21).
+
+A drafter's loss reads [rows, vocab] logits (draft head, and for the soft targets the frozen
+target head applied to the stored last hidden). Materialising them for every loss row at once
+dominates training memory (rows = batch * anchors * block or batch * seq, vocab up to 150k).
+`chunked_rows(fn, rows, chunk_rows)` applies `fn` (head projection(s) + per-row loss terms) to
+`chunk_rows` rows at a time and concatenates its per-row outputs; each chunk runs under a
+non-reentrant `torch.utils.checkpoint`, so its [chunk, vocab] logits are freed after the
+forward and recomputed when autograd reaches that chunk's backward. At most one chunk of
+logits (and its softmax temporaries) is alive at once, forward or backward; the loss and every
+gradient (rows, head weights, additive-bias parameters) are those of the unchunked computation
+up to float summation order.
+
+`fn` may call modules (FSDP2 hooks fire per chunk, as for any repeated module call) and read
+buffers; it must return per-row tensors only ([n] or [n, k]: loss terms, argmax / top-k ids),
+never logits, and must not draw random numbers (draw them before and close over them).
+
+Under FSDP2 over several ranks a module that `fn` calls is a sharded unit (a trainable head: EAGLE-3's
+`lm_head`, Domino's `embed_proj`, DSpark's Markov head): each call gathers its parameters, and its
+backward gathers and reduce-scatters them, so every rank must make the same number of calls, while
+the rows per rank differ. The trainer runs objectives inside `chunk_count_sync(sync)`: every
+`chunked_rows` / `chunked_argmax` call then runs sync(local count) chunks (the max over ranks), the
+extra ones empty (0 rows).
+
+The per-row terms (`soft_ce_rows`, `hard_ce_rows`, `l1_rows`, `topk_ids`) are the one place the
+families' logit numerics live. They compute in float32 (float64 inputs stay float64).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+# Rows per chunk (every family's `loss_chunk_rows` default). scripts/bench_chunked_loss.py, rows 4096,
+# vocab 32000, hidden 1024, EAGLE-3's soft CE against the rebuilt target with a trainable head, forward +
+# backward, CPU float32: peak memory vs unchunked 0.16 at 256 and 512 rows (the floor: the head's weight
+# gradient and the row tensors), 0.26 at 1024, 0.50 at 2048; time (two runs on a busy machine) 1.09x /
+# 1.21x at 512 (the recompute of the two head matmuls), 1.12x / 1.25x at 1024, 1.26x at 256.
+DEFAULT_LOSS_CHUNK_ROWS = 512
+
+RowFn = Callable[..., tuple[Tensor, ...]]
+_COUNT_SYNC: ContextVar[Callable[[int], int] | None] = ContextVar("chunk_count_sync", default=None)
+
+
+@contextmanager
+def chunk_count_sync(sync: Callable[[int], int]) -> Iterator[None]:
+    """Within: each chunked call runs max(local count, sync(local count)) chunks, the extra ones
+    empty; `sync` is called once per chunked call, in the same order on every rank (the trainer:
+    all-reduce max over the ranks)."""
+    token = _COUNT_SYNC.set(sync)
+    try:
+        yield
+    finally:
+        _COUNT_SYNC.reset(token)
+
+
+def _synced_bounds(n: int, chunk_rows: int) -> list[tuple[int, int]]:
+    bounds = chunk_bounds(n, chunk_rows)
+    sync = _COUNT_SYNC.get()
+    if sync is not None:
+        bounds += [(n, n)] * (sync(len(bounds)) - len(bounds))
+    return bounds
+
+
+def check_chunk_rows(chunk_rows: int) -> None:
+    """A config's `loss_chunk_rows`: an int >= 1."""
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"loss_chunk_rows: got {chunk_rows!r}, expected an int >= 1")
+
+
+def chunk_bounds(n: int, chunk_rows: int) -> list[tuple[int, int]]:
+    """[start, stop) of each chunk of n rows: (0, c), (c, 2c), ..., the last one ragged; [(0, 0)]
+    for n = 0 (one empty chunk). Worked example: n 5, c 2 -> [(0, 2), (2, 4), (4, 5)]."""
+    return [(start, min(start + chunk_rows, n)) for start in range(0, max(n, 1), chunk_rows)]
+
+
+def chunked_rows(fn: RowFn, rows: Sequence[Tensor], chunk_rows: int) -> tuple[Tensor, ...]:
+    """`fn(*[r[i:j] for r in rows])` over consecutive row chunks [i, j), outputs concatenated on dim 0.
+
+    rows: tensors sharing dim 0 (N rows; any trailing shape, any dtype). fn returns a tuple of
+    per-row tensors, each [n, ...] for a chunk of n rows. Returns the same tuple for all N rows
+    ([N, ...]); with N = 0, fn runs once on the empty rows (shapes and dtypes stay right).
+    Differentiable in the float rows and in whatever parameters fn reads (chunk-wise recompute).
+    """
+    check_chunk_rows(chunk_rows)
+    n = int(rows[0].shape[0])
+    if any(int(r.shape[0]) != n for r in rows):
+        raise ValueError(f"rows: dim 0 sizes {[int(r.shape[0]) for r in rows]}, expected all equal")
+    needs_grad = torch.is_grad_enabled()
+    pieces: list[tuple[Tensor, ...]] = []
+    for start, stop in _synced_bounds(n, chunk_rows):
+        chunk = [r[start:stop] for r in rows]
+        if needs_grad:
+            out = checkpoint(fn, *chunk, use_reentrant=False, preserve_rng_state=False)
+        else:
+            out = fn(*chunk)
+        pieces.append(tuple(out))
+    if len(pieces) == 1:
+        return pieces[0]
+    return tuple(torch.cat(parts, dim=0) for parts in zip(*pieces, strict=True))
+
+
+def wide_float(x: Tensor) -> Tensor:
+    """float32 for half / bfloat16 / float32, float64 stays float64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def soft_ce_rows(draft_logits: Tensor, target_logits: Tensor) -> Tensor:
+    """[n, V], [n, V] (target: no grad) -> [n]: -sum_v softmax(target)_v * log_softmax(draft)_v."""
+    if draft_logits.shape != target_logits.shape:
+        raise ValueError(f"draft_logits {tuple(draft_logits.shape)} vs target_logits {tuple(target_logits.shape)}")
+    probs = torch.softmax(wide_float(target_logits.detach()), dim=-1)  # [n, V]
+    return -(probs * torch.log_softmax(wide_float(draft_logits), dim=-1)).sum(-1)
+
+
+def hard_ce_rows(logits: Tensor, labels: Tensor) -> Tensor:
+    """[n, V], int64 [n] -> [n]: -log_softmax(logits)[label]."""
+    return F.cross_entropy(wide_float(logits), labels, reduction="none")
+
+
+def l1_rows(draft_logits: Tensor, target_logits: Tensor) -> Tensor:
+    """[n, V], [n, V] (target: no grad) -> [n]: sum_v |softmax(draft) - softmax(target)| (= 2 TV)."""
+    probs = torch.softmax(wide_float(target_logits.detach()), dim=-1)  # [n, V]
+    return (torch.softmax(wide_float(draft_logits), dim=-1) - probs).abs().sum(-1)
+
+
+def topk_ids(logits: Tensor, k: int) -> Tensor:
+    """[n, V] -> int64 [n, min(k, V)]: the top ids, best first (no grad; metrics)."""
+    return logits.detach().topk(min(k, logits.shape[-1]), dim=-1).indices
+
+
+def chunked_argmax(head: Callable[[Tensor], Tensor], hidden: Tensor, chunk_rows: int) -> Tensor:
+    """argmax over the vocab of head(hidden) [N, V], chunk by chunk, without grad: hidden [N, H] ->
+    int64 [N] (the target argmax that EAGLE-3 / P-EAGLE's masks need before the loss)."""
+    with torch.no_grad():
+        (out,) = chunked_rows(lambda h: (head(h).argmax(-1),), [hidden], chunk_rows)
+    return out
