@@ -1,6 +1,7 @@
 """``verl-speco-inspect-features STORE [--max-samples N] [--json] [--strict] [--verify-checksums]``
 
-Prints a summary (samples, tokens, bytes, shards, steps, layout, schema, fields), then the problems found
+Prints a summary (samples, tokens, bytes, shards, steps, layout, schema, fields with their storage encoding
+and bytes per row), then the problems found
 by the per-shard checks (a header whose writer id or seq is not its commit record's included), the
 duplicate-content check across shards, the sampled per-sample checks (see report.py) and the uncommitted
 leftovers.
@@ -67,7 +68,8 @@ def _print_text(r: Report, strict: bool) -> None:
     for f in s["fields"]:
         shape = (["T"] if f["per_token"] else []) + f["shape"]
         where = f"per-token ({f['segment']})" if f["per_token"] else "per-sample"
-        print(f"  {f['name']:<22} {f['dtype']:<9} {str(shape):<14} {where:<20} {f['role'] or ''}")
+        stored = f"{f['encoding']}, {f['stored_row_bytes']} B/{'token' if f['per_token'] else 'sample'}"
+        print(f"  {f['name']:<22} {f['dtype']:<9} {str(shape):<14} {where:<20} {stored:<22} {f['role'] or ''}")
     print(f"checks: {len(r.shards)} commit record(s), checksums "
           f"{'verified' if r.checksums_verified else 'not verified (--verify-checksums)'}, "
           f"{r.samples_checked} sample(s) checked")

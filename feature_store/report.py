@@ -198,8 +198,12 @@ def inspect_store(root: str | os.PathLike[str], *, max_samples: int = 256, verif
             k += 1
         rec, view = good[k]
         i = g - starts[k]
-        sample = view.sample(i)
         where = f"{SHARDS_DIR}/{rec.shard}[{i}]"
+        try:
+            sample = view.sample(i)
+        except CorruptShardError as e:     # an fp8 scale that is not finite and > 0
+            report.findings.append(Finding("error", "bad_scale", where, str(e)))
+            continue
         if view.lengths[i] == 0:
             report.findings.append(Finding("error", "empty_sample", where, "sample has 0 tokens"))
         for p in sample_problems(schema, sample):
@@ -211,7 +215,8 @@ def inspect_store(root: str | os.PathLike[str], *, max_samples: int = 256, verif
         "format": f"{STORE_FORMAT} v{meta.format_version}", "schema_hash": meta.schema_hash,
         "target_model_id": schema.target_model_id, "vocab_size": schema.vocab_size,
         "hidden_size": schema.hidden_size, "layout": schema.layout.to_dict(),
-        "fields": [f.to_dict() for f in schema.fields], "producer": meta.producer, "created_at": meta.created_at,
+        "fields": [{**f.to_dict(), "encoding": f.encoding, "stored_row_bytes": f.stored_row_nbytes}
+                   for f in schema.fields], "producer": meta.producer, "created_at": meta.created_at,
         "samples": sum(r.num_samples for r in records), "tokens": sum(r.num_tokens for r in records),
         "bytes": sum(r.nbytes for r in records), "shards": len(records),
         "writers": len({r.writer_id for r in records}), "ranks": sorted({r.rank for r in records}),

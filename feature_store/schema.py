@@ -13,7 +13,7 @@ import hashlib
 import json
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from dataclasses import field as dc_field
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +31,12 @@ DTYPES: dict[str, tuple[torch.dtype, str]] = {
     "int16": (torch.int16, "I16"), "int32": (torch.int32, "I32"), "int64": (torch.int64, "I64"),
     "float16": (torch.float16, "F16"), "bfloat16": (torch.bfloat16, "BF16"),
     "float32": (torch.float32, "F32"), "float64": (torch.float64, "F64"),
+    "float8_e4m3fn": (torch.float8_e4m3fn, "F8_E4M3"),
 }
+# how a floating per-token field is stored: "raw" (its dtype) or "fp8_e4m3" (encoding.py: e4m3 values
+# plus a float32 scale per token, stored as a second tensor named by `scale_name`)
+ENCODINGS = ("raw", "fp8_e4m3")
+ENCODABLE = ("bfloat16", "float16", "float32")
 TORCH_TO_NAME = {v[0]: k for k, v in DTYPES.items()}
 LAST_HIDDEN_KINDS = ("post_norm", "pre_norm", "none")
 TOKENS = "tokens"                                  # the main per-token segment (sequence length)
@@ -62,6 +67,7 @@ class FieldSpec:
     per_token: bool = True
     segment: str = TOKENS
     role: str | None = None
+    encoding: str = "raw"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(self.shape))
@@ -82,6 +88,12 @@ class FieldSpec:
             object.__setattr__(self, "role", ROLE_BY_NAME.get(self.name))
         if self.role is not None and self.role not in ROLES:
             raise SchemaError(f"field {self.name!r}: role {self.role!r}, expected one of {ROLES} or None")
+        if self.encoding not in ENCODINGS:
+            raise SchemaError(f"field {self.name!r}: encoding {self.encoding!r}, expected one of {ENCODINGS}")
+        if self.encoding != "raw" and not (self.per_token and self.shape and self.dtype in ENCODABLE):
+            raise SchemaError(f"field {self.name!r}: encoding {self.encoding!r} applies to a per-token field of "
+                              f"dtype {'/'.join(ENCODABLE)} with a trailing shape; found dtype {self.dtype!r}, "
+                              f"shape {self.shape}, per_token={self.per_token}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -98,20 +110,43 @@ class FieldSpec:
 
     @property
     def row_nbytes(self) -> int:
-        """Bytes of one token row (per-token) or of one sample (per-sample)."""
+        """Bytes of one token row (per-token) or of one sample (per-sample), in ``dtype``."""
         n = self.torch_dtype.itemsize
         for d in self.shape:
             n *= d
         return n
 
+    @property
+    def stored(self) -> tuple[FieldSpec, ...]:
+        """The tensors this field is stored as in a shard: itself when raw; for ``fp8_e4m3`` the e4m3
+        values ``[T, *shape]`` under its own name and the float32 scales ``[T]`` under ``scale_name``."""
+        if self.encoding == "raw":
+            return (self,)
+        return (FieldSpec(self.name, "float8_e4m3fn", self.shape, True, self.segment),
+                FieldSpec(scale_name(self.name), "float32", (), True, self.segment))
+
+    @property
+    def stored_row_nbytes(self) -> int:
+        """Bytes one token row (per-token) or one sample (per-sample) takes on disk."""
+        return sum(f.row_nbytes for f in self.stored)
+
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "per_token": self.per_token,
-                "segment": self.segment, "role": self.kind}
+        d = {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "per_token": self.per_token,
+             "segment": self.segment, "role": self.kind}
+        if self.encoding != "raw":   # only when set: a raw store's schema hash is what it always was
+            d["encoding"] = self.encoding
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> FieldSpec:
         return cls(d["name"], d["dtype"], tuple(d["shape"]), bool(d["per_token"]), d.get("segment", TOKENS),
-                   d.get("role"))
+                   d.get("role"), d.get("encoding", "raw"))
+
+
+def scale_name(field_name: str) -> str:
+    """The shard tensor holding an ``fp8_e4m3`` field's per-token scales: ``aux_hidden`` -> ``aux_hidden_fp8_scale``
+    (a schema refuses a field of that name next to the encoded one)."""
+    return f"{field_name}_fp8_scale"
 
 
 @dataclass(frozen=True)
@@ -168,6 +203,7 @@ class Schema:
     hidden_size: int | None = None
     version: int = SCHEMA_VERSION
     _by_name: dict[str, FieldSpec] = dc_field(default_factory=dict, init=False, repr=False, compare=False)
+    _stored: tuple[FieldSpec, ...] = dc_field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         fields = tuple(self.fields)
@@ -183,6 +219,12 @@ class Schema:
         if any(f.kind == "token_ids" for f in fields) and not (self.vocab_size and self.vocab_size > 0):
             raise SchemaError(f"schema: token-id fields need vocab_size > 0, found {self.vocab_size!r}")
         self._by_name.update({f.name: f for f in fields})
+        object.__setattr__(self, "_stored", tuple(s for f in fields for s in f.stored))
+        stored = [f.name for f in self._stored]
+        taken = sorted({n for n in stored if stored.count(n) > 1})
+        if taken:
+            raise SchemaError(f"schema: field name(s) {taken} taken by an fp8 field's scales (scale_name); "
+                              "rename the field")
         self._check_standard_shapes()
 
     def _check_standard_shapes(self) -> None:
@@ -207,6 +249,17 @@ class Schema:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.fields)
+
+    @property
+    def stored_fields(self) -> tuple[FieldSpec, ...]:
+        """The tensors a shard holds per field, in field order (``FieldSpec.stored``; the same objects on
+        every call, so a raw field is its own stored field)."""
+        return self._stored
+
+    @property
+    def encoded(self) -> bool:
+        """True when any field is stored in an encoding other than raw."""
+        return any(f.encoding != "raw" for f in self.fields)
 
     @property
     def segments(self) -> tuple[str, ...]:
@@ -254,28 +307,31 @@ class Schema:
         return out
 
     def check_fields(self, expected: Iterable[str | FieldSpec]) -> None:
-        """Every expected field must exist (and, for a ``FieldSpec``, match dtype/shape/per_token)."""
+        """Every expected field must exist (and, for a ``FieldSpec``, match dtype/shape/per_token). The
+        storage encoding is not compared: a reader gets every field decoded to its ``dtype``."""
         for e in expected:
             name = e if isinstance(e, str) else e.name
             have = self._by_name.get(name)
             if have is None:
                 raise SchemaError(f"field {name!r}: expected by the reader, missing from the store "
                                   f"(store fields: {list(self.names)})")
-            if isinstance(e, FieldSpec) and e.to_dict() != have.to_dict():
+            if isinstance(e, FieldSpec) and replace(e, encoding="raw") != replace(have, encoding="raw"):
                 raise SchemaError(f"field {name!r}: store has {have.to_dict()}, expected {e.to_dict()}")
 
 
 def standard_schema(layout: Layout, *, hidden_size: int, vocab_size: int, target_model_id: str,
                     hidden_dtype: str = "bfloat16", ids_dtype: str = "int64", topk: int | None = None,
-                    extra: Sequence[FieldSpec] = ()) -> Schema:
+                    extra: Sequence[FieldSpec] = (), hidden_encoding: str = "raw") -> Schema:
     """The docs/internals.md fields: input_ids, loss_mask, aux_hidden (unless the layout has no layer
     ids), last_hidden (unless the layout's ``last_hidden`` is ``"none"``), optional target top-k
-    ids/logprobs ``[T, topk]``. bf16 by default."""
+    ids/logprobs ``[T, topk]``. bf16 by default; ``hidden_encoding="fp8_e4m3"`` stores the two hidden
+    fields as e4m3 with a per-token scale (read back as ``hidden_dtype``)."""
     fields = [FieldSpec("input_ids", ids_dtype), FieldSpec("loss_mask", "uint8")]
     if layout.layer_ids:
-        fields.append(FieldSpec("aux_hidden", hidden_dtype, (len(layout.layer_ids) * hidden_size,)))
+        fields.append(FieldSpec("aux_hidden", hidden_dtype, (len(layout.layer_ids) * hidden_size,),
+                                encoding=hidden_encoding))
     if layout.last_hidden != "none":
-        fields.append(FieldSpec("last_hidden", hidden_dtype, (hidden_size,)))
+        fields.append(FieldSpec("last_hidden", hidden_dtype, (hidden_size,), encoding=hidden_encoding))
     if topk:
         fields += [FieldSpec("target_topk_ids", ids_dtype, (topk,)),
                    FieldSpec("target_topk_logprobs", "float32", (topk,))]

@@ -35,8 +35,9 @@ import torch
 
 from feature_store.buffer import clone
 from feature_store.checksum import SECTOR, SectorSumHasher, combine, file_checksums
+from feature_store.encoding import decode_fp8, scale_problem
 from feature_store.errors import CorruptShardError, SchemaDriftError
-from feature_store.schema import DTYPES, STORE_SCALARS, Schema, offsets_name
+from feature_store.schema import DTYPES, STORE_SCALARS, FieldSpec, Schema, offsets_name
 
 ST_ITEMSIZE = {code: td.itemsize for td, code in DTYPES.values()}
 ST_TORCH = {code: td for td, code in DTYPES.values()}
@@ -346,7 +347,7 @@ class ShardView:
         self.offsets = {seg: self._array(infos[offsets_name(seg)]) for seg in schema.segments}
         self.scalars = {name: self._array(infos[name]) for name in STORE_SCALARS}
         self.num_samples = len(self.offsets["tokens"]) - 1
-        self._views = {f.name: self._view(infos[f.name]) for f in schema.fields}
+        self._views = {f.name: self._view(infos[f.name]) for f in schema.stored_fields}
         self.validate_offsets()
 
     @property
@@ -368,7 +369,7 @@ class ShardView:
         if meta.get("schema_hash") != schema.hash:
             raise SchemaDriftError(f"{p}: shard schema hash {meta.get('schema_hash')!r}, store schema hash "
                                    f"{schema.hash!r} (foreign shard or schema drift)")
-        want = {f.name for f in schema.fields} | set(STORE_SCALARS) | {offsets_name(s) for s in schema.segments}
+        want = {f.name for f in schema.stored_fields} | set(STORE_SCALARS) | {offsets_name(s) for s in schema.segments}
         if set(infos) != want:
             raise CorruptShardError(f"{p}: tensors missing {sorted(want - set(infos))}, "
                                     f"unexpected {sorted(set(infos) - want)}")
@@ -378,7 +379,7 @@ class ShardView:
         n = off.shape[0] - 1
         expect: dict[str, tuple[str, tuple[int, ...]]] = {s: ("I64", (n,)) for s in STORE_SCALARS}
         expect.update({offsets_name(seg): ("I64", (n + 1,)) for seg in schema.segments})
-        for f in schema.fields:   # -1: the row count, checked against the offsets once mapped
+        for f in schema.stored_fields:   # -1: the row count, checked against the offsets once mapped
             expect[f.name] = (f.st_dtype, ((-1,) if f.per_token else (n,)) + f.shape)
         for name, (dt, shape) in expect.items():
             t = infos[name]
@@ -393,7 +394,7 @@ class ShardView:
             if off[0] != 0 or np.any(np.diff(off) < 0):
                 raise CorruptShardError(f"{self.path}: offsets of segment {seg!r} must start at 0 and not "
                                         f"decrease, found {off[:8].tolist()}...")
-            for f in self.schema.fields:
+            for f in self.schema.stored_fields:
                 if f.per_token and f.segment == seg and self._views[f.name].shape[0] != off[-1]:
                     raise CorruptShardError(f"{self.path}: field {f.name!r} has {self._views[f.name].shape[0]} "
                                             f"rows, offsets of segment {seg!r} end at {off[-1]}")
@@ -408,6 +409,9 @@ class ShardView:
             raise IndexError(f"{self.path}: sample {i} out of range [0, {self.num_samples})")
         out: dict[str, torch.Tensor] = {}
         for f in self.schema.fields:
+            if f.encoding != "raw":
+                out[f.name] = self._decoded(f, i)
+                continue
             view = self._views[f.name]
             if f.per_token:
                 a, b = int(self.offsets[f.segment][i]), int(self.offsets[f.segment][i + 1])
@@ -419,6 +423,19 @@ class ShardView:
         for name, arr in self.scalars.items():
             out[name] = torch.tensor(int(arr[i]), dtype=torch.int64)
         return out
+
+    def _decoded(self, f: FieldSpec, i: int) -> torch.Tensor:
+        """Sample i's rows of the fp8-encoded field ``f``, decoded to ``f.dtype`` (a new tensor: the e4m3
+        values and scales are read in place from the mapping); a scale that is not finite and > 0 is refused."""
+        q_spec, s_spec = f.stored
+        a, b = int(self.offsets[f.segment][i]), int(self.offsets[f.segment][i + 1])
+        for spec in (q_spec, s_spec):
+            self._willneed(self._infos[spec.name].begin, a * spec.row_nbytes, b * spec.row_nbytes)
+        scale = self._views[s_spec.name][a:b]                                   # [T] float32
+        problem = scale_problem(scale)
+        if problem is not None:
+            raise CorruptShardError(f"{self.path}: field {f.name!r} of sample {i}: {problem} (corrupted shard)")
+        return decode_fp8(self._views[q_spec.name][a:b], scale, f.torch_dtype)
 
     def _willneed(self, base: int, a: int, b: int) -> None:
         if b - a >= _PAGE and hasattr(mmap, "MADV_WILLNEED"):

@@ -23,8 +23,9 @@ import numpy as np
 import torch
 
 from feature_store.buffer import FieldBuffer, bytes_view, convert_check
+from feature_store.encoding import encode_fp8
 from feature_store.errors import SampleError, StoreError
-from feature_store.schema import STORE_SCALARS, TOKENS, FieldSpec, Schema, offsets_name
+from feature_store.schema import STORE_SCALARS, TOKENS, FieldSpec, Schema, offsets_name, scale_name
 from feature_store.shard import Entry, ShardStream, header_reserve, write_shard
 from feature_store.store import (
     COMMIT_SUFFIX,
@@ -44,8 +45,9 @@ from feature_store.validate import raise_problems, sample_problems
 
 def lead_field(schema: Schema) -> FieldSpec | None:
     """The field streamed to the shard file at ``add`` time (``shard.ShardStream``): the per-token field with
-    the largest rows, if their size is a multiple of 8 (so the tensors after it stay aligned)."""
-    fields = [f for f in schema.fields if f.per_token and f.row_nbytes and f.row_nbytes % 8 == 0]
+    the largest rows as stored (an fp8 field's e4m3 values), if their size is a multiple of 8 (so the tensors
+    after it stay aligned)."""
+    fields = [f for f in schema.stored_fields if f.per_token and f.row_nbytes and f.row_nbytes % 8 == 0]
     return max(fields, key=lambda f: f.row_nbytes) if fields else None
 
 
@@ -75,7 +77,7 @@ class StoreWriter:
         self.commits: list[CommitRecord] = []
         self.copy_inputs = copy_inputs
         self._lead = lead_field(schema)
-        self._buffers = {f.name: FieldBuffer(f, copy_inputs) for f in schema.fields if f is not self._lead}
+        self._buffers = {f.name: FieldBuffer(f, copy_inputs) for f in schema.stored_fields if f is not self._lead}
         self._stream: ShardStream | None = None
         self._stream_seq = -1
         self._lengths: dict[str, list[int]] = {seg: [] for seg in schema.segments}
@@ -127,21 +129,24 @@ class StoreWriter:
             tensors[spec.name] = t
         if lengths[TOKENS] == 0:
             raise SampleError(f"sample has 0 tokens (field {first[TOKENS]!r}); expected at least 1")
+        physical, decoded = self._encode(tensors)
         marks = {n: b.mark() for n, b in self._buffers.items()}
-        sizes = {spec.name: tensors[spec.name].numel() * spec.torch_dtype.itemsize for spec in self.schema.fields}
+        sizes = {spec.name: physical[spec.name].numel() * spec.torch_dtype.itemsize
+                 for spec in self.schema.stored_fields}
         total = max(1, sum(sizes.values()))
         # expected peak of each buffer: a shard holds < flush_bytes + one sample, split like this sample
         # (x2 margin, as lengths vary); reserving it at once means growing rarely copies anything
         hints = {n: min(self.flush_samples * b * 2, int((self.flush_bytes + total) * min(1.0, 2 * b / total)))
                  for n, b in sizes.items()}
         try:
-            stored = {name: buf.append(tensors[name], hints[name]) for name, buf in self._buffers.items()}
+            stored = {name: buf.append(physical[name], hints[name]) for name, buf in self._buffers.items()}
             lead_t: torch.Tensor | None = None
             if self._lead is not None:
-                lead_t = tensors[self._lead.name].to(device="cpu", dtype=self._lead.torch_dtype).contiguous()
+                lead_t = physical[self._lead.name].to(device="cpu", dtype=self._lead.torch_dtype).contiguous()
                 stored[self._lead.name] = lead_t
-            if self.check_values:
-                raise_problems(sample_problems(self.schema, stored), f"sample {len(self._steps)} of {self.writer_id}")
+            if self.check_values:   # an encoded field is checked as the value it encodes
+                raise_problems(sample_problems(self.schema, {**stored, **decoded}),
+                               f"sample {len(self._steps)} of {self.writer_id}")
             if lead_t is not None:                   # last: a failure here cuts the file back (ShardStream.append)
                 stream = self._open_stream()
                 if lead_t.numel():
@@ -157,6 +162,21 @@ class StoreWriter:
         if len(self._steps) >= self.flush_samples or self.buffered_bytes >= self.flush_bytes:
             return self.flush()
         return None
+
+    def _encode(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(the tensors to store, by stored name; each encoded field's value in its dtype, by field name)."""
+        physical: dict[str, torch.Tensor] = {}
+        decoded: dict[str, torch.Tensor] = {}
+        for spec in self.schema.fields:
+            t = tensors[spec.name]
+            if spec.encoding == "raw":
+                physical[spec.name] = t
+                continue
+            x = t.to(device="cpu", dtype=spec.torch_dtype)        # the value a raw store would hold
+            decoded[spec.name] = x
+            q, scale = encode_fp8(x)
+            physical[spec.name], physical[scale_name(spec.name)] = q, scale
+        return physical, decoded
 
     def end_step(self, step: int) -> CommitRecord | None:
         """Mark step ``step`` complete; flushes every ``flush_interval_steps`` steps (0 = never here)."""
@@ -179,7 +199,7 @@ class StoreWriter:
         if self._stream is None:
             seq, self._seq = self._seq, self._seq + 1
             name = f"{self.writer_id}-{seq:08d}"
-            reserve = header_reserve([(f.name, f.st_dtype, 1 + len(f.shape)) for f in self.schema.fields]
+            reserve = header_reserve([(f.name, f.st_dtype, 1 + len(f.shape)) for f in self.schema.stored_fields]
                                      + [(offsets_name(seg), "I64", 1) for seg in self.schema.segments]
                                      + [(s, "I64", 1) for s in STORE_SCALARS], self._shard_meta(seq))
             self._stream = ShardStream(self._dir / f"{TMP_PREFIX}{name}{SHARD_SUFFIX}", reserve)
@@ -212,7 +232,7 @@ class StoreWriter:
             seq, self._seq = self._seq, self._seq + 1    # a failed flush never reuses its name
         name = f"{self.writer_id}-{seq:08d}"
         entries = [Entry(f.name, f.st_dtype, self._shape(f, n), self._buffers[f.name].chunks())
-                   for f in self.schema.fields if f is not self._lead]
+                   for f in self.schema.stored_fields if f is not self._lead]
         for seg, lens in self._lengths.items():
             entries.append(Entry(offsets_name(seg), "I64", (n + 1,), [np.concatenate([[0], np.cumsum(lens)])
                                  .astype(np.int64)]))

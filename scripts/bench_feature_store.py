@@ -2,6 +2,10 @@
 
     python scripts/bench_feature_store.py                       # ~1-2 min, ~0.55 GB of samples
     python scripts/bench_feature_store.py --big-shard-gb 1.1    # + one sample vs a whole >= 1 GB shard
+    python scripts/bench_feature_store.py --encodings-only      # bf16 vs fp8 hidden states only
+
+Every run ends with bf16 vs fp8 (e4m3 + a per-token scale) storage: bytes per token per family layout
+at Qwen3-8B sizes and write / shuffled-read throughput of both (issue goal: fp8 halves bytes per token).
 
 Goals (issue): write >= 0.8x plain sequential writes of the same bytes; shuffled read >= 0.7x a plain
 sequential read (warm cache); one sample of a >= 1 GB shard < 1% of reading the shard; bytes on disk
@@ -268,6 +272,31 @@ def bench_big_shard(args: argparse.Namespace, work: Path, schema: object) -> Non
         shutil.rmtree(store)
 
 
+def bench_encodings(args: argparse.Namespace, work: Path) -> list[str]:
+    """bf16 vs fp8 hidden states: bytes per token per family layout at Qwen3-8B's sizes (schema, and a
+    real store of those sizes on disk), then write / shuffled-read throughput of the bench's samples."""
+    from benchmarks.store_encodings import encoding_throughput, family_bytes_per_token
+    from verl_speco.launchers.recipes import QWEN3_8B, settings
+
+    lines = ["bytes per token at Qwen3-8B sizes (hidden 4096, 36 layers), each family's GPU recipe layout:",
+             f"  {'family':<8} {'layer ids':<16} {'bf16 B/token':>12} {'fp8 B/token':>12} {'fp8/bf16':>9} "
+             f"{'on disk':>8}"]
+    for fam, ids, bf16, fp8, disk in family_bytes_per_token(QWEN3_8B, lambda f: settings(f, "gpu"), work,
+                                                            args.encoding_tokens):
+        lines.append(f"  {fam:<8} {ids:<16} {bf16:>12,} {fp8:>12,} {fp8 / bf16:>9.3f} {disk:>8.3f}")
+    samples = make_samples(args.samples, args.min_tokens, args.max_tokens, args.hidden, args.layers, 32000)
+    layout = Layout(tuple(range(2, 2 + args.layers)))
+    thr = encoding_throughput(samples, layout, args.hidden, 32000, work, args.repeats)
+    lines += [f"write / shuffled read (copy, prefetch 2) of {len(samples)} samples, hidden {args.hidden}, "
+              f"{args.layers} aux layers; MB/s of the bf16 values, best of {args.repeats}:",
+              f"  {'encoding':<9} {'write MB/s':>10} {'read MB/s':>10} {'bytes on disk':>14}"]
+    for enc, (w, r, disk) in thr.items():
+        lines.append(f"  {enc:<9} {w:>10,.0f} {r:>10,.0f} {disk:>14,}")
+    (w0, r0, d0), (w1, r1, d1) = thr["raw"], thr["fp8_e4m3"]
+    lines.append(f"  fp8/bf16  {w1 / w0:>10.3f} {r1 / r0:>10.3f} {d1 / d0:>14.3f}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", default=None, help="work directory on a real disk (default: a temp dir in /tmp)")
@@ -280,6 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--big-shard-gb", type=float, default=0.0, help="also time one sample of a shard this big")
     p.add_argument("--keep", action="store_true", help="keep the stores written")
+    p.add_argument("--encodings-only", action="store_true",
+                   help="only the bf16 vs fp8 section (bytes per token per family at Qwen3-8B sizes, throughput)")
+    p.add_argument("--encoding-tokens", type=int, default=512,
+                   help="tokens of each Qwen3-8B-sized store written to check bytes per token on disk")
     p.add_argument("--no-drop-caches", action="store_true",
                    help="do not drop the machine's clean page cache before measuring (see drop_page_cache)")
     args = p.parse_args(argv)
@@ -288,17 +321,21 @@ def main(argv: list[str] | None = None) -> int:
     schema = standard_schema(Layout(tuple(range(2, 2 + args.layers))), hidden_size=args.hidden, vocab_size=32000,
                              target_model_id="bench")
     try:
-        bench_write_read(args, work, schema)
-        if args.big_shard_gb > 0:
-            bench_big_shard(args, work, schema)
+        if not args.encodings_only:
+            bench_write_read(args, work, schema)
+            if args.big_shard_gb > 0:
+                bench_big_shard(args, work, schema)
+        encodings = bench_encodings(args, work)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; page cache before measuring: {cache}; "
           f"{' '.join(sys.argv[1:]) or 'defaults'}")
-    widths = [max(len(r[i]) for r in ROWS + [("measure", "store", "baseline", "ratio")]) for i in range(4)]
-    for r in [("measure", "store", "baseline", "ratio (goal)")] + ROWS:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    if ROWS:
+        widths = [max(len(r[i]) for r in ROWS + [("measure", "store", "baseline", "ratio")]) for i in range(4)]
+        for r in [("measure", "store", "baseline", "ratio (goal)")] + ROWS:
+            print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+    print("\n".join(encodings))
     return 0
 
 

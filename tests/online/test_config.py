@@ -61,7 +61,7 @@ def test_nested_sections_and_top_level_values() -> None:
     ({"caps": {"max_rowz": 3}}, "drafter.caps", "max_rowz",
      ["max_rows", "max_seq_len", "max_tokens", "min_response_tokens"]),
     ({"optim": {"learning_rate": 1.0}}, "drafter.optim", "learning_rate", ["betas", "grad_clip", "lr"]),
-    ({"feature_store": {"dir": "/x"}}, "drafter.feature_store", "dir", ["flush_samples", "hidden_dtype", "path"]),
+    ({"feature_store": {"dir": "/x"}}, "drafter.feature_store", "dir", ["flush_samples", "hidden_dtype", "hidden_encoding", "path"]),
 ])
 def test_unknown_key_names_it_and_lists_valid_keys(raw: dict[str, Any], where: str, key: str,
                                                    valid: list[str]) -> None:

@@ -50,11 +50,13 @@ def make_sample(g: torch.Generator, length: int, tables: torch.Tensor) -> dict[s
 
 
 def write_store(root: Path, num_samples: int, seed: int = 0, flush_samples: int = 8,
-                nan_at: int | None = None, rank: int = 0) -> Path:
-    """`num_samples` samples of 8..24 tokens; sample `nan_at` gets a NaN in aux_hidden."""
+                nan_at: int | None = None, rank: int = 0, encoding: str = "raw") -> Path:
+    """`num_samples` samples of 8..24 tokens; sample `nan_at` gets a NaN in aux_hidden; hidden states
+    stored as `encoding` ("raw" bf16 or "fp8_e4m3")."""
     g = torch.Generator().manual_seed(seed)
     tables = torch.randn(4, VOCAB, HIDDEN, generator=torch.Generator().manual_seed(99))
-    schema = standard_schema(LAYOUT, hidden_size=HIDDEN, vocab_size=VOCAB, target_model_id="tiny-test")
+    schema = standard_schema(LAYOUT, hidden_size=HIDDEN, vocab_size=VOCAB, target_model_id="tiny-test",
+                             hidden_encoding=encoding)
     with StoreWriter(root, schema, rank=rank, flush_samples=flush_samples, check_values=nan_at is None) as w:
         for i in range(num_samples):
             sample = make_sample(g, int(torch.randint(8, 25, (1,), generator=g)), tables)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from feature_store.schema import ENCODINGS
 from verl_speco.capture.chat import (
     TokenizedChat,
     encode_prompt,
@@ -141,7 +142,7 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
                      last_hidden: bool | None = None, target_model_id: str | None = None,
                      rank: int | None = None, world_size: int | None = None, device: str = "cpu",
                      model: nn.Module | None = None, tokenizer: Any = None,
-                     engine: str = "hf") -> CollectSummary:
+                     engine: str = "hf", encoding: str = "raw") -> CollectSummary:
     """Fill ``store`` from the JSONL chats in ``data`` (see the module docstring).
 
     ``algorithm``: one drafter family or several (``"eagle1,eagle3"`` or a list): the union of their
@@ -149,6 +150,8 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
     ``last_hidden``: store it (default: yes, or as the families' layouts say).
     ``engine``: what generates the responses with ``generate``: "hf" (transformers' generate) or
     "vllm" (the target served by vLLM, CPU build here; needs a local target directory).
+    ``encoding``: how the hidden states are stored: "raw" (``dtype``) or "fp8_e4m3" (e4m3 with a
+    per-token scale, about half of bf16's bytes; read back as ``dtype``).
     ``model``/``tokenizer`` may be passed already loaded (used on their device); otherwise they come
     from ``target`` (float32, moved to ``device``).
     """
@@ -159,6 +162,8 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
     t0 = time.perf_counter()
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}")
+    if encoding not in ENCODINGS:
+        raise ValueError(f"encoding={encoding!r}: expected one of {list(ENCODINGS)}")
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: expected >= 1")
     if engine not in ("hf", "vllm"):
@@ -206,7 +211,7 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
     # a stable id whatever the working directory: the target directory's name (or the hub id)
     local = Path(target).is_dir()
     model_id = target_model_id or (Path(target).resolve().name if local else str(target))
-    schema = build_schema(layout, config.hidden_size, config.vocab_size, model_id, DTYPES[dtype])
+    schema = build_schema(layout, config.hidden_size, config.vocab_size, model_id, DTYPES[dtype], encoding)
     missing = [f for f in required if f not in schema.names]
     if missing:
         raise ValueError(f"--layout-of {','.join(family_names(algorithm))}: the families need fields {missing} "
@@ -252,6 +257,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="drafter families whose layouts to capture, their union when several, e.g. eagle3 "
                             "(2, L//2, L-3) or eagle1,eagle3 (one store for both)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="stored hidden-state dtype")
+    p.add_argument("--encoding", default="raw", choices=ENCODINGS,
+                   help="hidden-state storage: raw (--dtype) or fp8_e4m3 (e4m3 + a float32 scale per token, "
+                        "read back as --dtype)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-samples", type=int, default=None, help="first N rows of the dataset (all ranks)")
     p.add_argument("--max-length", type=int, default=None, help="cut longer sequences (counted)")
@@ -285,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             dtype=args.dtype, batch_size=args.batch_size, max_samples=args.max_samples,
             max_length=args.max_length, min_response_tokens=args.min_response_tokens, seed=args.seed,
             last_hidden=False if args.no_last_hidden else None, target_model_id=args.target_model_id, device=args.device,
-            engine=args.engine)
+            engine=args.engine, encoding=args.encoding)
     except (ValueError, OSError, StoreError, TargetSourceError, BuildDigestError) as e:
         print(f"verl-speco-collect: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

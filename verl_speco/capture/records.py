@@ -34,14 +34,15 @@ def capture_layout(layer_ids: Sequence[int], last_hidden: bool = True) -> Layout
 
 
 def build_schema(layout: Layout, hidden_size: int, vocab_size: int, target_model_id: str,
-                 dtype: torch.dtype = torch.bfloat16) -> Schema:
+                 dtype: torch.dtype = torch.bfloat16, encoding: str = "raw") -> Schema:
     """The Feature Store schema for captured features: the standard fields (``last_hidden`` unless the
-    layout says ``"none"``) with hidden states in ``dtype``."""
+    layout says ``"none"``) with hidden states in ``dtype``, stored as ``encoding`` ("raw" or "fp8_e4m3")."""
     if layout.convention != "hf_hidden_states" or layout.last_hidden not in ("post_norm", "none"):
         raise ValueError(f"layout {layout.to_dict()}: capture produces convention 'hf_hidden_states' and a "
                          f"'post_norm' (or no) last hidden")
     return standard_schema(layout, hidden_size=hidden_size, vocab_size=vocab_size,
-                           target_model_id=target_model_id, hidden_dtype=dtype_name(dtype))
+                           target_model_id=target_model_id, hidden_dtype=dtype_name(dtype),
+                           hidden_encoding=encoding)
 
 
 def family_names(algorithm: str | Sequence[str] | None) -> tuple[str, ...]:

@@ -47,7 +47,8 @@ class DrafterOptim:
 @dataclass
 class FeatureStoreSink:
     path: str | None = None  # collect_only: the store root (one writer per rank)
-    hidden_dtype: str = "bfloat16"  # dtype of stored hidden states
+    hidden_dtype: str = "bfloat16"  # dtype of stored hidden states (as read back)
+    hidden_encoding: str = "raw"  # raw | fp8_e4m3 (e4m3 + a float32 scale per token: about half of bf16's bytes)
     flush_samples: int = 256  # also flushed at every RL step boundary
 
 

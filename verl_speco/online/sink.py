@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from feature_store import StoreWriter
+from feature_store.schema import ENCODINGS
 from verl_speco.capture.records import build_schema, capture_layout
 from verl_speco.online.capture import CapturedRows
 from verl_speco.online.config import FeatureStoreSink
@@ -31,8 +32,12 @@ class StoreSink:
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ValueError(f"actor_rollout_ref.rollout.drafter.feature_store.hidden_dtype: got {cfg.hidden_dtype!r}, "
                              "expected a floating torch dtype name such as 'bfloat16' or 'float32'")
+        if cfg.hidden_encoding not in ENCODINGS:
+            raise ValueError(f"actor_rollout_ref.rollout.drafter.feature_store.hidden_encoding: got "
+                             f"{cfg.hidden_encoding!r}, expected one of {list(ENCODINGS)}")
         self.dtype = dtype
-        schema = build_schema(capture_layout(layer_ids), hidden_size, vocab_size, target_model_id, dtype)
+        schema = build_schema(capture_layout(layer_ids), hidden_size, vocab_size, target_model_id, dtype,
+                              cfg.hidden_encoding)
         # copy_inputs=False: captured rows are fresh tensors nobody mutates after `write` (no defensive copy)
         self.writer = StoreWriter(Path(cfg.path), schema, rank=rank, flush_samples=cfg.flush_samples, copy_inputs=False,
                                   producer={"tool": "verl-speco online collect_only", **(producer or {})})
