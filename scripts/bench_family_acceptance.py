@@ -60,6 +60,7 @@ import argparse
 import functools
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-sets", default=None,
                    help="evaluation sets decoded (default: all; a real target has sharegpt and humaneval)")
+    p.add_argument("--encoding", default="raw", choices=("raw", "fp8_e4m3"),
+                   help="hidden states trained from: the collected store (raw) or its fp8 twin (transcoded once, "
+                        "the same samples); results get an _<encoding> suffix")
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--greedy-only", action="store_true",
                    help="greedy decoding only (no T = 1 runs): the real target's budget on 2 cores")
@@ -180,8 +184,8 @@ def _train(args: argparse.Namespace, family: str, target: Path, stores: dict[str
     from verl_speco.train.loop import run as train_run
 
     extra = _depth_settings(family, args.k) + _target_settings(family, args.target)
-    key = [args.steps, args.seed, args.train_prompts, *extra]
-    run_dir = out / "train" / (family if not extra else f"{family}_k{args.k}")
+    key = [args.steps, args.seed, args.train_prompts, *extra] + ([args.encoding] if args.encoding != "raw" else [])
+    run_dir = out / "train" / ((family if not extra else f"{family}_k{args.k}") + _suffix(args))
     done = run_dir.parent / f"{run_dir.name}.bench.json"  # reused by a rerun with the same settings
     if done.is_file() and json.loads(done.read_text())["key"] == key:
         res: dict[str, Any] = json.loads(done.read_text())["result"]
@@ -195,6 +199,30 @@ def _train(args: argparse.Namespace, family: str, target: Path, stores: dict[str
               "median_step_s": step_s[len(step_s) // 2] if step_s else None, "settings": extra}
     done.write_text(json.dumps({"key": key, "result": result}))
     return {**result, "export": Path(result["export"]), "run_dir": str(run_dir), "key": key}
+
+
+def _suffix(args: argparse.Namespace) -> str:
+    """What names an --encoding run's files apart from the raw run's ("" for raw)."""
+    return "" if args.encoding == "raw" else f"_{args.encoding}"
+
+
+def _encoded(args: argparse.Namespace, stores: dict[str, Path]) -> dict[str, Path]:
+    """The train and eval stores re-encoded as --encoding (once; the same samples in the same shards)."""
+    from feature_store.transcode import transcode_store
+
+    if args.encoding == "raw":
+        return stores
+    out = dict(stores)
+    for name in ("train", "eval"):
+        twin = stores[name].with_name(stores[name].name + _suffix(args))
+        done = twin.parent / f"{twin.name}.done"
+        if not done.exists():
+            if twin.exists():
+                shutil.rmtree(twin)   # a transcode stopped part way: never committed as done
+            transcode_store(stores[name], twin, args.encoding)
+            done.write_text("")
+        out[name] = twin
+    return out
 
 
 def _overrides(args: argparse.Namespace, family: str, target: Path, stores: dict[str, Path], run_dir: Path,
@@ -350,7 +378,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     out = Path(args.out).resolve()
     (out / "data").mkdir(parents=True, exist_ok=True)
     target = resolve_target(args.target, log=print)
-    stores = _collect(args, families, target, out)
+    stores = _encoded(args, _collect(args, families, target, out))
     trained = {f: _train(args, f, target, stores, out) for f in _trained_families(families)}
     if args.time_steps > 0:  # after every training, all families in one pass: comparable step times
         for fam, timing in _time_families(args, trained, target, stores, out).items():
@@ -385,7 +413,7 @@ def _evaluate(args: argparse.Namespace, families: list[str], trained: dict[str, 
     prompts = EvalPrompts.from_jsonl(target, jsonl)
     first = next(iter(trained.values()))
     report: dict[str, Any] = {"target": str(target), "target_name": args.target, "eval_set": set_name,
-                              "k": args.k, "steps": args.steps,
+                              "k": args.k, "steps": args.steps, "encoding": args.encoding,
                               "eval_prompts": len(prompts.token_ids), "train_prompts": args.train_prompts,
                               "max_new_tokens": args.max_new_tokens, "seed": args.seed,
                               "timing": {"warmup_steps": args.time_warmup, "timed_steps": args.time_steps,
@@ -397,7 +425,8 @@ def _evaluate(args: argparse.Namespace, families: list[str], trained: dict[str, 
                               "families": {}}
     shape = TreeConfig(args.top_k, args.k, args.total_tokens)
     rows = [(f, None) for f in families] + ([("eagle3", shape)] if {"eagle2", "eagle3"} <= set(families) else [])
-    prefix = "" if set_name == "heldout" else f"{set_name}_"  # the embedded target's cache names unchanged
+    # the embedded target's cache names unchanged; an --encoding run's apart from the raw run's
+    prefix = ("" if set_name == "heldout" else f"{set_name}_") + (f"{args.encoding}_" if _suffix(args) else "")
     for fam, forced in rows:
         export = trained[fam]["export"]
         row = fam if forced is None else f"{fam} (tree)"
@@ -526,7 +555,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(key, value)
     ok = True
     for set_name, report in run(args).items():
-        stem = f"k{args.k}" if set_name == "heldout" else f"{set_name}_k{args.k}"
+        stem = (f"k{args.k}" if set_name == "heldout" else f"{set_name}_k{args.k}") + _suffix(args)
         text = table(report) + ("\n\n" + speed_table(report) if "vllm_side_by_side" in report else "")
         print(f"\n{set_name}: mean acceptance length (1 + accepted / drafts) and generated tokens per target "
               f"forward, {report['eval_prompts']} held-out prompts, {args.steps} training steps, k={args.k}\n{text}")

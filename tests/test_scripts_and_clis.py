@@ -198,6 +198,33 @@ def test_bench_family_acceptance_real_target_overrides_compose(tmp_path: Path) -
         bench._eval_sets("mmlu", ["sharegpt", "humaneval"])
 
 
+def test_bench_family_acceptance_encoding_trains_from_an_fp8_twin(tmp_path: Path) -> None:
+    """--encoding fp8_e4m3 transcodes the collected train and eval stores once (the same samples) and
+    names every result apart from the raw run's; raw leaves the stores as collected."""
+    import torch
+
+    from feature_store import Layout, StoreWriter, load_store, standard_schema
+
+    bench = _bench_family_module()
+    schema = standard_schema(Layout((1,)), hidden_size=8, vocab_size=50, target_model_id="t")
+    stores = {}
+    for name in ("train", "eval"):
+        with StoreWriter(tmp_path / name, schema) as w:
+            w.add({"input_ids": torch.arange(4), "loss_mask": torch.ones(4, dtype=torch.uint8),
+                   "aux_hidden": torch.randn(4, 8).bfloat16(), "last_hidden": torch.randn(4, 8).bfloat16()}, step=0)
+        stores[name] = tmp_path / name
+    raw = bench._parser().parse_args([])
+    assert bench._encoded(raw, stores) == stores and bench._suffix(raw) == ""
+    args = bench._parser().parse_args(["--encoding", "fp8_e4m3"])
+    twins = bench._encoded(args, {**stores, "eval_jsonl:sharegpt": tmp_path / "p.jsonl"})
+    assert twins["train"] == tmp_path / "train_fp8_e4m3" and twins["eval_jsonl:sharegpt"] == tmp_path / "p.jsonl"
+    assert load_store(twins["eval"]).schema.field("aux_hidden").encoding == "fp8_e4m3"
+    made = twins["train"].stat().st_mtime_ns
+    assert bench._encoded(args, stores)["train"] == twins["train"] and twins["train"].stat().st_mtime_ns == made
+    with pytest.raises(SystemExit):
+        bench._parser().parse_args(["--encoding", "int4"])
+
+
 def test_the_real_target_results_commands_parse() -> None:
     """The commands docs/results/smollm2/README.md gives parse with the script's and launcher's own
     parsers, with the values the figures were measured at."""

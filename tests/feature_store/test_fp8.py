@@ -203,3 +203,23 @@ def test_a_non_finite_feature_is_refused_before_encoding(tmp_path: Path) -> None
     sample["last_hidden"][2, 3] = float("inf")
     with StoreWriter(tmp_path, _schema()) as w, pytest.raises(NonFiniteError, match="'last_hidden'"):
         w.add(sample, step=0)
+
+
+def test_transcode_keeps_samples_order_steps_and_shards(tmp_path: Path) -> None:
+    from feature_store.transcode import transcode_store
+
+    src = _write(tmp_path / "raw", "raw")
+    assert transcode_store(src, tmp_path / "fp8", "fp8_e4m3") == 12
+    a, b = StoreIndex.open(src), StoreIndex.open(tmp_path / "fp8", verify_checksums=True)
+    assert [c.num_samples for c in a.commits] == [c.num_samples for c in b.commits] == [5, 5, 2]
+    assert b.schema.field("last_hidden").encoding == "fp8_e4m3" and b.schema.field("input_ids").encoding == "raw"
+    for g in range(12):
+        x, y = a.sample(g), b.sample(g)
+        assert [int(x[k]) for k in ("global_step", "policy_version")] == [int(y[k]) for k in ("global_step", "policy_version")]
+        assert torch.equal(x["input_ids"], y["input_ids"]) and torch.equal(x["loss_mask"], y["loss_mask"])
+        ref = x["aux_hidden"].float()
+        assert bool(((y["aux_hidden"].float() - ref).abs() <= fp8_error_bound(ref) + 2.0 ** -8 * ref.abs() * 1.1).all())
+    with pytest.raises(Exception, match="already there"):
+        transcode_store(src, tmp_path / "fp8", "fp8_e4m3")
+    with pytest.raises(ValueError, match="encoding='fp4'"):
+        transcode_store(src, tmp_path / "x", "fp4")
