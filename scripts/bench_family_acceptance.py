@@ -122,6 +122,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-sets", default=None,
                    help="evaluation sets decoded (default: all; a real target has sharegpt and humaneval)")
+    p.add_argument("--collect-for", default=None,
+                   help="families whose union layout the store holds (default: --families); the full list "
+                        "lets a subset train from the store a full run collected")
     p.add_argument("--encoding", default="raw", choices=("raw", "fp8_e4m3"),
                    help="hidden states trained from: the collected store (raw) or its fp8 twin (transcoded once, "
                         "the same samples); results get an _<encoding> suffix")
@@ -139,6 +142,17 @@ def _parser() -> argparse.ArgumentParser:
                                                                 "(default: %(default)s)")
     p.add_argument("--retime", action="store_true", help="measure the step time again (ignore the cache)")
     return p
+
+
+def _collect_for(args: argparse.Namespace, families: list[str]) -> list[str]:
+    """The families the store is collected for: --collect-for (which must cover --families) or --families."""
+    if args.collect_for is None:
+        return families
+    wanted = [f.strip() for f in args.collect_for.split(",") if f.strip()]
+    if set(wanted) - set(FAMILIES) or set(families) - set(wanted):
+        raise SystemExit(f"--collect-for: got {args.collect_for!r}, expected a comma-separated subset of {FAMILIES} "
+                         f"holding every one of --families ({','.join(families)})")
+    return wanted
 
 
 def _trained_families(families: list[str]) -> list[str]:
@@ -159,7 +173,7 @@ def _collect(args: argparse.Namespace, families: list[str], target: Path, out: P
     embedded = args.target == DEFAULT_TARGET
     stores: dict[str, Path] = {}
     for name, jsonl in data.items():
-        layout_of = ",".join(sorted(_trained_families(families)))
+        layout_of = ",".join(sorted(_trained_families(_collect_for(args, families))))
         store = out / "stores" / target.name / layout_of.replace(",", "+") / name
         if not (store.parent / f"{name}.done").exists():
             collect_features(target, jsonl, store, algorithm=layout_of, generate=True,

@@ -223,6 +223,11 @@ def test_bench_family_acceptance_encoding_trains_from_an_fp8_twin(tmp_path: Path
     assert bench._encoded(args, stores)["train"] == twins["train"] and twins["train"].stat().st_mtime_ns == made
     with pytest.raises(SystemExit):
         bench._parser().parse_args(["--encoding", "int4"])
+    subset = bench._parser().parse_args(["--families", "eagle3", "--collect-for", ",".join(bench.FAMILIES)])
+    assert bench._collect_for(subset, ["eagle3"]) == list(bench.FAMILIES)
+    assert bench._collect_for(raw, ["eagle3"]) == ["eagle3"]
+    with pytest.raises(SystemExit, match="holding every one of --families"):
+        bench._collect_for(bench._parser().parse_args(["--collect-for", "eagle1"]), ["eagle3"])
 
 
 def test_the_real_target_results_commands_parse() -> None:
