@@ -53,7 +53,8 @@ def make_data(args: argparse.Namespace, num_features: int, lean: float) -> Data:
     Tokens follow a Zipf law over a random permutation of the vocab; the first `--prompt-frac` of
     each sequence is prompt (loss_mask 0). last_hidden[p] (post-norm) leans towards lm_head[x_{p+1}]
     with weight `lean` against unit noise; aux_hidden is noise [T, num_features * H]. The target's
-    MASK token is the last vocab id.
+    MASK token is the last vocab id. `--frozen-dtype` is the dtype of the target embedding and
+    lm_head (the frozen [V, H] tensors; `cast_frozen` casts the models' copies after the build).
     """
     g = torch.Generator().manual_seed(args.seed)
     h, v, t = args.hidden, args.vocab, args.seq_len
@@ -62,14 +63,16 @@ def make_data(args: argparse.Namespace, num_features: int, lean: float) -> Data:
                       head_dim=h // args.heads, intermediate_size=args.intermediate, rope_theta=10000.0,
                       rms_norm_eps=1e-6, max_position_embeddings=max(4096, 2 * t), model_type="llama",
                       tie_word_embeddings=False, mask_token="<|MASK|>", mask_token_id=v - 1)
-    target = TargetHead(spec, torch.randn(v, h, generator=g) * 0.02, torch.randn(v, h, generator=g) * 0.05,
+    frozen = getattr(torch, getattr(args, "frozen_dtype", "float32"))
+    embed = (torch.randn(v, h, generator=g) * 0.02).to(frozen)
+    target = TargetHead(spec, embed, (torch.randn(v, h, generator=g) * 0.05).to(frozen),
                         1.0 + 0.1 * torch.randn(h, generator=g))
     zipf = 1.0 / (torch.arange(v, dtype=torch.float64) + 2.0)
     token_of_rank = torch.randperm(v, generator=g)
     samples, pre_norm = [], []
     for _ in range(args.batch):
         ids = token_of_rank[torch.multinomial(zipf, t + 1, replacement=True, generator=g)]
-        direction = target.lm_head[ids[1:]]  # [T, H]: lean position p towards x_{p+1}
+        direction = target.lm_head[ids[1:]].float()  # [T, H]: lean position p towards x_{p+1}
         direction = direction / direction.norm(dim=-1, keepdim=True) * math.sqrt(h)
         pre = lean * direction + torch.randn(t, h, generator=g)  # pre-norm last hidden
         loss_mask = (torch.arange(t) >= int(t * args.prompt_frac)).to(torch.uint8)
@@ -78,6 +81,23 @@ def make_data(args: argparse.Namespace, num_features: int, lean: float) -> Data:
                         "last_hidden": rms_norm(pre, target.final_norm, spec.rms_norm_eps)})
         pre_norm.append(pre)
     return Data(target, samples, torch.stack(pre_norm))
+
+
+def cast_frozen(model: nn.Module, dtype: str) -> int:
+    """Cast every frozen matrix of `model` (parameters without grad, floating buffers, >= 2 dims) to
+    `dtype` in place; returns the elements cast. Trainable parameters stay as they are."""
+    to, count = getattr(torch, dtype), 0
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.requires_grad and p.dim() >= 2 and p.is_floating_point() and p.dtype != to:
+                p.data = p.data.to(to)
+                count += p.numel()
+        for module in model.modules():
+            for name, buf in list(module._buffers.items()):
+                if buf is not None and buf.dim() >= 2 and buf.is_floating_point() and buf.dtype != to:
+                    module._buffers[name] = buf.to(to)
+                    count += buf.numel()
+    return count
 
 
 def load_exact(model: nn.Module, state: dict[str, Tensor], what: str, may_miss: tuple[str, ...] = ()) -> None:

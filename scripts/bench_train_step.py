@@ -59,6 +59,30 @@ Usage:
     .venv/bin/python scripts/bench_train_step.py                   # all families, default shapes
     .venv/bin/python scripts/bench_train_step.py --family dflash   # one family
     .venv/bin/python scripts/bench_train_step.py --quick           # smoke run (tiny shapes, seconds per family)
+    .venv/bin/python scripts/bench_train_step.py --shapes qwen3-8b --threads 2   # Qwen3-8B recipes, below
+    .venv/bin/python scripts/bench_train_step.py --shapes qwen3-8b --family dflash --no-ours-alone
+    .venv/bin/python scripts/bench_train_step.py --shapes qwen3-8b --no-cpu-fit  # the recipes unreduced (big host)
+
+--shapes qwen3-8b (benchmarks/train_step_shapes.py reads every value from the catalog and prints its
+source): QWEN3_8B's hidden 4096, 32/8 heads, intermediate 12288, vocab 151936 (verl_speco/launchers/
+recipes.py); per family GPU_SETTINGS (EAGLE-3 / P-EAGLE draft vocab 32000, TTT 7 / decay 0.8; DFlash
+5 layers block 16; DSpark 5 layers block 7; P-EAGLE 4 layers, 8 depths), the rest from the family
+config defaults (DFlash / DSpark num_anchors 512, loss_gamma 7 / 4, 5 context layers, Markov rank
+256; P-EAGLE COD r 0.7, r_min 0.2); sequence length data.max_seq_len of the family's Qwen3-8B trainer
+preset (EAGLE-3: configs/preset/qwen3_8b_eagle3.yaml, 4096), else the trainer default (DataSection:
+2048); bf16 autocast (that preset's run.mixed_precision); one sequence per step, 2 warmup steps
+(memory on the second: AdamW state already allocated), 2 timed. Reductions for a 24 GiB 2-core CPU
+host (CPU_FIT, printed with their reasons; --no-cpu-fit drops them, explicit flags win): DFlash /
+DSpark 1 layer and P-EAGLE 1 layer (weights + grads + AdamW of the recipe's layers do not fit, and
+they add equally to both sides), sequence length 1024 for EAGLE-3 / DFlash / DSpark (time per step;
+speculators' [rows, V] fp32 logits) with DFlash / DSpark anchors scaled to 256 (the recipe's anchors
+per token), frozen target embedding / lm_head copies in bf16 on both sides. Each side runs in its own
+subprocess (--isolate: peak memory without the other side resident; the timing is then not
+interleaved, the CPU-time column is the load-robust cross-check), then our side alone at the
+recipe's full sequence length and anchors (--ours-alone: peak memory only, no check, no timed
+steps). The table adds mem_ratio (peak RSS over a step, ours / speculators) against the memory goals
+(DFlash, DSpark <= 0.5; EAGLE-3, P-EAGLE <= 0.8); Domino has the 0.5 goal but no speculators
+counterpart (printed, not measured).
 
 Measured on the 2 idle cores (load < 0.5; torch 2.13 CPU, speculators 0.9.0; default shapes:
 hidden 1024, 16/4 heads, intermediate 2816, vocab 32000, seq 512, batch 1, fp32), 3.6 min:
@@ -100,32 +124,53 @@ from __future__ import annotations
 import argparse
 import functools
 import gc
+import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import train_step_shapes as shapes  # noqa: E402
 from benchmarks.train_step_adapters import ADAPTERS, Built  # noqa: E402
+from benchmarks.train_step_common import cast_frozen  # noqa: E402
 
 QUICK = dict(hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=2048, draft_vocab=512,
              seq_len=64, batch=1, steps=3, warmup=1, threads=1, layers=1, num_anchors=8, context_layers=3,
              markov_rank=32, peagle_layers=2)
 GOAL, LIMIT = 0.7, 1.0
+RESULT_TAG = "SIDE_RESULT "  # a child (--side ours|speculators) prints its measurements on this line
+# what a child is told explicitly; the preset / isolation switches are the parent's
+PARENT_ONLY = {"shapes", "cpu_fit", "isolate", "ours_alone", "quick", "help"}
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--family", choices=(*ADAPTERS, "all"), default="all",
                    help="which family to benchmark; all = every one, one table at the end")
+    p.add_argument("--shapes", choices=shapes.SHAPES, default="default",
+                   help="default: the flags' defaults below; qwen3-8b: Qwen3-8B sizes and each family's recipe "
+                        "(benchmarks/train_step_shapes.py; the header names every value's source and every "
+                        "reduction); explicit flags win")
+    p.add_argument("--cpu-fit", action=argparse.BooleanOptionalAction, default=True,
+                   help="qwen3-8b: apply the reductions that fit a 24 GiB CPU machine (layers, sequence length, "
+                        "anchors, bf16 frozen target tensors; printed)")
+    p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                   help="run each side in its own subprocess (peak memory without the other side resident; "
+                        "timing then not interleaved); default: on for qwen3-8b")
+    p.add_argument("--ours-alone", action=argparse.BooleanOptionalAction, default=None,
+                   help="also measure our peak memory alone (own subprocess, no check, no timing) at the "
+                        "recipe's full sequence length and anchors; qwen3-8b only, default on there")
     g = p.add_argument_group("shapes (every family)")
     g.add_argument("--hidden", type=int, default=1024)
     g.add_argument("--heads", type=int, default=16)
@@ -158,30 +203,101 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--steps", type=int, default=5, help="timed steps per side")
     g.add_argument("--warmup", type=int, default=2, help="untimed steps per side")
     g.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    g.add_argument("--frozen-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="dtype of the frozen target embedding / lm_head copies on both sides (bfloat16 needs "
+                        "--dtype bfloat16)")
     g.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-memory", action="store_true", help="skip the peak-memory pass")
+    g.add_argument("--no-check", action="store_true", help="skip the loss check")
+    g.add_argument("--side", choices=("both", "ours", "speculators"), default="both",
+                   help="run one side only in this process (what --isolate / --ours-alone start; prints "
+                        f"{RESULT_TAG.strip()} json)")
     g.add_argument("--quick", action="store_true", help=f"smoke run; defaults become {QUICK}")
-    args = p.parse_args(argv)
-    if args.quick:  # tiny defaults; flags given explicitly still win
-        for key, value in QUICK.items():
-            if getattr(args, key) == p.get_default(key):
-                setattr(args, key, value)
+    return p
+
+
+def explicit_flags(p: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
+    """The dests given on the command line (whatever their value)."""
+    probe = argparse.ArgumentParser(add_help=False)
+    for action in p._actions:
+        if action.option_strings and action.dest != "help":
+            kwargs: dict[str, Any] = {"dest": action.dest, "default": argparse.SUPPRESS}
+            if action.nargs == 0:
+                kwargs["action"] = ("store_true" if isinstance(action, argparse._StoreTrueAction)
+                                    else argparse.BooleanOptionalAction)
+            probe.add_argument(*action.option_strings, **kwargs)
+    return set(vars(probe.parse_known_args(argv)[0]))
+
+
+def family_args(args: argparse.Namespace, name: str, explicit: set[str], full_length: bool = False
+                ) -> tuple[argparse.Namespace, list[str]]:
+    """`args` for family `name`: the qwen3-8b preset under explicit flags (header lines), or `args`."""
+    if args.shapes == "default":
+        return args, []
+    settings = shapes.preset(name, args.cpu_fit, full_length)
+    fam = argparse.Namespace(**vars(args))
+    fam.family = name
+    for key, s in settings.items():
+        if key not in explicit or (full_length and key in ("seq_len", "num_anchors")):
+            setattr(fam, key, s.value)
+    given = {k: getattr(args, k) for k in settings if k in explicit and not (full_length and k in ("seq_len",
+                                                                                                   "num_anchors"))}
+    return fam, shapes.describe(name, settings, given)
+
+
+def validate(p: argparse.ArgumentParser, args: argparse.Namespace, name: str) -> None:
+    """Exit with one message naming the flag, the value and what was expected."""
     checks = [("hidden", args.hidden % args.heads == 0, f"a multiple of --heads={args.heads}"),
               ("heads", args.heads % args.kv_heads == 0, f"a multiple of --kv-heads={args.kv_heads}")]
     checks += [(k, getattr(args, k.replace("-", "_")) >= 1, ">= 1")
-               for k in ("hidden", "heads", "kv-heads", "intermediate", "vocab", "seq-len", "batch", "steps",
-                         "threads")]
+               for k in ("hidden", "heads", "kv-heads", "intermediate", "vocab", "seq-len", "batch", "threads")]
+    checks.append(("steps", args.steps >= (1 if args.side == "both" else 0),
+                   ">= 1" if args.side == "both" else ">= 0 (with --side)"))
     checks.append(("warmup", args.warmup >= 0, ">= 0"))
     checks.append(("prompt-frac", 0.0 <= args.prompt_frac < 1.0, "in [0, 1)"))
-    for name, ok, expected in checks:
+    checks.append(("frozen-dtype", args.frozen_dtype == "float32" or args.dtype == "bfloat16",
+                   f"float32 with --dtype {args.dtype} (bfloat16 frozen tensors need --dtype bfloat16)"))
+    for flag, ok, expected in checks:
         if not ok:
-            p.error(f"--{name}: got {getattr(args, name.replace('-', '_'))}, expected {expected}")
+            p.error(f"--{flag}: got {getattr(args, flag.replace('-', '_'))}, expected {expected}"
+                    + (f" ({name}, --shapes {args.shapes})" if args.shapes != "default" else ""))
     if (args.hidden // args.heads) % 2:
         p.error(f"--hidden/--heads: head_dim {args.hidden // args.heads} must be even (RoPE)")
+    for flag, got, expected in ADAPTERS[name].validate(args):
+        p.error(f"--{flag}: got {got}, expected {expected}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The run's arguments; `per_family` / `alone` hold each family's (preset) arguments, `header`
+    the preset's lines (every value used and every reduction)."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    explicit = explicit_flags(p, argv)
+    if args.quick:  # tiny defaults; flags given explicitly still win
+        for key, value in QUICK.items():
+            if key not in explicit:
+                setattr(args, key, value)
+                explicit.add(key)  # the preset does not override them either
+    qwen = args.shapes == "qwen3-8b"
+    if args.side != "both" and (qwen or args.isolate or args.ours_alone):
+        p.error(f"--side: got {args.side}, expected both with --shapes {args.shapes}, --isolate or --ours-alone "
+                "(a one-side run takes resolved shapes)")
+    if args.ours_alone and not qwen:
+        p.error("--ours-alone: got it with --shapes default, expected --shapes qwen3-8b (it runs the recipe's "
+                "full sequence length)")
+    args.isolate = qwen if args.isolate is None else args.isolate
+    args.ours_alone = qwen if args.ours_alone is None else args.ours_alone
+    args.parser, args.per_family, args.alone, args.header = p, {}, {}, []
     for name in families(args):
-        for flag, got, expected in ADAPTERS[name].validate(args):
-            p.error(f"--{flag}: got {got}, expected {expected}")
+        fam, lines = family_args(args, name, explicit)
+        validate(p, fam, name)
+        args.per_family[name], args.header = fam, args.header + lines
+        if args.ours_alone:
+            full, _ = family_args(args, name, explicit, full_length=True)
+            full.steps, full.no_check, full.side = 0, True, "ours"
+            validate(p, full, name)
+            args.alone[name] = full
     return args
 
 
@@ -189,18 +305,44 @@ def families(args: argparse.Namespace) -> list[str]:
     return list(ADAPTERS) if args.family == "all" else [args.family]
 
 
+def child_argv(p: argparse.ArgumentParser, ns: argparse.Namespace, family: str, side: str) -> list[str]:
+    """Command-line flags that reproduce `ns` (resolved) for a one-side child process."""
+    out = ["--family", family, "--side", side]
+    for action in p._actions:
+        if not action.option_strings or action.dest in PARENT_ONLY | {"side", "family"}:
+            continue
+        value = getattr(ns, action.dest)
+        if isinstance(action, argparse._StoreTrueAction):
+            out += [action.option_strings[0]] if value else []
+        elif value is not None:
+            out += [action.option_strings[0], str(value)]
+    return out
+
+
 # ----------------------------------------------------------------------------- steps and timing
 
 @dataclass
-class Side:
+class SideStats:
+    """One side's measurements (what a child process sends back as json)."""
+
     name: str
-    model: torch.nn.Module
-    forward_loss: Callable[[], torch.Tensor]
-    opt: torch.optim.Optimizer = field(init=False)
+    trainable: int
     times: dict[str, list[float]] = field(
         default_factory=lambda: {"fwd": [], "bwd": [], "opt": [], "step": [], "cpu": []})
     losses: list[float] = field(default_factory=list)
-    peak_mb: float | None = None
+    peak_mb: float | None = None  # peak RSS over the step minus the resident set before it
+    process_peak_mb: float | None = None  # the process's peak RSS during that step (weights included)
+
+    def median_ms(self, key: str) -> float:
+        return statistics.median(self.times[key]) * 1e3
+
+
+@dataclass
+class Side:
+    stats: SideStats
+    model: torch.nn.Module
+    forward_loss: Callable[[], torch.Tensor]
+    opt: torch.optim.Optimizer = field(init=False)
 
     def __post_init__(self) -> None:
         self.opt = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=1e-4)
@@ -219,91 +361,150 @@ class Side:
         cpu = time.process_time() - c0
         if record:
             for key, value in (("fwd", t1 - t0), ("bwd", t2 - t1), ("opt", t3 - t2), ("step", t3 - t0), ("cpu", cpu)):
-                self.times[key].append(value)
-            self.losses.append(float(loss.detach()))
-
-    @property
-    def trainable(self) -> int:
-        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-
-    def median_ms(self, key: str) -> float:
-        return statistics.median(self.times[key]) * 1e3
+                self.stats.times[key].append(value)
+            self.stats.losses.append(float(loss.detach()))
 
 
-def peak_rss_delta_mb(fn: Callable[[], None]) -> float | None:
-    """Peak resident set during fn() minus the resident set before it (Linux), else None."""
+def trim() -> None:
+    """Give freed memory back to the kernel (Linux glibc; a no-op elsewhere)."""
     import ctypes
 
+    gc.collect()
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        gc.collect()
-        libc.malloc_trim(0)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def peak_rss_delta_mb(fn: Callable[[], None]) -> tuple[float | None, float | None]:
+    """(peak resident set during fn() minus the resident set before it, that peak) in MB (Linux),
+    else (None, None)."""
+    def status(key: str) -> float:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) / 1024.0
+        raise KeyError(key)
+
+    try:
+        trim()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM (peak RSS) to the current RSS
-
-        def status(key: str) -> float:
-            for line in Path("/proc/self/status").read_text().splitlines():
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) / 1024.0
-            raise KeyError(key)
-
         before = status("VmRSS")
-    except (OSError, KeyError, AttributeError):
+    except (OSError, KeyError):
         fn()
-        return None
+        return None, None
     fn()
-    return status("VmHWM") - before
+    peak = status("VmHWM")
+    return peak - before, peak
 
 
 @dataclass
 class Result:
     family: str
-    ours: Side
-    theirs: Side
-    check_ok: bool
+    ours: SideStats
+    theirs: SideStats
+    check_ok: bool | None  # None: the loss check did not run (--no-check)
     check_losses: tuple[float, float]
+    interleaved: bool = True
 
     @property
     def ratio(self) -> float:
         return self.ours.median_ms("step") / self.theirs.median_ms("step")
 
     @property
+    def mem_ratio(self) -> float | None:
+        a, b = self.ours.peak_mb, self.theirs.peak_mb
+        return a / b if a is not None and b is not None and b > 0 else None
+
+    @property
     def finite(self) -> bool:
         return all(math.isfinite(x) for s in (self.ours, self.theirs) for x in s.losses) and \
-            all(math.isfinite(x) for x in self.check_losses)
+            (self.check_ok is None or all(math.isfinite(x) for x in self.check_losses))
 
 
 def verdict(ratio: float) -> str:
     return "GOAL" if ratio <= GOAL else ("PASS" if ratio <= LIMIT else "FAIL")
 
 
-def run_family(name: str, args: argparse.Namespace) -> Result:
+def mem_verdict(r: Result) -> str:
+    goal = shapes.MEMORY_GOALS.get(r.family)
+    return "n/a" if r.mem_ratio is None or goal is None else ("PASS" if r.mem_ratio <= goal else "FAIL")
+
+
+def run_family(name: str, args: argparse.Namespace) -> Result | None:
+    """Build, check, warm up (peak memory), time. With --side ours|speculators only that side is kept
+    (the other freed before its first step); it prints its SideStats as json and returns None."""
     adapter = ADAPTERS[name]
     torch.manual_seed(args.seed)
     built: Built = adapter.build(args)
+    if args.frozen_dtype != "float32":
+        cast = cast_frozen(built.ours, args.frozen_dtype) + cast_frozen(built.theirs, args.frozen_dtype)
+        print(f"frozen target tensors cast to {args.frozen_dtype}: {cast:,} elements over both sides")
     print(f"\n=== {adapter.label} train step: hidden={args.hidden} heads={args.heads} kv_heads={args.kv_heads} "
           f"intermediate={args.intermediate} vocab={args.vocab} seq_len={args.seq_len} batch={args.batch} "
-          f"{built.header} dtype={args.dtype} threads={torch.get_num_threads()} steps={args.steps} "
-          f"warmup={args.warmup} prompt_frac={args.prompt_frac}")
-    check = built.check()
-    sides = [Side("ours", built.ours, built.ours_loss), Side("speculators", built.theirs, built.theirs_loss)]
+          f"{built.header} dtype={args.dtype} frozen_dtype={args.frozen_dtype} threads={torch.get_num_threads()} "
+          f"steps={args.steps} warmup={args.warmup} prompt_frac={args.prompt_frac} side={args.side}")
+    check = built.check() if not args.no_check else None
+    sides = [Side(SideStats(n, sum(p.numel() for p in m.parameters() if p.requires_grad)), m, f)
+             for n, m, f in (("ours", built.ours, built.ours_loss), ("speculators", built.theirs, built.theirs_loss))
+             if args.side in ("both", n)]
+    loss_names = built.loss_names
+    del built  # a one-side run frees the other side here
+    trim()
     for i in range(max(args.warmup, 0 if args.no_memory else 1)):
         for side in sides:  # peak memory: on the last untimed step (an extra one when --warmup 0)
             if not args.no_memory and i == max(args.warmup, 1) - 1:
-                side.peak_mb = peak_rss_delta_mb(functools.partial(side.step, record=False))
+                side.stats.peak_mb, side.stats.process_peak_mb = peak_rss_delta_mb(
+                    functools.partial(side.step, record=False))
             else:
                 side.step(record=False)
     for i in range(args.steps):  # interleaved; alternate who goes first (A B, B A, ...)
         for side in (sides if i % 2 == 0 else sides[::-1]):
             side.step(record=True)
-    result = Result(name, sides[0], sides[1], check.ok, (check.ours, check.theirs))
-    report_family(result, built.loss_names, args)
+    checked = (check.ok, (check.ours, check.theirs)) if check is not None else (None, (math.nan, math.nan))
+    if args.side != "both":
+        print(RESULT_TAG + json.dumps({"stats": asdict(sides[0].stats), "check_ok": checked[0],
+                                       "check_losses": list(checked[1]), "loss_names": list(loss_names)}),
+              flush=True)
+        return None
+    result = Result(name, sides[0].stats, sides[1].stats, checked[0], checked[1])
+    report_family(result, loss_names, args)
     return result
 
 
+def run_side(name: str, ns: argparse.Namespace, side: str) -> dict[str, Any]:
+    """One side of `name` in a child process (its output streamed here); its json result."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), *child_argv(ns.parser, ns, name, side)]
+    print(f"\n--- {name} {side}: own process", flush=True)
+    found: dict[str, Any] | None = None
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ}) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith(RESULT_TAG):
+                found = json.loads(line[len(RESULT_TAG):])
+            else:
+                print(line, end="", flush=True)
+    if proc.returncode != 0 or found is None:
+        raise RuntimeError(f"{name} {side} child exited {proc.returncode} without a result: {' '.join(cmd)}")
+    return found
+
+
+def run_isolated(name: str, args: argparse.Namespace) -> Result:
+    """Both sides of `name`, each in its own process (ours runs the loss check); not interleaved."""
+    ours = run_side(name, args, "ours")
+    theirs = run_side(name, argparse.Namespace(**{**vars(args), "no_check": True}), "speculators")
+    result = Result(name, SideStats(**ours["stats"]), SideStats(**theirs["stats"]),
+                    ours["check_ok"], (ours["check_losses"][0], ours["check_losses"][1]), interleaved=False)
+    report_family(result, (ours["loss_names"][0], ours["loss_names"][1]), args)
+    return result
+
+
+# ----------------------------------------------------------------------------- report
+
 def report_family(r: Result, loss_names: tuple[str, str], args: argparse.Namespace) -> None:
     ours, theirs = r.ours, r.theirs
-    print(f"\n{'':<28}{'ours':>14}{'speculators':>14}{'ours/spec':>11}")
+    print(f"\n{'':<28}{'ours':>14}{'speculators':>14}{'ours/spec':>11}"
+          + ("" if r.interleaved else "   (each side in its own process: not interleaved)"))
     for key, label in (("step", "step median (ms)"), ("fwd", "  forward+loss (ms)"),
                        ("bwd", "  backward+clip (ms)"), ("opt", "  AdamW step (ms)"),
                        ("cpu", "step CPU time (ms)")):
@@ -315,38 +516,71 @@ def report_family(r: Result, loss_names: tuple[str, str], args: argparse.Namespa
     print(f"{'trainable params':<28}{ours.trainable:>14,}{theirs.trainable:>14,}"
           f"{'   (equal)' if ours.trainable == theirs.trainable else '   (DIFFERENT)'}")
     if not args.no_memory:
-        mem = ["n/a" if s.peak_mb is None else f"{s.peak_mb:.0f}" for s in (ours, theirs)]
-        print(f"{'peak RSS over step (MB)':<28}{mem[0]:>14}{mem[1]:>14}")
-    print(f"{'loss on the check batch':<28}{r.check_losses[0]:>14.4f}{r.check_losses[1]:>14.4f}"
-          f"   (ours = {loss_names[0]}, speculators = {loss_names[1]})")
+        for label, key in (("peak RSS over step (MB)", "peak_mb"), ("  process peak RSS (MB)", "process_peak_mb")):
+            a, b = getattr(ours, key), getattr(theirs, key)
+            ratio = f"{a / b:>11.2f}" if a is not None and b else ""
+            print(f"{label:<28}{fmt_mb(a):>14}{fmt_mb(b):>14}{ratio}")
+    if r.check_ok is not None:
+        print(f"{'loss on the check batch':<28}{r.check_losses[0]:>14.4f}{r.check_losses[1]:>14.4f}"
+              f"   (ours = {loss_names[0]}, speculators = {loss_names[1]})")
     print(f"{'loss first timed step':<28}{ours.losses[0]:>14.4f}{theirs.losses[0]:>14.4f}")
     print(f"{'loss last timed step':<28}{ours.losses[-1]:>14.4f}{theirs.losses[-1]:>14.4f}")
     print(f"ratio ours/speculators = {r.ratio:.2f} (goal <= {GOAL}, must be <= {LIMIT}): {verdict(r.ratio)}")
 
 
-def report_table(results: list[Result]) -> None:
+def fmt_mb(mb: float | None) -> str:
+    return "n/a" if mb is None else f"{mb:.0f}"
+
+
+def report_table(results: list[Result], alone: dict[str, SideStats]) -> None:
     """One row per family; columns are space-separated (tests/test_scripts_and_clis.py parses them)."""
-    print(f"\nsummary (ratio = median step ours / speculators; PASS <= {LIMIT}, GOAL <= {GOAL})")
+    print(f"\nsummary (ratio = median step ours / speculators; PASS <= {LIMIT}, GOAL <= {GOAL}; mem_ratio = peak "
+          "RSS over a step ours / speculators, against mem_goal)")
     print(f"{'family':<8}{'ours_ms':>10}{'spec_ms':>10}{'ratio':>7}{'cpu_ratio':>10}{'ours_MB':>9}{'spec_MB':>9}"
-          f"{'ours_params':>13}{'spec_params':>13}{'ours_loss':>11}{'spec_loss':>11}{'check':>7}  verdict")
+          f"{'mem_ratio':>10}{'mem_goal':>9}{'ours_params':>13}{'spec_params':>13}{'ours_loss':>11}{'spec_loss':>11}"
+          f"{'check':>7}  verdict  mem_verdict")
     for r in results:
-        mem = ["n/a" if s.peak_mb is None else f"{s.peak_mb:.0f}" for s in (r.ours, r.theirs)]
         cpu = r.ours.median_ms("cpu") / r.theirs.median_ms("cpu")
+        mem = "n/a" if r.mem_ratio is None else f"{r.mem_ratio:.2f}"
+        goal = shapes.MEMORY_GOALS.get(r.family)
+        check = "skip" if r.check_ok is None else ("OK" if r.check_ok else "FAIL")
         print(f"{r.family:<8}{r.ours.median_ms('step'):>10.1f}{r.theirs.median_ms('step'):>10.1f}{r.ratio:>7.2f}"
-              f"{cpu:>10.2f}{mem[0]:>9}{mem[1]:>9}{r.ours.trainable:>13}{r.theirs.trainable:>13}"
-              f"{r.check_losses[0]:>11.4f}{r.check_losses[1]:>11.4f}{'OK' if r.check_ok else 'FAIL':>7}  "
-              f"{verdict(r.ratio)}")
+              f"{cpu:>10.2f}{fmt_mb(r.ours.peak_mb):>9}{fmt_mb(r.theirs.peak_mb):>9}{mem:>10}"
+              f"{'n/a' if goal is None else f'<={goal}':>9}{r.ours.trainable:>13}{r.theirs.trainable:>13}"
+              f"{r.check_losses[0]:>11.4f}{r.check_losses[1]:>11.4f}{check:>7}  {verdict(r.ratio):<7}  "
+              f"{mem_verdict(r)}")
+    for name, stats in alone.items():
+        print(f"ours alone at the recipe's full length ({name}): peak RSS over a step {fmt_mb(stats.peak_mb)} MB, "
+              f"process peak {fmt_mb(stats.process_peak_mb)} MB, {stats.trainable:,} trainable params")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    results = []
+    if args.side != "both":  # a child of --isolate / --ours-alone: one family, one side, json out
+        run_family(args.family, args.per_family[args.family])
+        return 0
+    for line in args.header:
+        print(line)
+    if args.shapes == "qwen3-8b":
+        for name, why in shapes.NOT_IN_SPECULATORS.items():
+            print(f"[{name}] not measured: {why}")
+    results, alone = [], {}
     for name in families(args):
-        results.append(run_family(name, args))
+        fam = args.per_family[name]
+        if args.isolate:
+            results.append(run_isolated(name, fam))
+        else:
+            result = run_family(name, fam)
+            assert result is not None
+            results.append(result)
         gc.collect()  # the next family starts without this one's models and batches
-    report_table(results)
-    bad = [r.family for r in results if not (r.check_ok and r.finite)]
+        if name in args.alone:
+            print(f"\n--- {name}: ours alone at the recipe's full length (seq_len={args.alone[name].seq_len}"
+                  f"{'' if name not in ('dflash', 'dspark') else f', num_anchors={args.alone[name].num_anchors}'})")
+            alone[name] = SideStats(**run_side(name, args.alone[name], "ours")["stats"])
+    report_table(results, alone)
+    bad = [r.family for r in results if not (r.check_ok is not False and r.finite)]
     if bad:
         print(f"loss check failed or non-finite loss: {bad} (see above)")
     return 1 if bad else 0
