@@ -83,8 +83,9 @@ class AscendTree:
         for node in ast.walk(self._ast("attention/attention_v1.py")):
             if isinstance(node, ast.Assert) and isinstance(node.test, ast.Compare) and \
                     isinstance(node.test.left, ast.Attribute) and node.test.left.attr == "decode_threshold" and \
-                    isinstance(node.test.ops[0], ast.LtE) and isinstance(node.test.comparators[0], ast.Constant):
-                return int(node.test.comparators[0].value)
+                    isinstance(node.test.ops[0], ast.LtE) and isinstance(node.test.comparators[0], ast.Constant) and \
+                    isinstance(node.test.comparators[0].value, int):
+                return node.test.comparators[0].value
         raise AscendTreeError(f"{self.package}/attention/attention_v1.py: no `assert ...decode_threshold <= N`")
 
     def speculative_config_reads(self) -> frozenset[str]:
