@@ -1,20 +1,54 @@
-"""Accelerator probing: the only module that imports torch_npu (guarded; it breaks CPU installs)."""
+"""Accelerator probing and the per-device choices built on it: the only module that imports torch_npu.
+
+torch_npu is imported inside `_import_torch_npu` only, never at module level: on a machine without
+CANN's libraries its import fails (or leaves torch half patched), and a module-level import would
+break `import torch` for everything that imports us. Every failure of that import counts as "no
+NPU" (`npu_device_count` returns 0), so a broken install resolves to the CPU instead of crashing.
+
+Per device type ("cuda", "npu", "cpu"):
+- `accelerator_type()`: cuda if CUDA is available, else npu if an NPU is visible, else cpu.
+- `collective_backend`: nccl | hccl | gloo.
+- `collective_dtype`: the dtype a reduction runs in. HCCL has no float64 all-reduce, so on npu
+  floating tensors reduce in float32 and int64 in int32; elsewhere floats widen to float64.
+- `set_current_device`: the torch.cuda / torch.npu call that binds this process to a device.
+- `ray_accelerator_options`: Ray's request for n accelerators (`num_gpus` / `resources={"NPU": n}`).
+"""
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 import torch
+
+DEVICE_TYPES = ("cuda", "npu", "cpu")
+BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+
+
+def _import_torch_npu() -> Any:
+    """torch_npu, imported on demand (tests replace this function to fake the probe)."""
+    return importlib.import_module("torch_npu")
 
 
 def npu_device_count() -> int:
-    """Visible Ascend NPUs; 0 when torch_npu is absent or unusable (ImportError/OSError/RuntimeError)."""
+    """Visible Ascend NPUs; 0 when torch_npu is absent or broken (any exception from its import or
+    from `torch.npu`'s queries: missing CANN libraries raise ImportError, OSError, RuntimeError or
+    worse) or when it attached no `torch.npu`."""
     try:
-        import torch_npu  # noqa: F401
-    except (ImportError, OSError, RuntimeError):
+        _import_torch_npu()
+        npu = getattr(torch, "npu", None)  # attached by torch_npu
+        if npu is None or not npu.is_available():
+            return 0
+        return int(npu.device_count())
+    except Exception:  # noqa: BLE001 - a broken torch_npu means no NPU, never a crash
         return 0
-    npu = getattr(torch, "npu", None)  # attached by torch_npu
-    if npu is None or not npu.is_available():
-        return 0
-    return int(npu.device_count())
+
+
+def accelerator_type() -> str:
+    """"cuda", "npu" or "cpu": what this process computes on when nothing is asked for."""
+    if torch.cuda.is_available():
+        return "cuda"
+    return "npu" if npu_device_count() > 0 else "cpu"
 
 
 def accelerator_count() -> int:
@@ -22,3 +56,41 @@ def accelerator_count() -> int:
     if torch.cuda.is_available():
         return int(torch.cuda.device_count())
     return npu_device_count()
+
+
+def _check_type(device_type: str) -> str:
+    if device_type not in DEVICE_TYPES:
+        raise ValueError(f"device type: got {device_type!r}, expected one of {', '.join(DEVICE_TYPES)}")
+    return device_type
+
+
+def collective_backend(device_type: str) -> str:
+    """The torch.distributed backend for `device_type`: nccl, hccl or gloo."""
+    return BACKENDS[_check_type(device_type)]
+
+
+def collective_dtype(dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """The dtype a sum or max of `dtype` tensors runs in on `device_type` (module docstring)."""
+    _check_type(device_type)
+    if dtype.is_floating_point:
+        return torch.float32 if device_type == "npu" else torch.float64
+    if dtype == torch.int64 and device_type == "npu":
+        return torch.int32
+    return dtype
+
+
+def set_current_device(device_type: str, index: int) -> None:
+    """Bind this process to accelerator `index` (nothing to do on the CPU)."""
+    if _check_type(device_type) == "cuda":
+        torch.cuda.set_device(index)
+    elif device_type == "npu":
+        npu: Any = getattr(torch, "npu")  # noqa: B009 (attached by torch_npu, absent from torch's stubs)
+        npu.set_device(index)
+
+
+def ray_accelerator_options(device_type: str, count: float) -> dict[str, Any]:
+    """Ray actor options asking for `count` accelerators of `device_type`: Ray counts NPUs as the
+    custom resource "NPU"; GPUs, and the CPU platform's stand-in GPUs, as num_gpus."""
+    if _check_type(device_type) == "npu":
+        return {"num_gpus": 0, "resources": {"NPU": count}}
+    return {"num_gpus": count}

@@ -5,7 +5,8 @@
 - `flex`: flex attention with a `BlockMask` built by `create_block_mask` from the same mask
   function. Compiled on CUDA; on CPU it runs eagerly, forward only (its backward is not
   implemented on CPU in torch 2.13), which is enough for the agreement test.
-- `auto`: flex on CUDA, sdpa elsewhere.
+- `auto`: flex on CUDA, sdpa elsewhere (Ascend NPUs and every other device take the dense-mask
+  path; flex is refused on them: torch_npu has no flex attention kernel).
 
 Shapes: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] with Hq a multiple of Hkv (grouped-query attention);
 output [B, Hq, Tq, D]. `mask=None` means every query sees every key.
@@ -28,11 +29,17 @@ AttnBackend = Literal["auto", "sdpa", "flex"]
 BACKENDS: tuple[str, ...] = ("auto", "sdpa", "flex")
 
 
+FLEX_DEVICES = ("cuda", "cpu")  # cpu: eager and forward only (module docstring)
+
+
 def resolve_backend(backend: str, device: torch.device) -> Literal["sdpa", "flex"]:
     if backend not in BACKENDS:
         raise ValueError(f"attn_backend: got {backend!r}, expected one of {BACKENDS}")
     if backend == "auto":
         return "flex" if device.type == "cuda" else "sdpa"
+    if backend == "flex" and device.type not in FLEX_DEVICES:
+        raise ValueError(f"attn_backend='flex' on device type {device.type!r}: flex attention runs on "
+                         f"{' and '.join(FLEX_DEVICES)} only; expected auto or sdpa (the dense-mask path)")
     return "flex" if backend == "flex" else "sdpa"
 
 

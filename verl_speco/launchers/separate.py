@@ -32,6 +32,7 @@ STAGES = ("both", "collect", "train")
 GPU_TRAIN = ["run.device=cuda", "run.dtype=float32", "run.mixed_precision=bfloat16", "data.max_seq_len=4096",
              "data.micro_batch_size=4", "data.eval_fraction=0.01", "optim.lr=6e-4", "optim.warmup_ratio=0.04",
              "optim.denominators=prepass", "run.save_every=500", "run.log_every=10"]
+NPU_TRAIN = ["run.device=npu", *GPU_TRAIN[1:]]  # HCCL, the dense-mask attention path (verl_speco/train)
 CPU_TRAIN = ["run.device=cpu", "run.dtype=float32", "data.max_seq_len=512", "data.micro_batch_size=8",
              "optim.lr=1e-3", "run.log_every=1", "run.progress_bar=false"]
 
@@ -64,7 +65,7 @@ def collect_overrides(family: str, engine: str, device: str, inputs: Inputs) -> 
     drafter = drafter_overrides(family, device, "collect_only")
     if device == "cpu":
         return [*drafter, *store, f"trainer.experiment_name=cpu_collect_{family}"]
-    return [*grpo_overrides(inputs, engine), *drafter, *store, f"{DRAFTER}.caps.max_rows=64",
+    return [*grpo_overrides(inputs, engine, device), *drafter, *store, f"{DRAFTER}.caps.max_rows=64",
             f"{DRAFTER}.caps.max_tokens=65536", f"{DRAFTER}.caps.max_seq_len=5120",
             f"trainer.experiment_name=qwen3_8b_collect_{family}_{engine}"]
 
@@ -75,7 +76,7 @@ def train_overrides(family: str, device: str, inputs: Inputs, target: str) -> li
     return [f"target.path={hydra_value(target)}", f"data.store={hydra_value(inputs.feature_dir)}",
             f"run.out_dir={hydra_value(inputs.ckpt_dir)}", "~drafter", f"drafter.algorithm={family}",
             *settings_overrides("drafter", values), f"run.total_steps={inputs.train_steps}", "run.resume=true",
-            *(GPU_TRAIN if device == "gpu" else [*CPU_TRAIN, f"run.save_every={inputs.train_steps}"])]
+            *({"gpu": GPU_TRAIN, "npu": NPU_TRAIN}.get(device) or [*CPU_TRAIN, f"run.save_every={inputs.train_steps}"])]
 
 
 def stages(family: str, engine: str, device: str, stage: str, inputs: Inputs, target: str,

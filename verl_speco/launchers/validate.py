@@ -51,7 +51,7 @@ def check_verl(overrides: Sequence[str], device: str) -> dict[str, Any]:
         values = dict(drafter.settings)
         engine = rollout_engine(cfg)
         recipes.engine_speculative_args(drafter.algorithm, engine, values, drafter.num_speculative_tokens, device)
-        spec = recipes.QWEN3_8B if device == "gpu" else recipes.CPU_PROBE
+        spec = recipes.CPU_PROBE if device == "cpu" else recipes.QWEN3_8B
         from drafters.registry import get_family
 
         family = get_family(drafter.algorithm)

@@ -1,7 +1,10 @@
 """Process group, device and FSDP2 setup for the trainer (applied from outside the model code).
 
-- device: auto -> cuda if available, else npu (torch_npu, probed in a guarded import), else cpu.
+- device: auto -> cuda if available, else npu (torch_npu, probed in a guarded import), else cpu
+  (`verl_speco.device`, the one module that imports torch_npu).
 - backend: auto -> nccl (cuda) | hccl (npu) | gloo (cpu).
+- collectives: HCCL has no float64 reduction, so on npu sums run in float32 and int maxima in int32
+  (`verl_speco.device.collective_dtype`); elsewhere float sums widen to float64.
 - Under torchrun (RANK/WORLD_SIZE set) the env:// rendezvous is used; a plain single process
   gets a private in-memory store, so the same FSDP2 code path runs with world size 1.
 - FSDP2: each maximal proper submodule whose parameters are all trainable becomes one `fully_shard`
@@ -23,41 +26,36 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from verl_speco.device import npu_device_count
+from verl_speco import device as device_mod
 from verl_speco.train.config import ConfigError, TrainerConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def _npu_available() -> bool:
-    return npu_device_count() > 0
-
-
 def resolve_device(name: str) -> torch.device:
+    """run.device -> this rank's device (bound as the current one: LOCAL_RANK's accelerator)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else ("npu" if _npu_available() else "cpu")
-    if name == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("run.device='cuda': torch.cuda.is_available() is False; expected auto or cpu "
-                              "on this machine")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    if name == "npu":
-        if not _npu_available():
-            raise ConfigError("run.device='npu': torch_npu is not importable or no NPU is visible; expected "
-                              "auto or cpu on this machine")
-        torch.npu.set_device(local_rank)  # type: ignore[attr-defined]
-        return torch.device("npu", local_rank)
-    if name != "cpu":
+    if name not in ("auto", *device_mod.DEVICE_TYPES):
         raise ConfigError(f"run.device={name!r}: expected auto, cpu, cuda or npu")
-    return torch.device("cpu")
+    if name == "auto":
+        name = device_mod.accelerator_type()
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("run.device='cuda': torch.cuda.is_available() is False; expected auto or cpu "
+                          "on this machine")
+    if name == "npu" and device_mod.npu_device_count() == 0:
+        raise ConfigError("run.device='npu': torch_npu is not importable or no NPU is visible; expected "
+                          "auto or cpu on this machine")
+    if name == "cpu":
+        return torch.device("cpu")
+    device_mod.set_current_device(name, local_rank)
+    return torch.device(name, local_rank)
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
+    """dist.backend -> the process group backend (auto: nccl, hccl or gloo by device type)."""
     if name != "auto":
         return name
-    return {"cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")
+    return device_mod.collective_backend(device.type)
 
 
 def init_distributed(cfg: TrainerConfig) -> tuple[torch.device, bool]:
@@ -126,9 +124,9 @@ def apply_fsdp(model: nn.Module, device: torch.device, mixed_precision: str | No
 
 
 def all_reduce_sum(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Sum over ranks (on `device`: NCCL/HCCL need device tensors, gloo CPU ones)."""
-    wide = torch.float32 if device.type == "npu" else torch.float64  # HCCL: no float64
-    out = t.detach().to(device=device, dtype=wide if t.is_floating_point() else t.dtype).clone()
+    """Sum over ranks (on `device`: NCCL/HCCL need device tensors, gloo CPU ones), in
+    `collective_dtype` (float32 on npu: HCCL has no float64; float64 elsewhere)."""
+    out = t.detach().to(device=device, dtype=device_mod.collective_dtype(t.dtype, device.type)).clone()
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(out)
     return out
@@ -138,6 +136,6 @@ def all_reduce_max_int(n: int, device: torch.device) -> int:
     """Max over ranks of a Python int (on `device`, as `all_reduce_sum`); `n` itself in a world of 1."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return n
-    t = torch.tensor([n], dtype=torch.int32 if device.type == "npu" else torch.int64, device=device)
+    t = torch.tensor([n], dtype=device_mod.collective_dtype(torch.int64, device.type), device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())

@@ -1,6 +1,6 @@
 """The drafter worker group of an RL run: `drafter.num_workers` Ray actors (`DrafterWorker`), each
 hosting one rank of the online `DrafterSession`; with more than one, the draft is sharded with FSDP2
-over a process group of the actors (NCCL on GPUs, gloo on CPUs; see session.py for how ranks split
+over a process group of the actors (NCCL on GPUs, HCCL on Ascend NPUs, gloo on CPUs; see session.py for how ranks split
 the rows). `DrafterGroup` is the trainer's handle: `group.method.remote(...)` calls the method on
 every rank (each actor runs its calls in order) and returns one object ref to rank 0's answer,
 which resolves only when every rank has answered (a failure on any rank surfaces there).
@@ -21,17 +21,22 @@ import time
 from typing import Any
 
 import ray
-import torch
 import torch.distributed as dist
 
+from verl_speco.device import (
+    accelerator_type,
+    collective_backend,
+    ray_accelerator_options,
+    set_current_device,
+)
 from verl_speco.online.config import DrafterRunConfig
 
 ACTOR_NAME_PREFIX = "verl_speco_drafter"
 
 
 def drafter_device() -> str:
-    """The accelerator Ray gave this actor, else the CPU."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    """The accelerator Ray gave this actor (cuda, npu), else the CPU (`verl_speco.device`'s probe)."""
+    return accelerator_type()
 
 
 def free_port() -> int:
@@ -52,9 +57,8 @@ class DrafterWorker:
         if world_size > 1:  # every rank's constructor runs at once; this returns when all have joined
             if master is None:
                 raise ValueError(f"DrafterWorker rank {rank} of {world_size}: master (host, port) is required")
-            if device == "cuda":
-                torch.cuda.set_device(0)  # Ray exposes this actor's accelerator as device 0
-            dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"tcp://{master[0]}:{master[1]}",
+            set_current_device(device, 0)  # Ray exposes this actor's accelerator as device 0
+            dist.init_process_group(collective_backend(device), init_method=f"tcp://{master[0]}:{master[1]}",
                                     rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=30))
         self.session = DrafterSession(self.cfg, target_dir, device=device, run_name=run_name)
         self.rows_added = 0
@@ -146,9 +150,11 @@ def _rendezvous() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port()
 
 
-def start_drafter_group(drafter: DrafterRunConfig, target_dir: str, run_name: str) -> DrafterGroup:
+def start_drafter_group(drafter: DrafterRunConfig, target_dir: str, run_name: str,
+                        device_type: str = "cuda") -> DrafterGroup:
     """Start `drafter.num_workers` named actors (`<prefix>_<run>_<rank>`), each with
-    `drafter.num_gpus` accelerators (outside verl's pools) and no CPU reservation (a 2-core machine
+    `drafter.num_gpus` accelerators of `device_type` (verl's trainer.device; Ray's "NPU" resource on
+    npu, num_gpus otherwise) outside verl's pools and no CPU reservation (a 2-core machine
     would deadlock with verl's own placement groups). With several, they form one process group whose
     address is on the node a probe task ran on; every rank is pinned to that node (one-node group)."""
     import dataclasses
@@ -157,7 +163,8 @@ def start_drafter_group(drafter: DrafterRunConfig, target_dir: str, run_name: st
     raw = dataclasses.asdict(drafter)
     remote_cls = ray.remote(DrafterWorker)
     master = ray.get(_rendezvous.remote()) if world > 1 else None
-    options: dict[str, Any] = {"num_cpus": 0, "num_gpus": drafter.num_gpus, "max_concurrency": 1}
+    options: dict[str, Any] = {"num_cpus": 0, "max_concurrency": 1,
+                               **ray_accelerator_options(device_type, drafter.num_gpus)}
     if world > 1 and master is not None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

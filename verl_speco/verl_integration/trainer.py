@@ -174,7 +174,8 @@ class SpecoTrainerMixin:
             # the live draft reload was not checked against, is refused naming the release and why
             require_engine_support(engine, self.speco.algorithm, live_publish=True)
             run_name = str(self.config.trainer.experiment_name)
-            self._speco_drafter = start_drafter_group(self.speco, target_dir, run_name)
+            device_type = "npu" if str(self.config.trainer.get("device", "cuda")) == "npu" else "cuda"
+            self._speco_drafter = start_drafter_group(self.speco, target_dir, run_name, device_type)
             layer_ids = ray.get(self._speco_drafter.layer_ids.remote())
             shape = ray.get(self._speco_drafter.target_shape.remote())
             draft_dir = self.speco.model_path

@@ -1,0 +1,82 @@
+"""What the NPU launchers ask of vllm-ascend, checked against vllm-ascend 0.23.0's own source.
+
+The wheel is fetched with `pip download --no-deps` and its `.py` files read with `ast` off sys.path
+(tests/deploy/wheel_source.py), never imported (it needs torch_npu and CANN). Asserted:
+- the release is the versions file's ascend line's, and `verl_speco.deploy.vllm_ascend`'s facts are
+  its source's: the speculative methods its runner builds proposers for (no dspark), the verify
+  limit k + 1 <= 16, the speculative_config fields its proposers read;
+- every family the NPU launchers serve asks for a method it has, at most 16 verified tokens, and
+  only speculative_config keys it reads (or vLLM's own draft `model`);
+- planted: the same checks on a copy without the dflash branch, or with a limit of 8, fail.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from deploy.wheel_source import wheel_source
+from verl_speco.deploy import vllm_ascend
+from verl_speco.deploy.versions import load_versions
+from verl_speco.deploy.vllm_ascend import AscendTree
+from verl_speco.launchers import online, recipes
+
+VLLM_OWN = {"model"}  # read by vLLM's SpeculativeConfig itself (vllm==0.23.0), not by vllm-ascend
+
+
+@pytest.fixture(scope="module")
+def source() -> Path:
+    return wheel_source("vllm-ascend", vllm_ascend.ASCEND_RELEASE, "vllm_ascend")
+
+
+def npu_requests() -> dict[str, tuple[dict[str, object], int]]:
+    """family -> (the speculative_config the NPU launcher makes vllm-ascend start with, k)."""
+    out = {}
+    for family, _ in recipes.served("npu"):
+        values = recipes.settings(family, "npu")
+        k = recipes.speculative_tokens(family, values)
+        spec = recipes.engine_speculative_args(family, "vllm", values, k, "npu")
+        if family in online.EAGER_DRAFT:
+            spec["enforce_eager"] = True
+        out[family] = (spec, k)
+    return out
+
+
+def gaps(tree: AscendTree) -> dict[str, list[str]]:
+    methods, limit, reads = tree.spec_methods(), tree.verify_limit(), tree.speculative_config_reads()
+    found: dict[str, list[str]] = {}
+    for family, (spec, k) in npu_requests().items():
+        lacks = [] if spec["method"] in methods else [f"method {spec['method']!r}"]
+        lacks += [f"k + 1 = {k + 1} > {limit}"] if k + 1 > limit else []
+        lacks += [f"key {key!r}" for key in spec if key not in reads | VLLM_OWN]
+        if lacks:
+            found[family] = lacks
+    return found
+
+
+def test_the_facts_are_vllm_ascend_0230s(source: Path) -> None:
+    tree = AscendTree(source)
+    assert tree.version == load_versions().line("ascend")["vllm_ascend"] == vllm_ascend.ASCEND_RELEASE
+    assert tree.spec_methods() == vllm_ascend.SPEC_METHODS and "dspark" not in tree.spec_methods()
+    assert tree.verify_limit() == vllm_ascend.MAX_VERIFY_TOKENS == 16
+    assert vllm_ascend.SPEC_FIELDS_READ <= tree.speculative_config_reads()
+
+
+def test_every_npu_launcher_asks_only_what_it_serves(source: Path) -> None:
+    requests = npu_requests()
+    assert set(requests) == {"eagle1", "eagle2", "eagle3", "dflash", "peagle"}
+    assert requests["dflash"][0]["enforce_eager"] is True and requests["peagle"][0]["parallel_drafting"] is True
+    assert gaps(AscendTree(source)) == {}
+
+
+def test_a_planted_source_change_is_caught(source: Path, tmp_path: Path) -> None:
+    shutil.copytree(source / "vllm_ascend", tmp_path / "vllm_ascend")
+    init = tmp_path / "vllm_ascend/spec_decode/__init__.py"
+    init.write_text(init.read_text().replace('method == "dflash"', 'method == "dflash_renamed"'))
+    attn = tmp_path / "vllm_ascend/attention/attention_v1.py"
+    attn.write_text(attn.read_text().replace("self.decode_threshold <= 16", "self.decode_threshold <= 8"))
+    planted = gaps(AscendTree(tmp_path))
+    assert planted["dflash"] == ["method 'dflash'", "k + 1 = 15 > 8"], planted
+    assert planted["peagle"] == ["k + 1 = 9 > 8"] and "eagle3" not in planted
