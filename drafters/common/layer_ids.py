@@ -10,10 +10,13 @@ decoder layer i-1). Engine keys:
 | sglang.dflash_config.target_layer_ids               | i - 1  |
 | vllm.dflash_config.target_layer_ids                 | i - 1  (vLLM adds +1)         |
 | vllm.dspark_target_layer_ids                        | i - 1  (vLLM adds +1)         |
+| sglang.return_aux_hidden_state_layer_ids (server)   | i - 1  (rollout aux capture)  |
 
 Worked example, 36-layer target, EAGLE-3 default internal (2, 18, 33): vLLM top-level
 (2, 18, 33); SGLang eagle_config (1, 17, 32). The same integers under the two keys name
-different layers, so exports write both keys explicitly.
+different layers, so exports write both keys explicitly. SGLang's rollout capture
+(`--return-aux-hidden-state-layer-ids`, verl_speco/engines/sglang_capture.py) takes the same
+output-of-layer integers: internal (2, 4, 5) on an 8-layer target -> `--return-aux-hidden-state-layer-ids 1 3 4`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ ENGINE_KEYS: dict[str, int] = {
     "sglang.dflash_config.target_layer_ids": -1,
     "vllm.dflash_config.target_layer_ids": -1,
     "vllm.dspark_target_layer_ids": -1,
+    "sglang.return_aux_hidden_state_layer_ids": -1,
 }
 
 

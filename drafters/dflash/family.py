@@ -86,9 +86,11 @@ class DFlashFamily:
         return self.required
 
     def required_layout(self, cfg: DFlashConfig, target_spec: TargetSpec) -> Layout:
-        """The context layers in the internal convention (output-of-layer id + 1) and the post-norm
-        last hidden (DSpark's target distribution; DFlash does not read it)."""
-        return Layout(layer_ids=cfg.hidden_state_ids(target_spec), last_hidden="post_norm")
+        """The context layers in the internal convention (output-of-layer id + 1), and the post-norm
+        last hidden only for a family that reads it (DSpark's target distribution; DFlash and Domino
+        do not), so a store without it (SGLang's aux rollout capture) serves them."""
+        last = "post_norm" if "last_hidden" in self.required else "none"
+        return Layout(layer_ids=cfg.hidden_state_ids(target_spec), last_hidden=last)
 
     def collate(self, samples: list[dict[str, Tensor]]) -> dict[str, Tensor]:
         missing = [f for f in self.required if samples and f not in samples[0]]

@@ -159,3 +159,42 @@ def test_main_cfg_job_prints_the_composed_config(capsys: pytest.CaptureFixture[s
     assert "seed: 7" in capsys.readouterr().out
     assert main(["actor_rollout_ref.rollout.drafter.nope=1"]) == 2
     assert "drafter.nope" in capsys.readouterr().err
+
+
+def test_capture_source_in_a_verl_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """actor never plans; a family SGLang cannot serve is refused (rollout) or falls back (auto); one it
+    could serve is refused naming verl's SGLang server, which returns no hidden states (auto: actor)."""
+    from speco_verl_helpers import tiny_qwen3
+
+    from verl_speco.verl_integration.trainer import speco_capture_source
+
+    target = tmp_path / "target"
+    tiny_qwen3().save_pretrained(target)
+    on = {"enable": True, "mode": "collect_only"}
+    eagle3 = DrafterRunConfig(**on, algorithm="eagle3", capture_source="rollout")
+    assert speco_capture_source(dataclasses.replace(eagle3, capture_source="actor"), "sglang", str(target),
+                                "0.5.23") == "actor"
+    with pytest.raises(DrafterConfigError, match="capture_source: got 'rollout', but .*never both"):
+        speco_capture_source(eagle3, "sglang", str(target), "0.5.23")
+    eagle1 = DrafterRunConfig(**on, algorithm="eagle1", capture_source="rollout")
+    with pytest.raises(DrafterConfigError, match="--enable-return-hidden-states.*SGLangHttpServer.generate"):
+        speco_capture_source(eagle1, "sglang", str(target), "0.5.12")
+    with caplog.at_level("WARNING"):
+        assert speco_capture_source(dataclasses.replace(eagle1, capture_source="auto"), "sglang", str(target),
+                                    "0.5.12") == "actor"
+        assert speco_capture_source(dataclasses.replace(eagle1, capture_source="auto"), "vllm", str(target),
+                                    None) == "actor"
+    assert caplog.text.count("capturing from the actor") == 2 and "rollout.name=sglang, got 'vllm'" in caplog.text
+
+
+def test_verls_sglang_server_asks_for_no_hidden_states() -> None:
+    """The reason `speco_capture_source` gives, pinned to verl 0.9.1's source: its SGLang server's
+    generate never sets return_hidden_states (when a release does, the rollout route can be wired)."""
+    import importlib.util
+    from importlib.metadata import version
+
+    assert version("verl") == "0.9.1"
+    spec = importlib.util.find_spec("verl.workers.rollout.sglang_rollout")  # its server imports sglang: read only
+    assert spec is not None and spec.submodule_search_locations
+    source = (Path(list(spec.submodule_search_locations)[0]) / "async_sglang_server.py").read_text()
+    assert "GenerateReqInput(**request)" in source and "return_hidden_states" not in source

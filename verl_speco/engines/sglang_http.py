@@ -17,6 +17,9 @@
   `ReleaseMemoryOccupationReqInput` / `ResumeMemoryOccupationReqInput`: `tags`, a list of str or
   null) return nothing (JSON `null`, 200) on success and `_create_error_response(e)`,
   i.e. 400 `{"error": {"message": str}}`, on failure.
+- `/generate` (POST, `GenerateReqInput`): one prompt's `input_ids`, `sampling_params` and e.g.
+  `return_hidden_states`; the reply is {"text", "output_ids", "meta_info"} (`meta_info["hidden_states"]`:
+  see `sglang_capture`). Used by the rollout capture.
 - A body FastAPI cannot parse into the dataclass gets 400 with `ErrorResponse`
   (`{"object": "error", "message": ..., "type": ..., "code": 400}`); with `--api-key`, every route
   but /health needs `Authorization: Bearer <key>` (`utils` `add_api_key_middleware`: 401
@@ -48,7 +51,7 @@ from verl_speco.engines.sglang_publish import (
 SELECTORS = ("target", "draft", "all")  # BeginWeightUpdateReqInput / UpdateWeightsFromTensorReqInput.selector
 TENSOR_UPDATE_FIELDS = REQUEST_FIELDS + OPTIONAL_FIELDS
 ROUTES = ("/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update",
-          "/release_memory_occupation", "/resume_memory_occupation")
+          "/release_memory_occupation", "/resume_memory_occupation", "/generate")
 
 
 class SGLangHTTPError(SGLangPublishError):
@@ -158,6 +161,22 @@ class SGLangHTTPClient:
         if "selector" in body:
             _check_selector(body["selector"])
         return self._post_checked("/update_weights_from_tensor", body)
+
+    # --- generation (the rollout capture's requests, `verl_speco.engines.sglang_capture`) ---
+
+    def generate(self, input_ids: list[int], sampling_params: Mapping[str, Any],
+                 **fields: Any) -> dict[str, Any]:
+        """POST /generate (`GenerateReqInput`: `input_ids`, `sampling_params`, plus `fields` such as
+        `return_hidden_states`); SGLang's reply {"text", "output_ids", "meta_info"} for one prompt."""
+        if not input_ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+            raise SGLangPublishError(f"input_ids: got {input_ids!r:.80}, expected a non-empty list of token ids")
+        reply = self._post("/generate", {"input_ids": list(input_ids), "sampling_params": dict(sampling_params),
+                                         **fields})
+        if not isinstance(reply, dict) or not isinstance(reply.get("output_ids"), list) \
+                or not isinstance(reply.get("meta_info"), dict):
+            raise SGLangHTTPError(self.base_url, "/generate", 200, f"unexpected reply {str(reply)[:200]}, expected "
+                                  '{"output_ids": [...], "meta_info": {...}}')
+        return reply
 
     # --- memory (weights paused/resumed; the draft must be re-published after a resume) ---
 

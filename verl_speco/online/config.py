@@ -18,6 +18,7 @@ from typing import Any
 MODES = ("online", "collect_only", "offline")
 SCHEDULES = ("serial", "overlap")
 CAPTURE_PASSES = ("old_logprob", "post_update")
+CAPTURE_SOURCES = ("actor", "rollout", "auto")
 
 
 class DrafterConfigError(ValueError):
@@ -74,6 +75,11 @@ class DrafterRunConfig:
     # forward of the updated actor over the step's batch right after the update (rows of the very policy
     # the next rollout runs; costs one forward pass of the actor per capturing step).
     capture_pass: str = "old_logprob"
+    # where hidden states come from. actor: the actor's forward (capture_pass). rollout: the rollout
+    # engine returns them with each generated sequence (rollout.name=sglang; verl_speco.engines.sglang_capture);
+    # refused when the rollout cannot give the family's layout. auto: rollout where it can, else actor
+    # (with one log line naming why).
+    capture_source: str = "actor"
     max_staleness: int = 2  # features older than this many policy versions are evicted
     buffer_max_tokens: int = 262144  # replay buffer capacity (oldest evicted first)
     seed: int = 0
@@ -99,6 +105,8 @@ class DrafterRunConfig:
             raise bad("schedule", self.schedule, f"one of {SCHEDULES}")
         if self.capture_pass not in CAPTURE_PASSES:
             raise bad("capture_pass", self.capture_pass, f"one of {CAPTURE_PASSES}")
+        if self.capture_source not in CAPTURE_SOURCES:
+            raise bad("capture_source", self.capture_source, f"one of {CAPTURE_SOURCES}")
         for key in ("collect_interval", "train_interval", "publish_interval", "train_steps_per_round",
                     "micro_batch_size", "num_speculative_tokens", "buffer_max_tokens", "num_workers"):
             if getattr(self, key) < 1:

@@ -21,10 +21,12 @@ from verl_speco.online.config import FeatureStoreSink
 
 
 class StoreSink:
-    """Writes `CapturedRows` of rank `rank` to the store at `cfg.path`."""
+    """Writes `CapturedRows` of rank `rank` to the store at `cfg.path`. `last_hidden=False`: rows carry
+    no `last_hidden` (SGLang's aux rollout capture, `verl_speco.online.rollout_capture`)."""
 
     def __init__(self, cfg: FeatureStoreSink, layer_ids: tuple[int, ...], hidden_size: int, vocab_size: int,
-                 target_model_id: str, rank: int = 0, producer: dict[str, Any] | None = None):
+                 target_model_id: str, rank: int = 0, producer: dict[str, Any] | None = None,
+                 last_hidden: bool = True):
         if not cfg.path:
             raise ValueError("actor_rollout_ref.rollout.drafter.feature_store.path: got None, expected a store "
                              "directory for collect_only mode")
@@ -36,7 +38,7 @@ class StoreSink:
             raise ValueError(f"actor_rollout_ref.rollout.drafter.feature_store.hidden_encoding: got "
                              f"{cfg.hidden_encoding!r}, expected one of {list(ENCODINGS)}")
         self.dtype = dtype
-        schema = build_schema(capture_layout(layer_ids), hidden_size, vocab_size, target_model_id, dtype,
+        schema = build_schema(capture_layout(layer_ids, last_hidden), hidden_size, vocab_size, target_model_id, dtype,
                               cfg.hidden_encoding)
         # copy_inputs=False: captured rows are fresh tensors nobody mutates after `write` (no defensive copy)
         self.writer = StoreWriter(Path(cfg.path), schema, rank=rank, flush_samples=cfg.flush_samples, copy_inputs=False,

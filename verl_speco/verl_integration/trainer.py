@@ -166,6 +166,7 @@ class SpecoTrainerMixin:
             return
         target_dir = self._speco_target_dir()
         engine = rollout_engine(self.config)
+        speco_capture_source(self.speco, engine, target_dir, _installed("sglang"))
         if self.speco_online:
             from verl_speco.deploy.engine_check import require_engine_support
             from verl_speco.verl_integration.drafter_actor import start_drafter_group
@@ -394,6 +395,47 @@ def _local_layout(drafter: DrafterRunConfig, target_dir: str) -> tuple[list[int]
     cfg = family.resolve(build_family_config(family.config_cls, dict(drafter.settings), drafter.algorithm), spec)
     ids = [int(i) for i in family.required_layout(cfg, spec).layer_ids]
     return ids, {"hidden_size": int(spec.hidden_size), "vocab_size": int(spec.vocab_size)}
+
+
+def _installed(distribution: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
+def speco_capture_source(drafter: DrafterRunConfig, engine: str, target_dir: str, sglang_version: str | None) -> str:
+    """Where this verl run captures: always "actor" today, decided before anything starts.
+
+    `capture_source=rollout|auto` is planned (`online.rollout_capture.choose_capture_source`): a family
+    the rollout cannot serve is refused (rollout) or falls back with a log line (auto). Where SGLang
+    could serve it, verl's own SGLang server still cannot ask for it: verl 0.9.1's
+    `async_sglang_server.SGLangHttpServer.generate` builds its `GenerateReqInput` without
+    `return_hidden_states` and its `TokenOutput` carries no hidden states, so `rollout` is refused
+    naming that and `auto` captures from the actor (rollout capture runs outside verl through
+    `online.rollout_capture.collect_from_rollout`)."""
+    if drafter.capture_source == "actor" or not drafter.enable or drafter.mode == "offline":
+        return "actor"
+    from drafters.common.target import TargetSpec
+    from drafters.registry import get_family
+    from verl_speco.online.rollout_capture import choose_capture_source
+    from verl_speco.train.config import build_family_config
+
+    spec = TargetSpec.from_pretrained(target_dir)
+    family = get_family(drafter.algorithm)
+    fam_cfg = family.resolve(build_family_config(family.config_cls, dict(drafter.settings), drafter.algorithm), spec)
+    plan = choose_capture_source(drafter, engine, family, fam_cfg, spec, sglang_version)
+    if plan is None:
+        return "actor"
+    why = (f"SGLang {sglang_version} could return {plan.field()} ({' '.join(plan.cli_flags())}), but verl's SGLang "
+           "server (verl 0.9.1 SGLangHttpServer.generate) sends no return_hidden_states and returns no hidden states")
+    if drafter.capture_source == "rollout":
+        raise DrafterConfigError(f"actor_rollout_ref.rollout.drafter.capture_source: got 'rollout'; {why}; set "
+                                 "capture_source=actor or auto")
+    logger.warning("drafter capture_source=auto: capturing from the actor; %s", why)
+    return "actor"
 
 
 _CLASSES: dict[type, type] = {}

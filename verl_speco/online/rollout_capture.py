@@ -1,0 +1,134 @@
+"""`drafter.capture_source`: rows from the rollout engine's returned hidden states (SGLang).
+
+`choose_capture_source` decides, once per run, where a family's features come from: the actor's
+forward (`verl_speco.online.capture`, the default) or the SGLang rollout
+(`verl_speco.engines.sglang_capture`). `rollout` is refused when the rollout cannot give the
+family's layout; `auto` then falls back to the actor with one log line naming why.
+
+`RolloutCapture.rows` turns generate responses into `CapturedRows`, the same rows the actor
+capture produces for those tokens. A response of P prompt and n generated tokens carries hidden
+states for P + n - 1 positions (no forward runs on the last generated token), so its row is the
+sequence without its last token. Worked example, prompt [a, b, c], output [d, e, f]:
+    row input_ids [a, b, c, d, e]    loss_mask [0, 0, 0, 1, 1]    hidden [5, D]
+which equals the actor's row for [a, b, c, d, e, f] cut to its first 5 tokens (the model is causal).
+Responses whose rows cannot be aligned are dropped whole and counted (`DROP_REASONS`); caps and
+seeded row sampling are `plan_rows`, exactly as for the actor capture.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from drafters.common.target import TargetSpec
+from verl_speco.engines.sglang_capture import (
+    DROP_REASONS,
+    RolloutCapturePlan,
+    RolloutCaptureRefused,
+    hidden_rows,
+    plan_rollout_capture,
+)
+from verl_speco.online.capture import CapturedRows, plan_rows
+from verl_speco.online.config import CaptureCaps, DrafterConfigError, DrafterRunConfig
+
+logger = logging.getLogger(__name__)
+
+
+def choose_capture_source(cfg: DrafterRunConfig, engine: str, family: Any, family_cfg: Any, spec: TargetSpec,
+                          sglang_version: str | None) -> RolloutCapturePlan | None:
+    """The rollout capture plan, or None for actor capture (see the module docstring)."""
+    if cfg.capture_source == "actor":
+        return None
+    try:
+        if engine != "sglang":
+            raise RolloutCaptureRefused(f"rollout capture needs actor_rollout_ref.rollout.name=sglang, got {engine!r}")
+        if sglang_version is None:
+            raise RolloutCaptureRefused("rollout capture: SGLang's version is unknown (is sglang installed?)")
+        return plan_rollout_capture(cfg.algorithm, family.required_layout(family_cfg, spec),
+                                    family.required_fields(family_cfg), spec.num_hidden_layers, sglang_version,
+                                    serves_draft=cfg.mode == "online")
+    except RolloutCaptureRefused as e:
+        if cfg.capture_source == "rollout":
+            raise DrafterConfigError(f"actor_rollout_ref.rollout.drafter.capture_source: got 'rollout', but {e}; "
+                                     "set capture_source=actor (or auto to fall back)") from None
+        logger.warning("drafter capture_source=auto: capturing from the actor; %s", e)
+        return None
+
+
+@dataclass(frozen=True)
+class RolloutResponse:
+    """One generated sequence: prompt token ids, SGLang's `output_ids` and `meta_info`."""
+
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    meta_info: Mapping[str, Any]
+
+
+class RolloutCapture:
+    """Rollout responses -> `CapturedRows` under `caps` (seeded like `OnlineCapture`)."""
+
+    def __init__(self, plan: RolloutCapturePlan, hidden_size: int, caps: CaptureCaps, seed: int = 0,
+                 hidden_dtype: torch.dtype = torch.bfloat16):
+        self.plan, self.hidden_size, self.caps, self.seed = plan, int(hidden_size), caps, int(seed)
+        self.hidden_dtype = hidden_dtype
+
+    def rows(self, responses: Sequence[RolloutResponse], policy_version: int) -> CapturedRows:
+        counts = dict.fromkeys(DROP_REASONS, 0)
+        width = self.plan.width(self.hidden_size)
+        aligned: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # ids [T], loss mask [T], hidden [T, D]
+        for r in responses:
+            prompt, output = [int(t) for t in r.prompt_ids], [int(t) for t in r.output_ids]
+            got = hidden_rows(r.meta_info, len(prompt), len(output), width) if output else "rollout_bad_rows"
+            if isinstance(got, str):
+                counts[got] += 1
+                continue
+            ids = torch.tensor(prompt + output[:-1], dtype=torch.int64)
+            mask = torch.zeros(ids.numel(), dtype=torch.uint8)
+            mask[len(prompt):] = 1
+            aligned.append((ids, mask, got))
+        records: list[dict[str, torch.Tensor]] = []
+        plan_counts: dict[str, int] = {"seen": 0}
+        if aligned:
+            longest = max(int(a[0].numel()) for a in aligned)
+            am = torch.zeros(len(aligned), longest, dtype=torch.int64)
+            lm = torch.zeros_like(am)
+            for b, (ids, mask, _) in enumerate(aligned):
+                am[b, : ids.numel()] = 1
+                lm[b, : ids.numel()] = mask.to(torch.int64)
+            plan = plan_rows(am, lm, self.caps, self.seed + 1_000_003 * int(policy_version))
+            plan_counts = plan.counts
+            for b, n in zip(plan.rows, plan.lengths):
+                ids, mask, hidden = aligned[b]
+                records.append({"input_ids": ids[:n], "loss_mask": mask[:n],
+                                self.plan.field(): hidden[:n].to(self.hidden_dtype).contiguous()})  # [T, D]
+        merged = {**plan_counts, **counts}
+        merged["seen"] = plan_counts.get("seen", 0) + sum(counts.values())
+        return CapturedRows(records, int(policy_version), merged)
+
+
+def capture_metrics(rows: CapturedRows) -> dict[str, float]:
+    """`drafter/capture/<count>` of one capture (rollout drops included), as the trainer logs them."""
+    return {f"drafter/capture/{k}": float(v) for k, v in rows.counts.items()}
+
+
+def collect_from_rollout(client: Any, prompts: Sequence[Sequence[int]], sampling_params: Mapping[str, Any],
+                         capture: RolloutCapture, sink: Any, step: int, policy_version: int) -> dict[str, float]:
+    """One collect_only step from the rollout: each prompt generated by `client` (an `SGLangHTTPClient`)
+    with the plan's request fields, the rows written by `sink` (a `StoreSink`) and committed at `step`."""
+    fields = capture.plan.request_fields()
+    responses = []
+    for prompt in prompts:
+        reply = client.generate(list(prompt), sampling_params, **fields)
+        responses.append(RolloutResponse(list(prompt), reply["output_ids"], reply["meta_info"]))
+    rows = capture.rows(responses, policy_version)
+    sink.write(rows, step)
+    sink.end_step(step)
+    dropped = sum(rows.counts.get(k, 0) for k in DROP_REASONS)
+    if dropped:
+        logger.warning("rollout capture, step %s: %s of %s responses dropped (%s)", step, dropped, len(responses),
+                       {k: rows.counts[k] for k in DROP_REASONS if rows.counts.get(k)})
+    return capture_metrics(rows)
