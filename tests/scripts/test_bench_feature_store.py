@@ -14,7 +14,7 @@ from pathlib import Path
 from drafters.registry import known_families
 
 ROOT = Path(__file__).resolve().parents[2]
-FAMILY_ROW = re.compile(r"^\s+(\w+)\s+([\d,]*\+last)\s+([\d,]+)\s+([\d,]+)\s+(\d\.\d{3})\s+(\d\.\d{3})$")
+FAMILY_ROW = re.compile(r"^\s+(\w+)\s+([\d,]*(?:\+last)?)\s+([\d,]+)\s+([\d,]+)\s+(\d\.\d{3})\s+(\d\.\d{3})$")
 ENCODING_ROW = re.compile(r"^\s+(raw|fp8_e4m3)\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)$")
 
 
@@ -28,11 +28,12 @@ def test_encodings_section(tmp_path: Path) -> None:
     families = {m[1]: m for line in out.stdout.splitlines() if (m := FAMILY_ROW.match(line))}
     assert sorted(families) == sorted(known_families()), out.stdout
     for name, m in families.items():
-        layers = len(m[2].removesuffix("+last").split(",")) if m[2] != "+last" else 0
+        ids = m[2].removesuffix("+last")
+        layers, last = (len(ids.split(",")) if ids else 0), int(m[2].endswith("+last"))
         bf16, fp8 = int(m[3].replace(",", "")), int(m[4].replace(",", ""))
-        assert bf16 == 9 + (layers + 1) * 4096 * 2, (name, m[0])           # ids int64 + mask u8 + bf16 hidden
-        scales = 4 * (2 if layers else 1)                                   # one float32 per token per field
-        assert fp8 == 9 + (layers + 1) * 4096 + scales, (name, m[0])        # e4m3 + the scales
+        assert bf16 == 9 + (layers + last) * 4096 * 2, (name, m[0])         # ids int64 + mask u8 + bf16 hidden
+        scales = 4 * (int(layers > 0) + last)                               # one float32 per token per field
+        assert fp8 == 9 + (layers + last) * 4096 + scales, (name, m[0])     # e4m3 + the scales
         assert float(m[5]) <= 0.502 and abs(float(m[6]) - float(m[5])) <= 0.01, (name, m[0])   # on disk too
     assert families["eagle3"][2] == "2,18,33+last"
     encodings = {m[1]: [int(v.replace(",", "")) for v in m.groups()[1:]]
