@@ -19,9 +19,8 @@ import torch
 from drafters.common.target import TargetSpec
 from drafters.registry import get_family, known_families
 from feature_store import Layout, Schema, StoreReader, StoreWriter, standard_schema
+from feature_store.schema import ENCODINGS
 from feature_store.store import SHARDS_DIR, list_commits
-
-ENCODINGS = ("raw", "fp8_e4m3")
 
 
 def family_layout(family: str, settings: dict, spec: TargetSpec) -> Layout:

@@ -257,11 +257,6 @@ class Schema:
         return self._stored
 
     @property
-    def encoded(self) -> bool:
-        """True when any field is stored in an encoding other than raw."""
-        return any(f.encoding != "raw" for f in self.fields)
-
-    @property
     def segments(self) -> tuple[str, ...]:
         """Per-token segments, ``tokens`` first then sorted."""
         segs = {f.segment for f in self.fields if f.per_token}

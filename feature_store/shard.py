@@ -37,7 +37,7 @@ from feature_store.buffer import clone
 from feature_store.checksum import SECTOR, SectorSumHasher, combine, file_checksums
 from feature_store.encoding import decode_fp8, scale_problem
 from feature_store.errors import CorruptShardError, SchemaDriftError
-from feature_store.schema import DTYPES, STORE_SCALARS, FieldSpec, Schema, offsets_name
+from feature_store.schema import DTYPES, STORE_SCALARS, FieldSpec, Schema, offsets_name, scale_name
 
 ST_ITEMSIZE = {code: td.itemsize for td, code in DTYPES.values()}
 ST_TORCH = {code: td for td, code in DTYPES.values()}
@@ -348,6 +348,7 @@ class ShardView:
         self.scalars = {name: self._array(infos[name]) for name in STORE_SCALARS}
         self.num_samples = len(self.offsets["tokens"]) - 1
         self._views = {f.name: self._view(infos[f.name]) for f in schema.stored_fields}
+        self._stored = {f.name: f for f in schema.stored_fields}   # the schema's cached specs, by tensor name
         self.validate_offsets()
 
     @property
@@ -427,7 +428,7 @@ class ShardView:
     def _decoded(self, f: FieldSpec, i: int) -> torch.Tensor:
         """Sample i's rows of the fp8-encoded field ``f``, decoded to ``f.dtype`` (a new tensor: the e4m3
         values and scales are read in place from the mapping); a scale that is not finite and > 0 is refused."""
-        q_spec, s_spec = f.stored
+        q_spec, s_spec = self._stored[f.name], self._stored[scale_name(f.name)]
         a, b = int(self.offsets[f.segment][i]), int(self.offsets[f.segment][i + 1])
         for spec in (q_spec, s_spec):
             self._willneed(self._infos[spec.name].begin, a * spec.row_nbytes, b * spec.row_nbytes)
