@@ -34,7 +34,7 @@ def test_engine_support_by_release() -> None:
     assert require_engine_support("vllm", "dspark", version="0.32.0") == "0.32.0"
     assert require_engine_support("vllm", "eagle3", version="0.24.0+cu130", live_publish=True) == "0.24.0+cu130"
     with pytest.raises(EngineVersionError, match=r"vLLM 0\.33\.0: live draft publishing .* checked against vLLM "
-                                                 r"0\.32\.0, 0\.24\.0 only"):
+                                                 r"0\.32\.0, 0\.24\.0, 0\.23\.0 only"):
         require_engine_support("vllm", "eagle3", version="0.33.0", live_publish=True)
     assert require_engine_support("vllm", "eagle3", version="0.33.0") == "0.33.0"  # serving alone: nothing known against
     with pytest.raises(EngineVersionError, match=r"sglang 0\.5\.12 cannot serve domino: SGLang 0\.5\.12 has no Domino"):
@@ -80,14 +80,14 @@ def test_the_draft_reload_refuses_an_unchecked_release(monkeypatch: pytest.Monke
 
     from verl_speco.engines.vllm_engine import PATCHED_VLLM, DraftReloadMixin
 
-    assert PATCHED_VLLM == ("0.32.0", "0.24.0")
+    assert PATCHED_VLLM == ("0.32.0", "0.24.0", "0.23.0")
     worker = DraftReloadMixin()  # no model_runner: a refusal must not reach it
     monkeypatch.setattr(vllm, "__version__", "0.34.0")
     answer = worker.speco_load_draft(str(tmp_path / "v1"), 1)
     assert answer["status"] == "rejected" and answer["version"] == -1
     assert answer["reason"].startswith("vllm_version: vLLM 0.34.0: the in-place draft reload")
     assert worker._speco_state()["rejected"] == 1
-    with pytest.raises(RuntimeError, match=r"vLLM 0\.34\.0: the in-place draft reload .* 0\.32\.0, 0\.24\.0 only"):
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.34\.0: the in-place draft reload .* 0\.32\.0, 0\.24\.0, 0\.23\.0 only"):
         worker._speco_reload([])
     monkeypatch.setattr(vllm, "__version__", "0.24.0")  # past the version gate: refused for the missing directory
     worker.model_runner = SimpleNamespace(vllm_config=SimpleNamespace(speculative_config=SimpleNamespace(
@@ -132,11 +132,11 @@ def _setup(monkeypatch: pytest.MonkeyPatch, family: str, engine: str, release: s
 def test_the_trainer_refuses_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(EngineVersionError, match=r"vllm 0\.24\.0 cannot serve dspark"):
         _setup(monkeypatch, "dspark", "vllm", "0.24.0")
-    with pytest.raises(EngineVersionError, match=r"vLLM 0\.23\.0: live draft publishing"):
-        _setup(monkeypatch, "eagle3", "vllm", "0.23.0")
+    with pytest.raises(EngineVersionError, match=r"vLLM 0\.22\.0: live draft publishing"):
+        _setup(monkeypatch, "eagle3", "vllm", "0.22.0")
     with pytest.raises(EngineVersionError, match=r"sglang 0\.5\.12 cannot serve dspark"):
         _setup(monkeypatch, "dspark", "sglang", "0.5.12")
     for family, engine, release in (("dspark", "vllm", "0.32.0+cpu"), ("eagle3", "vllm", "0.24.0"),
-                                    ("dflash", "sglang", "0.5.12"), ("eagle3", "sglang", None)):
+                                    ("dflash", "vllm", "0.23.0"), ("dflash", "sglang", "0.5.12"), ("eagle3", "sglang", None)):
         with pytest.raises(_Started):
             _setup(monkeypatch, family, engine, release)

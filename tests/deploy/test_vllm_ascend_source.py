@@ -7,12 +7,20 @@ The wheel is fetched with `pip download --no-deps` and its `.py` files read with
   limit k + 1 <= 16, the speculative_config fields its proposers read;
 - every family the NPU launchers serve asks for a method it has, at most 16 verified tokens, and
   only speculative_config keys it reads (or vLLM's own draft `model`);
-- planted: the same checks on a copy without the dflash branch, or with a limit of 8, fail.
+- the in-place draft reload reaches only what vllm-ascend has: its NPU model runner holds the
+  proposer as `drafter`, its base proposer's `load_model` installs `model` and P-EAGLE's mask-slot
+  state from the attributes our recomputation reads, and its DFlash patch reads exactly the fused
+  buffers our rebuild writes (all read from our own source with `ast` too);
+- planted: the same checks on a copy without the dflash branch, or with a limit of 8, or with the
+  proposer renamed, or with the DFlash patch reading another buffer, fail.
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
 import shutil
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -21,6 +29,7 @@ from deploy.wheel_source import wheel_source
 from verl_speco.deploy import vllm_ascend
 from verl_speco.deploy.versions import load_versions
 from verl_speco.deploy.vllm_ascend import AscendTree
+from verl_speco.engines import vllm_engine
 from verl_speco.launchers import online, recipes
 
 VLLM_OWN = {"model"}  # read by vLLM's SpeculativeConfig itself (vllm==0.23.0), not by vllm-ascend
@@ -80,3 +89,48 @@ def test_a_planted_source_change_is_caught(source: Path, tmp_path: Path) -> None
     planted = gaps(AscendTree(tmp_path))
     assert planted["dflash"] == ["method 'dflash'", "k + 1 = 15 > 8"], planted
     assert planted["peagle"] == ["k + 1 = 9 > 8"] and "eagle3" not in planted
+
+
+def _attrs(fn: object, base: str, ctx: type[ast.expr_context]) -> set[str]:
+    """`<base>.<name>` set (Store) or read (Load) in our function `fn`, plus getattr(<base>, "<name>")."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))  # type: ignore[arg-type]
+    out = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ctx)
+           and isinstance(n.value, ast.Name) and n.value.id == base}
+    if ctx is ast.Load:
+        out |= {c.args[1].value for c in ast.walk(tree) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name)
+                and c.func.id == "getattr" and isinstance(c.args[0], ast.Name) and c.args[0].id == base
+                and isinstance(c.args[1], ast.Constant)}
+    return out
+
+
+def reload_gaps(tree: AscendTree) -> list[str]:
+    """What our draft reload reaches that this vllm-ascend source does not have."""
+    found = []
+    if vllm_ascend.RUNNER_DRAFT_ATTR not in tree.runner_assigns():
+        found.append(f"NPUModelRunner sets no self.{vllm_ascend.RUNNER_DRAFT_ATTR}")
+    missing = vllm_ascend.PROPOSER_READS - tree.proposer_load_model_attrs()
+    if missing:
+        found.append(f"AscendSpecDecodeBaseProposer.load_model lacks {sorted(missing)}")
+    if tree.dflash_patch_reads() != vllm_ascend.DFLASH_PATCH_BUFFERS:
+        found.append(f"the DFlash patch reads {sorted(tree.dflash_patch_reads())}")
+    return found
+
+
+def test_the_draft_reload_reaches_only_what_vllm_ascend_has(source: Path) -> None:
+    assert reload_gaps(AscendTree(source)) == []
+    # ours, read the same way: the runner attribute, the proposer attributes and the DFlash buffers
+    assert vllm_ascend.RUNNER_DRAFT_ATTR in _attrs(vllm_engine.DraftReloadMixin._speco_drafter, "runner", ast.Load)
+    assert _attrs(vllm_engine._refresh_parallel_drafting_hidden, "drafter", ast.Load) <= vllm_ascend.PROPOSER_READS
+    assert vllm_ascend.DFLASH_PATCH_BUFFERS <= _attrs(vllm_engine._rebuild_dflash_buffers, "inner", ast.Store)
+    assert vllm_ascend.ASCEND_RELEASE in vllm_engine.PATCHED_VLLM  # vllm-ascend 0.23.0 runs on vLLM 0.23.0
+
+
+def test_a_planted_reload_change_is_caught(source: Path, tmp_path: Path) -> None:
+    shutil.copytree(source / "vllm_ascend", tmp_path / "vllm_ascend")
+    runner = tmp_path / "vllm_ascend/worker/model_runner_v1.py"
+    runner.write_text(runner.read_text().replace("self.drafter", "self.proposer"))
+    patch = tmp_path / "vllm_ascend/patch/worker/patch_qwen3_dflash.py"
+    patch.write_text(patch.read_text().replace("self._fused_kv_bias", "self._fused_kv_bias_v2"))
+    assert reload_gaps(AscendTree(tmp_path)) == [
+        "NPUModelRunner sets no self.drafter",
+        "the DFlash patch reads ['_fused_kv_bias_v2', '_fused_kv_weight']"]

@@ -1,12 +1,14 @@
-"""Our use of vLLM checked against vLLM 0.24.0's source (verl 0.9.1's pin), and the installed 0.32 for comparison.
+"""Our use of vLLM checked against vLLM 0.24.0's source (verl 0.9.1's pin), vLLM 0.23.0's (vllm-ascend
+0.23.0's vLLM), and the installed 0.32 for comparison.
 
 vLLM 0.24.0's wheel is installed by scripts/setup_env.sh with `--no-deps --target .venv/vllm_024_ref`
-(off sys.path) and read with `ast`, never imported. Our uses are found by scanning our own source
+(off sys.path) and read with `ast`, never imported; 0.23.0's wheel is fetched by the test itself
+(tests/deploy/wheel_source.py, `pip download --no-deps`, its `.py` files kept in a cache). Our uses are found by scanning our own source
 (`verl_speco.deploy.vllm_uses.scan_uses`: every import, every attribute chain on a vLLM module or
 class, every attribute name of vLLM objects we reach at run time); what each family writes for
 vLLM comes from the family's own format and export (`family_vllm_specs`). Asserted:
 - in 0.32.0 (what we run) everything resolves;
-- in 0.24.0 everything resolves except what only modules whose PATCHED_VLLM excludes 0.24.0 use
+- in 0.24.0 and in 0.23.0 everything resolves except what only modules whose PATCHED_VLLM excludes 0.24.0 use
   (they refuse it: today the CPU DFlash k_norm fix's `_normalize_context_k`, printed);
 - the families 0.24.0 lacks something for (today: DSpark, no method and no model) are exactly the
   families versions.toml refuses on vLLM 0.24.0, and 0.32.0 lacks nothing;
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from deploy.wheel_source import wheel_source
 from verl_speco.deploy.versions import load_versions
 from verl_speco.deploy.vllm_families import FamilyVllmSpec, family_gaps, family_vllm_specs
 from verl_speco.deploy.vllm_tree import VllmTree
@@ -45,6 +48,11 @@ def v024() -> VllmTree:
         pytest.fail(f"{REF_024}: missing; scripts/setup_env.sh installs it "
                     f"(pip install --no-deps --target {REF_024} vllm==0.24.0)")
     return VllmTree(REF_024)
+
+
+@pytest.fixture(scope="module")
+def v023() -> VllmTree:
+    return VllmTree(wheel_source("vllm", load_versions().line("ascend")["vllm"], "vllm"))
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +78,8 @@ def test_the_scan_finds_our_vllm_code(uses: list[Use]) -> None:
     assert "vllm.model_executor.model_loader.reload.layerwise._place_kernel_tensors" in targets  # a private call
     assert "vllm.config.set_current_vllm_config" in targets
     assert {"parallel_drafting_hidden_state_tensor", "use_parallel_drafting", "_build_fused_kv_buffers"} <= targets
-    assert {u.scope for u in uses if u.where.startswith("verl_speco/engines/vllm_engine.py")} == {("0.32.0", "0.24.0")}
+    assert {u.scope for u in uses if u.where.startswith("verl_speco/engines/vllm_engine.py")} == {
+        ("0.32.0", "0.24.0", "0.23.0")}
 
 
 def test_everything_resolves_in_the_installed_032(installed: VllmTree, uses: list[Use]) -> None:
@@ -88,9 +97,27 @@ def test_vllm_024_has_everything_we_use_on_it(installed: VllmTree, v024: VllmTre
     assert any(line.startswith("_normalize_context_k") for line in report.out_of_scope)
 
 
-def test_patched_releases_are_the_checked_ones(installed: VllmTree, v024: VllmTree, uses: list[Use]) -> None:
+def test_vllm_023_has_everything_we_use_on_it(installed: VllmTree, v023: VllmTree, uses: list[Use]) -> None:
+    """vllm-ascend 0.23.0 runs on vLLM 0.23.0: the draft reload (PATCHED_VLLM) finds all it uses there."""
+    assert v023.version == load_versions().line("ascend")["vllm"] == "0.23.0"
+    report = check_uses(v023, uses, reference=installed)
+    print("vLLM 0.23.0 lacks, used only by modules that refuse it:", *report.out_of_scope, sep="\n  ")
+    assert report.missing == ()
+    assert all("its module patches vLLM 0.32.0 only" in line for line in report.out_of_scope)
+    assert {u.scope for u in uses if u.where.startswith("verl_speco/engines/vllm_engine.py")} == {
+        ("0.32.0", "0.24.0", "0.23.0")}
+
+
+def test_families_refused_on_023_are_the_ones_its_source_lacks(v023: VllmTree,
+                                                              specs: dict[str, FamilyVllmSpec]) -> None:
+    lacking, refused = refusal_mismatch(v023, specs)
+    assert lacking == refused == {"dspark"}
+
+
+def test_patched_releases_are_the_checked_ones(installed: VllmTree, v024: VllmTree, v023: VllmTree,
+                                               uses: list[Use]) -> None:
     scopes = {release for u in uses for release in (u.scope or ())}
-    assert scopes <= {installed.version.split("+")[0], v024.version}
+    assert scopes <= {installed.version.split("+")[0], v024.version, v023.version}
     assert scopes <= set(load_versions().engine_versions("vllm"))
 
 

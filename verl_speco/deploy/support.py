@@ -18,14 +18,13 @@ KINDS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "served": ("tests/engines/test_family_vllm_parity.py", "tests/engines/test_vllm_eagle1.py",
                "tests/engines/test_vllm_publish.py"),
     "source": ("tests/deploy/test_vllm_source.py",),
-    "ascend": ("tests/deploy/test_vllm_ascend_source.py",),
+    "ascend": ("tests/deploy/test_vllm_ascend_source.py", "tests/deploy/test_vllm_source.py"),
     "loader": ("tests/engines/test_dspark_vllm_loader.py", "tests/engines/test_domino_sglang_rollout.py"),
     "flags": ("tests/deploy/test_sglang_source.py",),
     "contract": ("tests/engines/test_eagle3_sglang_contract.py", "tests/engines/test_sglang_http.py",
                  "tests/engines/test_sglang_publish.py", "tests/drafters/test_dflash_export.py"),
     "launcher": ("tests/verl/test_launchers.py", "tests/verl/test_separate_training.py"),
     "unsupported": ("tests/deploy/test_engine_refusal.py",),
-    "unchecked": ("tests/deploy/test_engine_refusal.py",),
 })
 COLUMNS = (("vllm", "gpu"), ("vllm", "npu"), ("vllm", "cpu"), ("sglang", "gpu"), ("sglang", "npu"), ("sglang", "cpu"))
 LABELS: Mapping[str, str] = MappingProxyType({
@@ -33,7 +32,7 @@ LABELS: Mapping[str, str] = MappingProxyType({
     "ascend": "checked against vllm-ascend source", "flags": "flags checked against source",
     "loader": "engine loader run on CPU", "contract": "request contract vs its classes",
     "launcher": "launcher composes",
-    "unsupported": "not supported", "unchecked": "refused"})
+    "unsupported": "not supported"})
 SGLANG_SOURCE = "0.5.23"  # the SGLang source the contract tests read besides the line's (.venv/sglang_ref)
 
 
@@ -70,13 +69,12 @@ def catalog() -> dict[str, dict[tuple[str, str], tuple[Evidence, ...]]]:
     r = _lines()
     gpu, verl, cpu, npu, sgl = r["gpu"], r["verl"], r["cpu"], r["npu"], r["sglang"]
     no_tree = "as the EAGLE-1 chain"
-    reload = "draft reload not checked"
     no_sgl_npu = (Evidence("unsupported", "", "no SGLang Ascend line"),)
     no_sgl_cpu = (Evidence("unsupported", "", "CUDA-only line"),)
 
     def vllm_served(note: str = "") -> dict[tuple[str, str], tuple[Evidence, ...]]:
         return {("vllm", "gpu"): (Evidence("served", gpu, note), Evidence("launcher", gpu), Evidence("source", verl)),
-                ("vllm", "npu"): (Evidence("ascend", npu), Evidence("launcher", npu), Evidence("unchecked", npu, reload)),
+                ("vllm", "npu"): (Evidence("ascend", npu), Evidence("launcher", npu)),
                 ("vllm", "cpu"): (Evidence("served", cpu, note), Evidence("launcher", cpu))}
 
     def sglang_served(*extra: Evidence) -> dict[tuple[str, str], tuple[Evidence, ...]]:

@@ -10,6 +10,12 @@ source with `ast` and never imports it:
   asserts (`attention/attention_v1.py`: npu_fused_infer_attention_score's TND layout).
 - `SPEC_FIELDS_READ`: the `speculative_config` fields its proposers read that our settings set:
   the draft's `enforce_eager` (`spec_decode/llm_base_proposer.py`) and P-EAGLE's `parallel_drafting`.
+- What the in-place draft reload (`verl_speco.engines.vllm_engine.DraftReloadMixin`) reaches on it:
+  `RUNNER_DRAFT_ATTR`, the NPU model runner's attribute holding the proposer; `PROPOSER_READS`, the
+  attributes its base proposer's `load_model` sets or reads to install the draft and P-EAGLE's
+  mask-slot state (the reload recomputes that state from the same attributes); `DFLASH_PATCH_BUFFERS`,
+  the weight-derived DFlash buffers its patched context K/V precompute reads (the reload rebuilds
+  them after every publish).
 
 `ascend_refusal(method, k)` says why a speculative config cannot run on it (None: it can).
 """
@@ -25,6 +31,10 @@ SPEC_METHODS = frozenset({"ngram", "ngram_gpu", "suffix", "medusa", "eagle", "ea
                           "draft_model", "extract_hidden_states"})
 MAX_VERIFY_TOKENS = 16
 SPEC_FIELDS_READ = frozenset({"method", "num_speculative_tokens", "enforce_eager", "parallel_drafting"})
+RUNNER_DRAFT_ATTR = "drafter"
+PROPOSER_READS = frozenset({"model", "parallel_drafting", "pass_hidden_states_to_model",
+                            "parallel_drafting_hidden_state_tensor", "eagle3_use_aux_hidden_state"})
+DFLASH_PATCH_BUFFERS = frozenset({"_fused_kv_weight", "_fused_kv_bias"})
 MAIN_BRANCH_ONLY = {"dspark": "DSpark is only on vllm-ascend's main branch, in no release yet"}
 
 
@@ -99,3 +109,42 @@ class AscendTree:
                     if name == "speculative_config":
                         out.add(node.attr)
         return frozenset(out)
+
+    def _method(self, rel: str, cls: str, name: str) -> ast.FunctionDef:
+        for node in ast.walk(self._ast(rel)):
+            if isinstance(node, ast.ClassDef) and node.name == cls:
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef) and item.name == name:
+                        return item
+        raise AscendTreeError(f"{self.package}/{rel}: no {cls}.{name}")
+
+    def runner_assigns(self) -> frozenset[str]:
+        """`self.<name> = ...` targets in any method of `NPUModelRunner` (worker/model_runner_v1.py;
+        0.23.0 sets its proposer in `_set_up_drafter`)."""
+        rel = "worker/model_runner_v1.py"
+        cls = next((n for n in ast.walk(self._ast(rel)) if isinstance(n, ast.ClassDef) and n.name == "NPUModelRunner"),
+                   None)
+        if cls is None:
+            raise AscendTreeError(f"{self.package}/{rel}: no NPUModelRunner")
+        return frozenset().union(*(_self_attrs(f, ast.Store) for f in cls.body if isinstance(f, ast.FunctionDef)))
+
+    def proposer_load_model_attrs(self) -> frozenset[str]:
+        """`self.<name>` set or read in `AscendSpecDecodeBaseProposer.load_model`, the one every
+        eagle / eagle3 / dflash proposer of this release inherits."""
+        fn = self._method("spec_decode/llm_base_proposer.py", "AscendSpecDecodeBaseProposer", "load_model")
+        return _self_attrs(fn, ast.Store) | _self_attrs(fn, ast.Load)
+
+    def dflash_patch_reads(self) -> frozenset[str]:
+        """`self._fused*` buffers read by its patched `precompute_and_store_context_kv`
+        (patch/worker/patch_qwen3_dflash.py), the DFlash draft's per-step context K/V."""
+        rel = "patch/worker/patch_qwen3_dflash.py"
+        fn = next((n for n in ast.walk(self._ast(rel))
+                   if isinstance(n, ast.FunctionDef) and n.name == "precompute_and_store_context_kv"), None)
+        if fn is None:
+            raise AscendTreeError(f"{self.package}/{rel}: no precompute_and_store_context_kv")
+        return frozenset(a for a in _self_attrs(fn, ast.Load) if a.startswith("_fused"))
+
+
+def _self_attrs(fn: ast.FunctionDef, ctx: type[ast.expr_context]) -> frozenset[str]:
+    return frozenset(n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ctx)
+                     and isinstance(n.value, ast.Name) and n.value.id == "self")

@@ -26,9 +26,11 @@ if TYPE_CHECKING:
 
 DRAFT_METHODS = vllm_methods()  # from the drafter catalog
 # The vLLM releases whose internals the in-place draft reload below (DraftReloadMixin, the layer-wise
-# reload, the DFlash and P-EAGLE rebuilds) was checked against: 0.32.0 served in CI, 0.24.0 (verl
-# 0.9.1's pin) by reading its source (tests/deploy/test_vllm_source.py). Any other release is refused.
-PATCHED_VLLM = ("0.32.0", "0.24.0")
+# reload, the DFlash and P-EAGLE rebuilds) was checked against: 0.32.0 served in CI; 0.24.0 (verl
+# 0.9.1's pin) and 0.23.0 (vllm-ascend 0.23.0's vLLM) by reading their source
+# (tests/deploy/test_vllm_source.py; what the reload reaches of vllm-ascend's own runner, proposers
+# and DFlash patch: tests/deploy/test_vllm_ascend_source.py). Any other release is refused.
+PATCHED_VLLM = ("0.32.0", "0.24.0", "0.23.0")
 # Families vLLM 0.32 cannot serve on its CPU platform -> why (engines.md 1.2 and section 3)
 CPU_UNSERVABLE = {  # family -> why vLLM cannot serve it here (its export is checked another way)
     "dspark": "vLLM 0.32's V1 model runner (the only one on CPU) refuses dspark, and V2 needs Triton",
@@ -465,7 +467,7 @@ def _rebuild_dflash_buffers(model: Any, buckets: Any) -> None:
         return
     tensors = {name.removeprefix("model."): t for bucket in buckets for name, t in bucket}
     layers = list(inner.layers)
-    dtype = inner.hidden_norm.weight.dtype
+    dtype, device = inner.hidden_norm.weight.dtype, inner.hidden_norm.weight.device  # the held copy is on the host
     rows, biases = [], []
     for i in range(len(layers)):
         p = f"layers.{i}.self_attn."
@@ -476,8 +478,8 @@ def _rebuild_dflash_buffers(model: Any, buckets: Any) -> None:
                                "(the fused context K/V projection needs every layer's k_proj and v_proj)") from None
         if p + "k_proj.bias" in tensors:
             biases += [tensors[p + "k_proj.bias"], tensors[p + "v_proj.bias"]]
-    inner._fused_kv_weight = torch.cat(rows, dim=0).to(dtype).contiguous()  # [L * 2 * kv_size, H]
-    inner._fused_kv_bias = torch.cat(biases, dim=0).to(dtype).contiguous() if biases else None
+    inner._fused_kv_weight = torch.cat(rows, dim=0).to(device, dtype).contiguous()  # [L * 2 * kv_size, H]
+    inner._fused_kv_bias = torch.cat(biases, dim=0).to(device, dtype).contiguous() if biases else None
     inner._k_norm_weights = torch.stack([layer.self_attn.k_norm.weight.data for layer in layers]).contiguous()
     inner._hidden_norm_weight = inner.hidden_norm.weight.data
 
