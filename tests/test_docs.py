@@ -42,9 +42,20 @@ MODULE = re.compile(r"(?<![\w./-])((?:verl_speco|drafters|feature_store)(?:\.\w+
 SELF = Path(__file__).resolve()  # holds the planted examples of the checks below
 
 
+UNTRACKED_DIRS = {".git", ".venv", "runs", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".cache",
+                  "build", "dist"}
+
+
 def tracked_files() -> list[Path]:
-    out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return sorted({ROOT / p for p in out.split("\0") if p and (ROOT / p).is_file()})
+    """The repository's files: git's tracked and not-ignored ones (a walk skipping the usual build
+    and cache directories where git is unavailable)."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout
+        return sorted({ROOT / p for p in out.split("\0") if p and (ROOT / p).is_file()})
+    except (OSError, subprocess.CalledProcessError):
+        return sorted(p for p in ROOT.rglob("*") if p.is_file() and not any(
+            part in UNTRACKED_DIRS or part.endswith(".egg-info") for part in p.relative_to(ROOT).parts))
 
 
 def read_text(path: Path) -> str | None:

@@ -19,7 +19,16 @@ import re
 from pathlib import Path
 
 from drafters.registry import known_families
-from verl_speco.deploy.support import CODES, COLUMNS, KINDS, LEGEND, SGLANG_SOURCE, Evidence, catalog, render_table
+from verl_speco.deploy.support import (
+    CODES,
+    COLUMNS,
+    KINDS,
+    LEGEND,
+    SGLANG_SOURCE,
+    Evidence,
+    catalog,
+    render_table,
+)
 from verl_speco.deploy.versions import engine_refusal, load_versions
 from verl_speco.engines.vllm_engine import CPU_UNSERVABLE, PATCHED_VLLM
 from verl_speco.launchers import recipes
