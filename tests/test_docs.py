@@ -8,6 +8,8 @@
   `sections A, B and C`), names a file of `docs/design/` and sections its headings define
   (`## N.`, `### N.M`, ...). A design note cited by its bare name (`engines.md 2.4`) outside
   `docs/design/` is an error too: the citation has to say where the file is.
+- Every relative markdown link of a tracked .md file resolves to a file or directory of the
+  repository, and its `#anchor` to a heading of the linked document.
 - Every repository path and module the user documentation names (README.md and docs/*.md, not the
   design notes, whose paths are mostly the engines' own, nor the measurement records in
   docs/results/) exists.
@@ -32,7 +34,7 @@ OUTSIDE = (re.compile("/" + "work" + "/"), re.compile("shared" + "/" + "design")
 CLIMB = re.compile(r"(?<![\w./-])((?:\.\./)+)([\w.-]*)")
 NUM = r"\d+(?:\.\d+)*"
 CITATION = re.compile(r"(?<![\w/.-])((?:[\w.-]+/)*)(" + "|".join(map(re.escape, DESIGN_NAMES)) + r")\.md(?![\w-])")
-SECTIONS = re.compile(rf"^[\s#*>(]*sections?\s+({NUM}(?:\s*(?:,|-|and|/)\s*(?:#\s*)?{NUM})*)", re.S)
+SECTIONS = re.compile(rf"^[\s#*>()\]]*sections?\s+({NUM}(?:\s*(?:,|-|and|/)\s*(?:#\s*)?{NUM})*)", re.S)
 BARE_NUMBER = re.compile(rf"^\s+{NUM}\b")
 HEADING = re.compile(rf"^#{{2,6}}\s+({NUM})\.?\s", re.M)
 REPO_DIRS = ("feature_store", "drafters", "verl_speco", "scripts", "configs", "docker", "tests", "docs", "benchmarks")
@@ -98,16 +100,12 @@ def citation_problems(rel: str, text: str) -> list[str]:
         prefix, name = m.group(1), m.group(2)
         where = f"{rel}:{_line(text, m.start())}"
         cited = f"{prefix}{name}.md"
-        if prefix == "docs/design/":
-            target = DESIGN / f"{name}.md"
-        elif in_design and prefix == "":
-            target = DESIGN / f"{name}.md"  # a design note citing another by its name, from the same folder
-        else:
-            target = None
-        if target is None:
-            if (ROOT / cited).is_file() or ((ROOT / rel).parent / cited).is_file():
-                continue  # another document of that name, e.g. docs/real-target.md
-            problems.append(f"{where}: {cited!r}: cite design notes as docs/design/{name}.md section N")
+        relative = ((ROOT / rel).parent / cited).resolve()
+        # a design note: by its repository path, by its name from another design note, or by a
+        # relative link into docs/design (design/engines.md from docs/)
+        if not (prefix == "docs/design/" or (in_design and prefix == "") or relative.parent == DESIGN):
+            if not ((ROOT / cited).is_file() or relative.is_file()):  # else another document of that name
+                problems.append(f"{where}: {cited!r}: cite design notes as docs/design/{name}.md section N")
             continue
         sections = design_sections(name)
         if sections is None:
@@ -158,6 +156,33 @@ def path_problems(rel: str, text: str) -> list[str]:
     return problems
 
 
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def link_problems(rel: str, text: str) -> list[str]:
+    """Relative links of the markdown file `rel` whose target or anchor does not exist."""
+    problems = []
+    for m in LINK.finditer(text):
+        target = m.group(1)
+        if re.match(r"^[a-z]+:", target):
+            continue  # http(s):, mailto:
+        path_part, _, anchor = target.partition("#")
+        path = ((ROOT / rel).parent / path_part).resolve() if path_part else ROOT / rel
+        where = f"{rel}:{_line(text, m.start())}"
+        if not path.exists() or not path.is_relative_to(ROOT):
+            problems.append(f"{where}: link {target} does not resolve")
+        elif anchor:
+            headings = re.findall(r"^#{1,6}\s+(.+?)\s*$", path.read_text(encoding="utf-8"), re.M) if path.is_file() else []
+            if anchor not in {slug(h) for h in headings}:
+                problems.append(f"{where}: link {target}: no heading with that anchor")
+    return problems
+
+
 def user_docs() -> list[Path]:
     return [p for p in tracked_files() if p.suffix == ".md" and p.relative_to(ROOT).parts[:1] in (("README.md",), ("docs",))
             and p.relative_to(ROOT).parts[:2] not in (("docs", "design"), ("docs", "results"))]
@@ -193,6 +218,18 @@ def test_user_docs_name_existing_paths_and_modules() -> None:
     for path in docs:
         problems += path_problems(path.relative_to(ROOT).as_posix(), path.read_text(encoding="utf-8"))
     assert problems == []
+
+
+def test_markdown_links_resolve() -> None:
+    problems = []
+    for path in tracked_files():
+        if path.suffix == ".md" and path != SELF:
+            problems += link_problems(path.relative_to(ROOT).as_posix(), path.read_text(encoding="utf-8"))
+    assert problems == []
+    planted = "[a](modes.md) [b](nowhere.md) [c](feature-store.md#no-such-heading) [d](https://example.org/x)"
+    assert [p.split(": ", 1)[1] for p in link_problems("docs/planted.md", planted)] == [
+        "link nowhere.md does not resolve", "link feature-store.md#no-such-heading: no heading with that anchor"]
+    assert link_problems("docs/planted.md", "[e](feature-store.md#checking-a-store-verl-speco-inspect-features)") == []
 
 
 @pytest.mark.parametrize("line, expected", [
@@ -231,6 +268,8 @@ def test_good_citations_pass() -> None:
             " docs/design/engines.md for what each engine serves; see `docs/real-target.md`")
     assert citation_problems("drafters/planted.py", text) == []
     assert citation_problems("docs/design/planted.md", "[algorithms.md section 0.3](algorithms.md)") == []
+    assert citation_problems("docs/planted.md", "[design/engines.md](design/engines.md) section 6") == []
+    assert "has no section 7" in citation_problems("docs/planted.md", "[design/engines.md](design/engines.md) section 7")[0]
 
 
 def test_planted_missing_paths_are_caught() -> None:
