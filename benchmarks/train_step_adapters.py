@@ -6,7 +6,7 @@ forward + loss closure of each side, and a loss check that feeds both sides the 
 script owns everything else (timing, interleaving, peak memory, report). A new family is one
 more adapter class and one more entry in `ADAPTERS`.
 
-Speculators is a benchmark-only reference (shared/design/environment.md): built from config
+Speculators is a benchmark-only reference (docs/design/environment.md section 1): built from config
 objects, verifier name None (nothing downloaded), verifier embed / lm_head / norm loaded from our
 synthetic target, `sdpa` attention and the "eager" losses (its defaults, flex attention and the
 fused Triton losses, need CUDA; flex attention's backward does not run on CPU).
@@ -77,8 +77,8 @@ class Eagle3Adapter(Adapter):
     - speculators trains KL(p || q) = CE(p, q) - H(p); we train the soft cross-entropy CE(p, q)
       (SafeAILab). Per TTT step j: ours_j = speculators_j + masked mean target entropy H_j (exact
       when fed the same rows); the check prints the residual.
-    - our loss mask also drops rows whose target argmax is outside the draft vocab (algorithms.md
-      section 3); speculators takes the loss mask as data, so it is fed that same position mask.
+    - our loss mask also drops rows whose target argmax is outside the draft vocab
+      (docs/design/algorithms.md section 3); speculators takes the loss mask as data, so it is fed that same position mask.
     - speculators freezes its lm_head by default; both sides TRAIN it here (as SafeAILab and ours
       do) unless `--frozen-lm-head` freezes it on both sides.
     - speculators packs a batch into one row [1, B*T] with document ids (its attention runs over

@@ -1,8 +1,8 @@
-"""The catalog: the one place a drafter family is registered (architecture.md).
+"""The catalog: the one place a drafter family is registered (docs/design/architecture.md section 2).
 
 Families load lazily by import path, so `import drafters.registry` imports no family code.
 Engine method names (vLLM `speculative_config["method"]`, SGLang `--speculative-algorithm`)
-are catalog data (algorithms.md 1-7; engines.md for what each engine serves).
+are catalog data (docs/design/algorithms.md sections 1-7; docs/design/engines.md for what each engine serves).
 """
 
 from __future__ import annotations

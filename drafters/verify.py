@@ -1,4 +1,4 @@
-"""Verification of a draft against the target: lossless speculative sampling (algorithms.md 0).
+"""Verification of a draft against the target: lossless speculative sampling (docs/design/algorithms.md section 0).
 
 Shapes: draft_ids int64 [k] (target ids); draft_probs float [k, V] or None (greedy drafting:
 q is one-hot at the draft token, as vLLM does with draft_probs=None); target rows [k + 1, V]

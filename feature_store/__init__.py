@@ -1,4 +1,4 @@
-"""Feature Store: target-model hidden states on disk for drafter training (formats.md "Feature Store").
+"""Feature Store: target-model hidden states on disk for drafter training (docs/design/formats.md section 1).
 
 Imports torch, numpy and safetensors-compatible files only; nothing of ours, no engine, no CUDA.
 """

@@ -1,4 +1,4 @@
-"""On-disk layout of a store (docs: formats.md "Feature Store"), atomic file publication, ``store.json``
+"""On-disk layout of a store (docs/design/formats.md section 1), atomic file publication, ``store.json``
 and commit records.
 
 ```

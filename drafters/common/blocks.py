@@ -1,4 +1,4 @@
-"""Numerics for block drafting (DFlash, DSpark, Domino share them; algorithms.md sections 4-6).
+"""Numerics for block drafting (DFlash, DSpark, Domino share them; docs/design/algorithms.md sections 4-6).
 
 A training batch of block drafts is laid out as
     context: the target features of every sequence position, RoPE positions 0..n-1 (n = ctx_len);

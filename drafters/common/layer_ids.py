@@ -1,4 +1,4 @@
-"""The one place where hidden-state layer ids change convention (algorithms.md section 0).
+"""The one place where hidden-state layer ids change convention (docs/design/algorithms.md section 0).
 
 Internal convention: an index into HF `hidden_states` (0 = embedding output, i >= 1 = output of
 decoder layer i-1). Engine keys:

@@ -1,4 +1,4 @@
-"""EAGLE-2 dynamic draft trees (algorithms.md section 2): the tree, its attention mask and
+"""EAGLE-2 dynamic draft trees (docs/design/algorithms.md section 2): the tree, its attention mask and
 positions, the `TreeProposer` protocol a drafter implements, and expand + rerank.
 
 Tree layout. A round starts from the committed tokens x_0..x_n; the ROOT is x_n (just emitted

@@ -1,4 +1,4 @@
-"""DFlash block-diffusion drafter (algorithms.md section 4): config, backbone, objective, export,
+"""DFlash block-diffusion drafter (docs/design/algorithms.md section 4): config, backbone, objective, export,
 block proposer and the catalog's family object."""
 
 from drafters.dflash.config import DFlashConfig

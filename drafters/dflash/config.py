@@ -1,4 +1,4 @@
-"""DFlash drafter configuration (algorithms.md section 4; engines.md 2.4 and 4.5).
+"""DFlash drafter configuration (docs/design/algorithms.md section 4; docs/design/engines.md sections 2.4 and 4.5).
 
 The draft's sizes (hidden, heads, kv heads, head_dim, intermediate, rope_theta, eps) are the
 target's; only the fields below are choices. `resolve(target_spec)` fills the defaults that

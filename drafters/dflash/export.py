@@ -1,7 +1,7 @@
 """DFlash draft export for vLLM (`method="dflash"`) and SGLang (`DFLASH`), its check, and the reader.
 
 One format, `native` (a directory: `config.json` + `model.safetensors` + our `verl_speco_meta.json`),
-engines.md 2.4 and 4.5:
+docs/design/engines.md sections 2.4 and 4.5:
 - `architectures: ["DFlashDraftModel"]`, `model_type: "qwen3"`, Qwen3 decoder keys with
   `num_hidden_layers` = the draft's layers and `vocab_size` = the target's; `block_size`,
   `num_target_layers` (the target's L), `layer_types` all `"full_attention"`;
@@ -9,7 +9,7 @@ engines.md 2.4 and 4.5:
   true, causal: false[, mask_token: the tokenizer's string for that id]}` and the top-level `eagle_aux_hidden_state_layer_ids` = vLLM capture
   indices (output-of-layer id + 1, through drafters.common.layer_ids).
 - Never an `eagle_config` dict: vLLM V1 lets `eagle_config` override the DFlash layer ids
-  silently (engines.md 1.3).
+  silently (docs/design/engines.md section 1.3).
 - Tensors, exactly the `DFlashDraft` parameters (its training names are the engine names):
   `fc.weight [H, m*H]`, `hidden_norm.weight`, `norm.weight`,
   `layers.i.{input_layernorm,post_attention_layernorm}.weight`,
@@ -52,7 +52,7 @@ MODEL_TYPE = "qwen3"
 DFLASH_KEY = "vllm.dflash_config.target_layer_ids"  # output-of-layer ids (internal - 1)
 VLLM_AUX_KEY = "vllm.eagle_aux_hidden_state_layer_ids"  # vLLM capture indices (internal)
 FROZEN = ("target_embed_tokens", "target_lm_head")  # the model's frozen target buffers: never exported
-REFUSED = {  # names an engine refuses or misreads, with the reason (engines.md 2.4, 4.5)
+REFUSED = {  # names an engine refuses or misreads, with the reason (docs/design/engines.md sections 2.4, 4.5)
     "embed_tokens.weight": "DFlash shares the target's embedding; exports never carry it",
     "lm_head.weight": "DFlash uses the target's LM head (vLLM would load a draft head instead of sharing)",
     "target_embed_tokens": "the frozen target embedding is a buffer of the model, not a draft weight",
@@ -179,7 +179,7 @@ class DFlashExportConfig:
                 "speculative_num_draft_tokens": self.block_size}
 
     def sglang_expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        """SGLang's `DFlashDraftModel` takes every export tensor (engines.md 4.5)."""
+        """SGLang's `DFlashDraftModel` takes every export tensor (docs/design/engines.md section 4.5)."""
         return self.tensor_shapes()
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -285,7 +285,7 @@ def engine_tensors(state_dict: Mapping[str, Tensor], cfg: DFlashExportConfig, fm
 
 
 def native_config(cfg: DFlashExportConfig) -> dict[str, Any]:
-    """config.json of the `native` format (engines.md 2.4, 4.5); never an `eagle_config`."""
+    """config.json of the `native` format (docs/design/engines.md sections 2.4, 4.5); never an `eagle_config`."""
     return {
         "architectures": list(ARCHITECTURES), "model_type": MODEL_TYPE,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
@@ -341,7 +341,7 @@ def config_from_json(config: Mapping[str, Any], where: str) -> DFlashExportConfi
     """Check config.json against the dual-engine DFlash layout and rebuild its export config."""
     if "eagle_config" in config:
         raise ValueError(f"{where}: key 'eagle_config' = {config['eagle_config']!r}, expected absent (vLLM V1 "
-                         "lets an eagle_config dict override the DFlash layer ids silently, engines.md 1.3)")
+                         "lets an eagle_config dict override the DFlash layer ids silently, docs/design/engines.md section 1.3)")
     if tuple(config.get("architectures") or ()) != ARCHITECTURES:
         raise ValueError(f"{where}: architectures {config.get('architectures')}, expected {list(ARCHITECTURES)}")
     if config.get("model_type") != MODEL_TYPE:

@@ -1,6 +1,6 @@
-"""DFlash draft backbone (algorithms.md section 4; z-lab `dflash/model.py`, vLLM `qwen3_dflash.py`).
+"""DFlash draft backbone (docs/design/algorithms.md section 4; z-lab `dflash/model.py`, vLLM `qwen3_dflash.py`).
 
-Parameter names are the engines' tensor names (engines.md 2.4, 4.5):
+Parameter names are the engines' tensor names (docs/design/engines.md sections 2.4, 4.5):
     fc.weight [H, m*H]; hidden_norm.weight [H]; norm.weight [H];
     layers.<i>.{input_layernorm,post_attention_layernorm}.weight [H];
     layers.<i>.self_attn.{q,k,v,o}_proj.weight; layers.<i>.self_attn.{q_norm,k_norm}.weight [D];

@@ -1,4 +1,4 @@
-"""DFlash training objective (algorithms.md section 4).
+"""DFlash training objective (docs/design/algorithms.md section 4).
 
 Per step: sample `num_anchors` anchors per sequence among positions a with loss_mask[a] and
 a + B <= length (common/blocks.py), feed blocks [x_a, MASK x (B - 1)] at positions a..a+B-1.

@@ -1,4 +1,4 @@
-"""DFlash block drafting for the reference decoder, as vLLM's `DFlashProposer` does it (engines.md 2.4).
+"""DFlash block drafting for the reference decoder, as vLLM's `DFlashProposer` does it (docs/design/engines.md section 2.4).
 
 Round with committed tokens x_0..x_n (x_n just emitted by the target, no target features yet)
 and target features at positions 0..n-1: ONE draft forward over the block

@@ -1,4 +1,4 @@
-"""Domino drafter (algorithms.md section 6): the DFlash backbone with shifted labels and a causal
+"""Domino drafter (docs/design/algorithms.md section 6): the DFlash backbone with shifted labels and a causal
 GRU correction head; the catalog's family object is `FAMILY`."""
 
 from drafters.domino.config import DominoConfig

@@ -1,4 +1,4 @@
-"""Domino drafter configuration (algorithms.md section 6; engines.md 2.6 and 4.6).
+"""Domino drafter configuration (docs/design/algorithms.md section 6; docs/design/engines.md sections 2.6 and 4.6).
 
 Domino is the DFlash backbone (`DFlashConfig`'s fields) with SGLang's `shift_label` layout and a
 correction head:

@@ -1,4 +1,4 @@
-"""Domino draft export: SGLang's DFLASH with `projector_type: "domino"` (engines.md 2.6, 4.6, 5.6).
+"""Domino draft export: SGLang's DFLASH with `projector_type: "domino"` (docs/design/engines.md sections 2.6, 4.6, 5.6).
 
 One format, `native`: the DFlash export (drafters/dflash/export.py: `DFlashDraftModel`, Qwen3
 keys, `dflash_config` with the mask id and output-of-layer ids, top-level
@@ -100,7 +100,7 @@ class DominoExportConfig(DFlashExportConfig):
     def vllm_speculative_config(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
         raise ValueError(
             f"vLLM Domino: {draft_dir} is a Domino draft and vLLM 0.32 has no Domino (no projector_type, prefix_gru "
-            "or GRU anywhere, engines.md 2.6): with only dflash_config.projector_type it would serve the backbone as "
+            "or GRU anywhere, docs/design/engines.md section 2.6): with only dflash_config.projector_type it would serve the backbone as "
             "plain DFlash silently, and with the head's weights it fails to load ('no module or parameter named "
             "embed_proj'). Serve it with SGLang (--speculative-algorithm DFLASH, CUDA, bf16), or train a dflash "
             "drafter for vLLM")

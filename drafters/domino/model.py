@@ -1,6 +1,6 @@
-"""Domino draft: the DFlash backbone + a causal GRU correction head (algorithms.md section 6).
+"""Domino draft: the DFlash backbone + a causal GRU correction head (docs/design/algorithms.md section 6).
 
-Parameter names are the engines' (engines.md 4.6): the DFlash backbone's (drafters/dflash/model.py) plus
+Parameter names are the engines' (docs/design/engines.md section 4.6): the DFlash backbone's (drafters/dflash/model.py) plus
     prefix_gru.weight_ih_l0 [3G, H], prefix_gru.weight_hh_l0 [3G, G]   (nn.GRU, 1 layer, no bias)
     embed_proj.0.weight [E, H + G], embed_proj.2.weight [V, E]         (Linear, SiLU, Linear; no bias)
 

@@ -1,4 +1,4 @@
-"""Domino training objective (algorithms.md section 6; SpecForge `OnlineDominoModel`).
+"""Domino training objective (docs/design/algorithms.md section 6; SpecForge `OnlineDominoModel`).
 
 Layout, per sequence (block size B, shifted labels, anchors a):
     candidates: a with valid[a] and valid[a + 1]  (valid = loss_mask & attention_mask)

@@ -1,5 +1,5 @@
 """Domino block drafting for the reference decoder, as SGLang's greedy Domino rollout does it
-(engines.md 4.6; algorithms.md section 6, inference).
+(docs/design/engines.md section 4.6; docs/design/algorithms.md section 6, inference).
 
 Round with committed tokens x_0..x_n and target features at 0..n-1: ONE backbone forward over the
 full block [x_n, MASK x (B - 1)] at positions n .. n + B - 1 (always B rows, as in training and in

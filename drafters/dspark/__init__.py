@@ -1,4 +1,4 @@
-"""DSpark drafter (algorithms.md section 5): the DFlash backbone with the "anchor predicts the
+"""DSpark drafter (docs/design/algorithms.md section 5): the DFlash backbone with the "anchor predicts the
 first token" layout, a Markov head and a confidence head; the catalog's family object is `FAMILY`."""
 
 from drafters.dspark.config import DSparkConfig

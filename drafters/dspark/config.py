@@ -1,4 +1,4 @@
-"""DSpark drafter configuration (algorithms.md section 5; engines.md 2.5 and 4.7).
+"""DSpark drafter configuration (docs/design/algorithms.md section 5; docs/design/engines.md sections 2.5 and 4.7).
 
 DSpark is the DFlash backbone (`DFlashConfig`'s fields: layers, context layer ids, MASK id,
 anchors, attention backend) with another block layout and two heads:

@@ -1,6 +1,6 @@
 """DSpark draft export for vLLM (`method="dspark"`) and SGLang (`DSPARK`), its check, and the reader.
 
-One format, `native` (config.json + model.safetensors + verl_speco_meta.json), engines.md 2.5, 4.7
+One format, `native` (config.json + model.safetensors + verl_speco_meta.json), docs/design/engines.md sections 2.5, 4.7
 and 5.5: the DFlash export (drafters/dflash/export.py: Qwen3 keys, `dflash_config` with the mask id
 and output-of-layer ids, top-level `eagle_aux_hidden_state_layer_ids` = ids + 1, never an
 `eagle_config`) with
@@ -70,7 +70,7 @@ class DSparkExportConfig(DFlashExportConfig):
         against `native_config` (every key, no eagle_config, consistent layer ids)."""
         if "eagle_config" in config:
             raise ValueError(f"{where}: key 'eagle_config' = {config['eagle_config']!r}, expected absent (vLLM V1 "
-                             "lets an eagle_config dict override the layer ids silently, engines.md 1.3)")
+                             "lets an eagle_config dict override the layer ids silently, docs/design/engines.md section 1.3)")
         if tuple(config.get("architectures") or ()) != ARCHITECTURES:
             raise ValueError(f"{where}: architectures {config.get('architectures')}, expected {list(ARCHITECTURES)}")
         missing = [k for k in DSPARK_KEYS if k not in config]

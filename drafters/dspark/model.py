@@ -1,6 +1,6 @@
-"""DSpark draft: the DFlash backbone + Markov head + confidence head (algorithms.md section 5).
+"""DSpark draft: the DFlash backbone + Markov head + confidence head (docs/design/algorithms.md section 5).
 
-Parameter names are the engines' (engines.md 2.5, 4.7): the DFlash backbone's (drafters/dflash/model.py)
+Parameter names are the engines' (docs/design/engines.md sections 2.5, 4.7): the DFlash backbone's (drafters/dflash/model.py)
 plus
     markov_head.markov_w1.weight [V, r]     (an embedding: e = W1[x_prev])
     markov_head.markov_w2.weight [V, r]     (Linear(r -> V), no bias: bias = W2 e)

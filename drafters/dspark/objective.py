@@ -1,4 +1,4 @@
-"""DSpark training objective (algorithms.md section 5; DeepSpec loss).
+"""DSpark training objective (docs/design/algorithms.md section 5; DeepSpec loss).
 
 Layout, per sequence (block size B = gamma, anchors a):
     candidates: a with valid[a] and valid[a + 1]  (valid = loss_mask & attention_mask)

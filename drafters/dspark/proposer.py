@@ -1,4 +1,4 @@
-"""DSpark block drafting for the reference decoder (algorithms.md section 5, inference).
+"""DSpark block drafting for the reference decoder (docs/design/algorithms.md section 5, inference).
 
 Round with committed tokens x_0..x_n and target features at 0..n-1: ONE backbone forward over
     [x_n, MASK x (K - 1)]  at positions n .. n + K - 1     (K = num_tokens <= block_size)

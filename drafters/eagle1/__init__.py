@@ -1,4 +1,4 @@
-"""EAGLE-1 drafter family (algorithms.md section 1, engines.md 2.1/4.2). The family object is `FAMILY`."""
+"""EAGLE-1 drafter family (docs/design/algorithms.md section 1, docs/design/engines.md sections 2.1 and 4.2). The family object is `FAMILY`."""
 
 from drafters.eagle1.config import Eagle1Config
 from drafters.eagle1.family import FAMILY, Eagle1Family

@@ -1,4 +1,4 @@
-"""EAGLE-1 drafter configuration (algorithms.md section 1; engines.md 2.1, 4.2).
+"""EAGLE-1 drafter configuration (docs/design/algorithms.md section 1; docs/design/engines.md sections 2.1, 4.2).
 
 The draft's sizes (hidden, heads, kv heads, head_dim, intermediate, rope_theta, eps) are the
 target's: one Llama decoder layer without its input norm, over `fc(cat[embed(x_{t+1}); f_t])`.

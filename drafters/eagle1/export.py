@@ -1,7 +1,7 @@
 """EAGLE-1 draft export for vLLM (`method="eagle"`) and SGLang (`EAGLE`), its check, and the reader.
 
 One format, `native` (a directory: `config.json` + `model.safetensors` + our `verl_speco_meta.json`):
-- `architectures: ["LlamaForCausalLMEagle", "EagleLlamaForCausalLM"]` (engines.md 2.1: vLLM
+- `architectures: ["LlamaForCausalLMEagle", "EagleLlamaForCausalLM"]` (docs/design/engines.md section 2.1: vLLM
   accepts this list; SGLang takes its first registered entry), Llama decoder keys, 1 layer.
 - Tensors, exactly what vLLM's `EagleLlamaForCausalLM` accepts plus `fc.bias`:
   `fc.weight [H, 2H]`, `fc.bias [H]` = zeros (vLLM drops every unexpected `.bias` silently;
@@ -42,7 +42,7 @@ META_FILE = EXPORT_META_FILE
 ARCHITECTURES = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")  # SGLang name first, then vLLM's
 FC_BIAS = "fc.bias"
 FROZEN = ("embed_tokens.weight",)  # the target's embedding: in the model, never in an export
-REFUSED = {  # names an engine refuses or misreads, with the reason (engines.md 2.1, 4.2)
+REFUSED = {  # names an engine refuses or misreads, with the reason (docs/design/engines.md sections 2.1, 4.2)
     "layers.0.input_layernorm.weight": "vLLM's layer-0 input norm is Identity (load raises); the draft has none",
     "norm.weight": "EAGLE-1 has no final norm (vLLM load raises 'no module named norm')",
     "lm_head.weight": "EAGLE-1 uses the target's LM head (vLLM load raises 'no module named lm_head')",
@@ -120,7 +120,7 @@ class Eagle1ExportConfig:
                 "speculative_num_draft_tokens": int(num_speculative_tokens) + 1}
 
     def sglang_expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        """SGLang's `LlamaForCausalLMEagle` takes every export tensor, fc.bias included (engines.md 4.2)."""
+        """SGLang's `LlamaForCausalLMEagle` takes every export tensor, fc.bias included (docs/design/engines.md section 4.2)."""
         return expected_shapes(self)
 
     def sglang_never_published(self) -> Mapping[str, str]:

@@ -1,4 +1,4 @@
-"""EAGLE-1 draft model (algorithms.md section 1; vLLM `llama_eagle.py`, SGLang `llama_eagle.py`).
+"""EAGLE-1 draft model (docs/design/algorithms.md section 1; vLLM `llama_eagle.py`, SGLang `llama_eagle.py`).
 
 Parameter names are the export contract (vLLM `EagleLlamaForCausalLM`, SGLang `LlamaForCausalLMEagle`):
     fc.weight [H, 2H] (no bias: vLLM has none, SGLang's is exported as zeros);

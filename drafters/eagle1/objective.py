@@ -1,4 +1,4 @@
-"""EAGLE-1 batch preparation and training objective (algorithms.md section 1; SafeAILab
+"""EAGLE-1 batch preparation and training objective (docs/design/algorithms.md section 1; SafeAILab
 `eagle/train/main.py`).
 
 Data layout (one right-padded batch, positions p = 0..T-1, f_p = post-norm last hidden at p):

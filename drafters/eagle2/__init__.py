@@ -1,4 +1,4 @@
-"""EAGLE-2 drafter family (algorithms.md section 2, engines.md 2.2/4.1): EAGLE-1 weights, dynamic-tree
+"""EAGLE-2 drafter family (docs/design/algorithms.md section 2, docs/design/engines.md sections 2.2 and 4.1): EAGLE-1 weights, dynamic-tree
 drafting. The family object is `FAMILY`."""
 
 from drafters.eagle2.config import Eagle2Config

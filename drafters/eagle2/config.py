@@ -1,4 +1,4 @@
-"""EAGLE-2 drafter configuration (algorithms.md section 2): the EAGLE-1 settings plus the tree shape.
+"""EAGLE-2 drafter configuration (docs/design/algorithms.md section 2): the EAGLE-1 settings plus the tree shape.
 
 EAGLE-2 trains exactly the EAGLE-1 draft (same model, objective, export tensors); only drafting
 changes: an EAGLE-2 dynamic tree (drafters/common/tree.py `build_draft_tree`) instead of a chain.

@@ -1,4 +1,4 @@
-"""EAGLE-3 drafter family (algorithms.md section 3). The family object is `FAMILY`."""
+"""EAGLE-3 drafter family (docs/design/algorithms.md section 3). The family object is `FAMILY`."""
 
 from drafters.eagle3.config import Eagle3Config
 from drafters.eagle3.family import FAMILY, Eagle3Family

@@ -1,4 +1,4 @@
-"""EAGLE-3 drafter configuration (algorithms.md section 3).
+"""EAGLE-3 drafter configuration (docs/design/algorithms.md section 3).
 
 The draft's sizes (hidden, heads, kv heads, head_dim, intermediate, rope_theta, eps) are the
 target's; only the fields below are choices. `resolve(target_spec)` fills the defaults that

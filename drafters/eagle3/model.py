@@ -1,4 +1,4 @@
-"""EAGLE-3 draft model (algorithms.md section 3; vLLM `llama_eagle3.py`, SafeAILab `cnets.py`).
+"""EAGLE-3 draft model (docs/design/algorithms.md section 3; vLLM `llama_eagle3.py`, SafeAILab `cnets.py`).
 
 Parameter names are the export contract (vLLM/SGLang `LlamaForCausalLMEagle3`; vLLM renames
 `midlayer.` to `layers.0.` itself):

@@ -1,4 +1,4 @@
-"""EAGLE-3 batch preparation and training objective (algorithms.md section 3).
+"""EAGLE-3 batch preparation and training objective (docs/design/algorithms.md section 3).
 
 Alignment. Every training target lives at a sequence position p of the batch (unshifted):
     target distribution at p = softmax(target_lm_head(last_hidden[p])[t2d])   # predicts x_{p+1}

@@ -1,4 +1,4 @@
-"""P-EAGLE drafter family (algorithms.md section 7). The family object is `FAMILY`."""
+"""P-EAGLE drafter family (docs/design/algorithms.md section 7). The family object is `FAMILY`."""
 
 from drafters.peagle.config import PEagleConfig
 from drafters.peagle.family import FAMILY, PEagleFamily

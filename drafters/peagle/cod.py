@@ -1,5 +1,5 @@
 """P-EAGLE numerics: COD sampling, the flattened element layout and its attention mask
-(algorithms.md section 7; PE-p; speculators `models/peagle/{data,attention}.py`).
+(docs/design/algorithms.md section 7; PE-p; speculators `models/peagle/{data,attention}.py`).
 
 Elements. P-EAGLE trains all K depths in one forward over "elements" (a, d): anchor position a
 of the sequence, depth d in 0..K-1. Per batch row the elements are laid out depth-major: the T
@@ -11,7 +11,7 @@ then for d = 1..K-1 the anchors COD sampling kept, ascending; rows are padded to
     target       = the target distribution at position a + 1 + d (it predicts x_{a+2+d})
 which is EAGLE-3's alignment (drafters/eagle3/objective.py) with step d of the unroll replaced by
 mask slot d: at inference the verified rows 0..n-1 are the depth-0 elements and the K - 1 mask
-slots are (n - 1, 1..K-1), exactly vLLM's parallel-drafting layout (engines.md 2.3.1).
+slots are (n - 1, 1..K-1), exactly vLLM's parallel-drafting layout (docs/design/engines.md section 2.3.1).
 
 COD sampling (per row). valid(a, d) = the target at a + 1 + d is trainable (`target_valid`)
 and lies in a's document. n_valid = #{a : valid(a, 0)} (the depth-0 training rows).

@@ -1,4 +1,4 @@
-"""P-EAGLE drafter configuration (algorithms.md section 7; engines.md 2.3.1).
+"""P-EAGLE drafter configuration (docs/design/algorithms.md section 7; docs/design/engines.md section 2.3.1).
 
 The architecture is EAGLE-3's (`Eagle3Architecture`: fused 2H layer 0, plain H layers after it,
 fc over k target layers, a draft-vocab head) with 4 layers by default, plus what parallel

@@ -1,4 +1,4 @@
-"""P-EAGLE export: vLLM's parallel-drafting EAGLE-3 (engines.md 2.3, 2.3.1 and section 5.3).
+"""P-EAGLE export: vLLM's parallel-drafting EAGLE-3 (docs/design/engines.md sections 2.3, 2.3.1 and 5.3).
 
 One format, `native`: the EAGLE-3 native directory (drafters/eagle3/export.py: architecture
 `LlamaForCausalLMEagle3`, both aux-id keys, d2t/t2d for a reduced vocab) plus
@@ -7,11 +7,11 @@ One format, `native`: the EAGLE-3 native directory (drafters/eagle3/export.py: a
     model.safetensors: `mask_hidden` [1, k*H_t] (vLLM refuses a parallel-drafting draft without
         it) and, for every plain layer n >= 1, `layers.<n>.hidden_norm.weight` equal to
         `layers.<n>.input_layernorm.weight`: vLLM's add-norm for those layers reads
-        `input_layernorm`, SGLang's EAGLE-3 reads `hidden_norm` (engines.md 4.3), so both names
+        `input_layernorm`, SGLang's EAGLE-3 reads `hidden_norm` (docs/design/engines.md section 4.3), so both names
         carry the trained norm.
 vLLM serves it with `{"method": "eagle3", "parallel_drafting": true, "num_speculative_tokens":
 K}` and K <= the trained depths (`num_depths`, recorded in verl_speco_meta.json). SGLang 0.5.23
-has no P-EAGLE (engines.md 4.4): its server arguments are refused.
+has no P-EAGLE (docs/design/engines.md section 4.4): its server arguments are refused.
 
 `check_export(dir)` refuses, before any engine sees it, a directory whose config.json has no
 mask token id or whose weights lack `mask_hidden` (or carry one of the wrong size), and a
@@ -101,7 +101,7 @@ class PEagleExportConfig(Eagle3ExportConfig):
         return super().vllm_speculative_config(draft_dir, num_speculative_tokens)
 
     def sglang_server_args(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
-        raise ValueError("SGLang 0.5.23 has no P-EAGLE (no mask_hidden / parallel-drafting code, engines.md 4.4); "
+        raise ValueError("SGLang 0.5.23 has no P-EAGLE (no mask_hidden / parallel-drafting code, docs/design/engines.md section 4.4); "
                          "serve this draft with vLLM (method eagle3, parallel_drafting true)")
 
     def sglang_expected_shapes(self) -> dict[str, tuple[int, ...]]:

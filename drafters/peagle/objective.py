@@ -1,4 +1,4 @@
-"""P-EAGLE training objective (algorithms.md section 7; SpecForge `algorithms/peagle/model.py`).
+"""P-EAGLE training objective (docs/design/algorithms.md section 7; SpecForge `algorithms/peagle/model.py`).
 
 One micro-batch:
   1. targets as EAGLE-3 (drafters/eagle3/objective.py `prepare_targets`): at every position p

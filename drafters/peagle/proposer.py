@@ -1,5 +1,5 @@
 """P-EAGLE parallel drafting for the reference decoder, as vLLM's parallel-drafting EAGLE-3 does it
-(engines.md 2.3.1; vLLM `v1/spec_decode/llm_base_proposer.py` with `parallel_drafting`).
+(docs/design/engines.md section 2.3.1; vLLM `v1/spec_decode/llm_base_proposer.py` with `parallel_drafting`).
 
 Round with committed tokens x_0..x_n and target features at positions 0..n-1: ONE draft forward
 over n + K - 1 rows,

@@ -15,10 +15,20 @@ A planted wrong cell is caught.
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 from drafters.registry import known_families
-from verl_speco.deploy.support import COLUMNS, KINDS, SGLANG_SOURCE, Evidence, catalog, render_table
+from verl_speco.deploy.support import (
+    CODES,
+    COLUMNS,
+    KINDS,
+    LEGEND,
+    SGLANG_SOURCE,
+    Evidence,
+    catalog,
+    render_table,
+)
 from verl_speco.deploy.versions import engine_refusal, load_versions
 from verl_speco.engines.vllm_engine import CPU_UNSERVABLE, PATCHED_VLLM
 from verl_speco.launchers import recipes
@@ -109,8 +119,29 @@ def test_planted_wrong_cells_are_caught() -> None:
 
 
 def test_the_table_has_a_row_per_family_and_a_column_per_cell() -> None:
-    rows = [r for r in render_table().splitlines() if r.startswith("| ")]
+    text = render_table()
+    rows = [r for r in text.splitlines() if r.startswith("| ")]
     assert [r.split(" | ")[0].removeprefix("| ") for r in rows[1:]] == list(known_families())
     assert all(r.count(" | ") == len(COLUMNS) for r in rows)
     dspark = rows[1 + list(known_families()).index("dspark")]
-    assert "| 0.32.0: engine loader run on CPU, launcher composes; 0.24.0: not supported (no DSpark) |" in dspark
+    assert "| 0.32.0 L P; 0.24.0 no[" in dspark  # engine loader, launcher composes; 0.24.0 not supported
+    # every cell is releases and codes only: a release followed by codes, or codes alone
+    code = "(?:" + "|".join(sorted(CODES.values(), key=len, reverse=True)) + r")(?:\[\d+\])?"
+    cell = re.compile(rf"^(?:(?:\d+\.\d+\.\d+ )?{code}(?: {code})*)(?:; (?:\d+\.\d+\.\d+ )?{code}(?: {code})*)*$")
+    for row in rows[2:]:
+        for c in row.strip("| ").split(" | ")[1:]:
+            assert cell.match(c), (row, c)
+    # every footnote used is defined once, numbered in order of first use
+    used = list(dict.fromkeys(int(n) for n in re.findall(r"\[(\d+)\]", "\n".join(rows))))
+    notes = next(line for line in text.splitlines() if line.startswith("Notes: "))
+    assert used == list(range(1, len(used) + 1))
+    assert re.findall(r"\[(\d+)\] ", notes) == [str(n) for n in used]
+
+
+def test_every_code_has_one_letter_a_legend_and_its_tests() -> None:
+    assert set(CODES) == set(KINDS) == set(LEGEND)
+    assert len(set(CODES.values())) == len(CODES)
+    text = render_table()
+    for kind, tests in KINDS.items():
+        line = next(r for r in text.splitlines() if r.startswith(f"- `{CODES[kind]}` "))
+        assert LEGEND[kind] in line and all(f"`{t}`" in line for t in tests)

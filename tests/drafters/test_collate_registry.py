@@ -45,7 +45,7 @@ def test_catalog() -> None:
     assert dict(engine_method("peagle", "vllm").extra) == {"parallel_drafting": True}
     assert engine_method("peagle", "vllm").method == "eagle3"
     with pytest.raises(UnknownEngineMethodError, match="'peagle' has no known sglang method"):
-        engine_method("peagle", "sglang")  # SGLang 0.5.23 has no P-EAGLE (engines.md 4.4)
+        engine_method("peagle", "sglang")  # SGLang 0.5.23 has no P-EAGLE (docs/design/engines.md section 4.4)
     assert engine_method("domino", "sglang").method == "DFLASH"  # DFLASH with dflash_config.projector_type domino
     with pytest.raises(UnknownEngineMethodError, match="'domino' has no known vllm method"):
-        engine_method("domino", "vllm")  # vLLM 0.32 has no Domino (engines.md 2.6)
+        engine_method("domino", "vllm")  # vLLM 0.32 has no Domino (docs/design/engines.md section 2.6)

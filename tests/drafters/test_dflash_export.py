@@ -78,7 +78,7 @@ GOLDEN = {
 def test_config_json_golden(exported: Path) -> None:
     config = json.loads((exported / "config.json").read_text())
     assert config == GOLDEN
-    assert "eagle_config" not in config  # engines.md 1.3: it would override the layer ids silently
+    assert "eagle_config" not in config  # docs/design/engines.md section 1.3: it would override the layer ids silently
     meta = json.loads((exported / META_FILE).read_text())
     assert meta["family"] == "dflash" and meta["format"] == "native" and meta["global_step"] == 5
     assert meta["drafter_config"]["loss_gamma"] == 2.5 and meta["drafter_config"]["target_layer_ids"] == [1, 3, 5]

@@ -1,6 +1,6 @@
 """vLLM 0.32's own DSpark draft class reads our `native` DSpark export as it was written.
 
-vLLM cannot serve DSpark on CPU (engines.md 1.2: the V1 runner refuses `dspark`, V2 needs
+vLLM cannot serve DSpark on CPU (docs/design/engines.md section 1.2: the V1 runner refuses `dspark`, V2 needs
 Triton), so there is no engine here. `Qwen3DSparkForCausalLM` (model_executor/models/qwen3_dspark.py)
 is built on CPU from a `VllmConfig` of the tiny target whose speculative config is the one
 `EngineArgs.create_speculative_config` makes for our export. That config passes vLLM's own

@@ -37,7 +37,7 @@ Negative controls, each shown to make the comparison fail:
   swapped export disagrees with vLLM on the correct one;
 - EAGLE-3 config.json without `eagle_aux_hidden_state_layer_ids`: vLLM does not refuse; it
   captures `eagle_config.eagle_aux_hidden_state_layer_ids` as-is (SGLang's convention, ids - 1 =
-  (0, 2, 5): engines.md 1.3), so the counters differ, and equal the reference's at (0, 2, 5)
+  (0, 2, 5): docs/design/engines.md section 1.3), so the counters differ, and equal the reference's at (0, 2, 5)
   (so vLLM captures exactly the layers its config names, as the shifted-ids control assumes);
 - EAGLE-1 (and so eagle2): the fc halves swapped ([feature; embedding]) in the reference.
 Also: the EAGLE-3 speculators-format export served by directory (`vllm serve <dir>`, the verifier
@@ -266,7 +266,7 @@ def test_eagle3_missing_layer_ids_key_breaks_parity(world: World) -> None:
     (bad / "config.json").write_text(json.dumps(config))
     outputs, counts = _serve(world.target, bad, r["spec"] | {"model": str(bad)})  # vLLM does not refuse it
     proposer = r["family"].proposer(r["model"], world.spec)
-    proposer.aux_layer_ids = sglang_ids  # type: ignore[attr-defined]  # what vLLM captures (engines.md 1.3)
+    proposer.aux_layer_ids = sglang_ids  # type: ignore[attr-defined]  # what vLLM captures (docs/design/engines.md section 1.3)
     _, planted = world.reference(proposer)
     print(f"eagle3 without eagle_aux_hidden_state_layer_ids: vLLM {counts}; reference {r['ref']}, "
           f"reference at eagle_config's ids {sglang_ids} {planted}")

@@ -1,4 +1,4 @@
-"""Bug B of verl-on-cpu.md: with `load_format=dummy` (verl's default) vLLM finds no `lm_head` in the
+"""Bug B of docs/design/verl-on-cpu.md section 3.2: with `load_format=dummy` (verl's default) vLLM finds no `lm_head` in the
 EAGLE-3 draft's checkpoint and gives the draft the TARGET's LM head, so a draft publish would
 overwrite the policy's head. The engine must refuse such a publish (nothing written, the target's
 logits unchanged) and say why; the config bridge picks `load_format=auto` (tests/verl/test_speco_config.py).

@@ -53,7 +53,7 @@ def test_every_yaml_composes_and_validates(rel: str) -> None:
 
 def test_presets_set_their_recipes() -> None:
     q = load_config([*PATHS, "preset=qwen3_8b_eagle3"])
-    # algorithms.md section 3, DeepSpec retrain: lr 6e-4, warmup 4 %, wd 0, ttt 7, decay 0.8, grad norm 1.0
+    # docs/design/algorithms.md section 3, DeepSpec retrain: lr 6e-4, warmup 4 %, wd 0, ttt 7, decay 0.8, grad norm 1.0
     assert (q.optim.lr, q.optim.warmup_ratio, q.optim.weight_decay, q.optim.grad_clip) == (6e-4, 0.04, 0.0, 1.0)
     assert (q.drafter.settings["ttt_steps"], q.drafter.settings["ttt_decay"], q.data.max_seq_len) == (7, 0.8, 4096)
     assert list(q.optim.betas) == [0.9, 0.95]

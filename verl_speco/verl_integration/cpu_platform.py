@@ -6,7 +6,7 @@ singleton), and `VERL_PLATFORM=cpu` selects it. It is never auto-detected: `is_p
 is True only under `VERL_PLATFORM=cpu`, so a machine with an accelerator keeps verl's own platform.
 `cpu_env.cpu_environment()` sets both variables (plus the rest of the CPU recipe) for a run.
 
-What verl needs besides the platform members (../shared/design/verl-on-cpu.md, section 1):
+What verl needs besides the platform members (docs/design/verl-on-cpu.md section 1):
 - `torch.distributed.init_process_group` is wrapped (only when this platform is selected) so the
   backend string verl builds, `f"cpu:gloo,{device}:{backend}"` = "cpu:gloo,cpu:gloo", keeps one
   entry per device type (torch rejects the duplicate: "Duplicate device type cpu in backend string").

