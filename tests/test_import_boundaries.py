@@ -114,3 +114,51 @@ def test_family_import_scan_can_fail(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from drafters.eagle3.export import engine_tensors\n    import drafters.eagle1\n")
     assert _family_imports(bad, {"eagle1", "eagle3"}) == ["drafters.eagle1", "drafters.eagle3.export"]
+
+
+# Applications sit on top of the library: the README's quickstart and the drift study (it trains its
+# initial drafter with the quickstart), plus the benchmarks and scripts. No library module (anything
+# else under verl_speco/, drafters/, feature_store/) imports one.
+APP_FILES = ("verl_speco/quickstart.py", "verl_speco/drift.py")
+APP_MODULES = ("verl_speco.quickstart", "verl_speco.drift", "benchmarks", "scripts")
+
+
+def _named_modules(path: Path, package: str) -> set[str]:
+    """Every module an import statement in `path` names, `from X import y` also as `X.y` (y may be
+    a module), relative imports resolved against `package` (the file's own package)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[:len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            names.add(module)
+            names.update(f"{module}.{a.name}" for a in node.names)
+    return names
+
+
+def _app_imports(path: Path, package: str) -> list[str]:
+    return sorted(m for m in _named_modules(path, package)
+                  if any(m == app or m.startswith(app + ".") for app in APP_MODULES))
+
+
+def test_no_library_module_imports_an_application() -> None:
+    assert all((ROOT / app).is_file() for app in APP_FILES)  # the list names real modules
+    offenders = {}
+    for path in [p for top in OURS for p in _py_files(top)]:
+        rel = path.relative_to(ROOT).as_posix()
+        if rel not in APP_FILES:
+            offenders[rel] = _app_imports(path, ".".join(path.relative_to(ROOT).parts[:-1]))
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_application_import_scan_can_fail(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("from verl_speco import quickstart\nimport benchmarks.family_table\n"
+                   "def f():\n    from ..drift import main\n    from scripts import gpu_check\n"
+                   "from verl_speco.online import session\n")
+    assert _app_imports(bad, "verl_speco.online") == [
+        "benchmarks.family_table", "scripts", "scripts.gpu_check", "verl_speco.drift", "verl_speco.drift.main",
+        "verl_speco.quickstart"]

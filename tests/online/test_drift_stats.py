@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from verl_speco.online.drift import paired_difference
+from verl_speco.drift import paired_difference
 
 
 def test_paired_difference_by_hand() -> None:
