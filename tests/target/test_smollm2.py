@@ -95,7 +95,7 @@ def test_build_target_cli_takes_the_name(smollm2: Path, capsys: pytest.CaptureFi
 def test_cpu_grpo_launcher_takes_the_name_and_refuses_the_embedded_drafter(smollm2: Path, tmp_path: Path,
                                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """`run_cpu_grpo.sh --target smollm2-135m`: the embedded target's trained drafter cannot serve it."""
-    from verl_speco.verl_integration.cpu_launch import main
+    from verl_speco.cpu_port.launch import main
 
     assert main(["--target", "smollm2-135m", "--drafter", "trained", "--out", str(tmp_path / "run")]) == 2
     assert "trains on the embedded target only" in capsys.readouterr().err

@@ -35,7 +35,7 @@ def test_vllm_greedy_matches_transformers(fast_target: Path, monkeypatch) -> Non
     expected = [_hf_greedy(hf, ids, MAX_NEW) for ids in prompt_ids]
     assert all(len(set(e)) >= 3 for e in expected)  # not a degenerate constant stream
 
-    from verl_speco.engines.vllm_cpu_rebind import install_kernel_rebind_fix
+    from verl_speco.cpu_port.vllm_rebind import install_kernel_rebind_fix
 
     install_kernel_rebind_fix()  # bug C: this process may have built an n-gram engine (numba) before
     llm = LLM(model=str(fast_target), dtype="float32", max_model_len=512, enforce_eager=True, seed=0)

