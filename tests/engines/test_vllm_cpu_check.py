@@ -26,3 +26,23 @@ def test_every_cpu_fix_refuses_an_unchecked_release(monkeypatch: pytest.MonkeyPa
         getattr(fixes, installer)()
     monkeypatch.setattr(vllm, "__version__", "0.32.0+cpu")  # a local build suffix is the same release
     assert getattr(fixes, installer)() in (True, False)
+
+
+def test_the_cpu_ports_one_entry_point_installs_every_fix_behind_its_gate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`install_cpu_port()` (the way in of build_llm and the verl worker extension) installs bugs A, B
+    and C's fixes, again without harm, and keeps each fix's release gate."""
+    import vllm
+    from vllm.model_executor.models import qwen3_dflash
+    from vllm.triton_utils import dispatcher
+    from vllm.v1.sample import rejection_sampler
+
+    from verl_speco.cpu_port import install_cpu_port, vllm_dflash, vllm_rebind, vllm_sampling
+
+    install_cpu_port()
+    install_cpu_port()
+    assert rejection_sampler.expand_batch_to_tokens is vllm_sampling.expand_batch_to_tokens
+    assert qwen3_dflash.DFlashQwen3Model._normalize_context_k is vllm_dflash.normalize_context_k
+    assert dispatcher._rebind_kernels is vllm_rebind.rebind_kernels
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(RuntimeError, match=r"cpu_port\.vllm_sampling.*bug A.*checked against vLLM 0\.32\.0"):
+        install_cpu_port()

@@ -35,9 +35,9 @@ def test_vllm_greedy_matches_transformers(fast_target: Path, monkeypatch) -> Non
     expected = [_hf_greedy(hf, ids, MAX_NEW) for ids in prompt_ids]
     assert all(len(set(e)) >= 3 for e in expected)  # not a degenerate constant stream
 
-    from verl_speco.cpu_port.vllm_rebind import install_kernel_rebind_fix
+    from verl_speco.cpu_port import install_cpu_port
 
-    install_kernel_rebind_fix()  # bug C: this process may have built an n-gram engine (numba) before
+    install_cpu_port()  # bug C: this process may have built an n-gram engine (numba) before
     llm = LLM(model=str(fast_target), dtype="float32", max_model_len=512, enforce_eager=True, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], params)

@@ -32,7 +32,7 @@ import torch.distributed
 from verl.plugin.platform.platform_base import PlatformBase
 from verl.plugin.platform.platform_manager import PlatformRegistry
 
-from verl_speco.cpu_port import verl_device
+from verl_speco.cpu_port import install_cpu_port, verl_device
 
 PLATFORM_NAME = "cpu"
 
@@ -160,5 +160,4 @@ def install_process_group_fix() -> bool:
     return True
 
 
-if selected():
-    install_process_group_fix()
+install_cpu_port(vllm=False, verl=True)  # the process-group fix, when this platform is selected

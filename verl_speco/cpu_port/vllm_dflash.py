@@ -12,9 +12,10 @@ behaviour directly.
 
 `install_dflash_k_norm_fix` replaces that one method with a per-layer torch RMSNorm, on vLLM's CPU
 platform only and only on the vLLM version it was checked against (`PATCHED_VLLM`; any other
-raises, so the patch is re-checked instead of silently kept). It must run in the process that
-builds the engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, or the verl worker extension, which
-imports `verl_speco.cpu_port.vllm_worker`).
+raises, so the patch is re-checked instead of silently kept). Installed through
+`verl_speco.cpu_port.install_cpu_port`, which must run in the process that builds the engine
+(`vllm_engine.build_llm` with `VLLM_ENABLE_V1_MULTIPROCESSING=0`, or the verl worker extension
+`verl_speco.cpu_port.vllm_worker`).
 """
 
 from __future__ import annotations

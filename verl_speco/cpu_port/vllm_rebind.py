@@ -12,8 +12,9 @@ engine followed by any other engine fails to start (measured: CI stop 24, 40 tes
 `install_kernel_rebind_fix` replaces `_rebind_kernels` with `rebind_kernels` below, which does the
 same rebinding but reads an object's attributes only when its `__dict__` is a real mapping (an
 instance's dict or a class's mapping proxy). Installed on vLLM's CPU platform only, and only on the
-release it was checked against (`PATCHED_VLLM`, through `vllm_check.cpu_fix_applies`). `build_llm` and the
-verl worker extension install it before an engine is built.
+release it was checked against (`PATCHED_VLLM`, through `vllm_check.cpu_fix_applies`).
+`verl_speco.cpu_port.install_cpu_port` installs it before an engine is built (`build_llm`, the verl
+worker extension).
 """
 
 from __future__ import annotations

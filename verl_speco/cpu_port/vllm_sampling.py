@@ -7,9 +7,9 @@ top-p values: speculative sampling at temperature > 0 samples from garbage. `ins
 replaces that one function with a torch version, on vLLM's CPU platform only and only on the vLLM
 version it was checked against (`PATCHED_VLLM`); on any other version it raises, so the patch is
 re-checked instead of silently kept.
-Installed by `verl_speco.cpu_port.vllm_worker` on import (every worker of verl's CPU platform)
-and by in-process users of vLLM that sample with a drafter (the acceptance bench); the engine must
-run in the process that installed it (`VLLM_ENABLE_V1_MULTIPROCESSING=0` or a worker extension).
+Installed through `verl_speco.cpu_port.install_cpu_port` (the worker extension `vllm_worker` on
+import, in every worker of verl's CPU platform, and `vllm_engine.build_llm`); the engine must run in
+the process that installed it (`VLLM_ENABLE_V1_MULTIPROCESSING=0` or a worker extension).
 """
 
 from __future__ import annotations

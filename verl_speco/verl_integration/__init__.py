@@ -1,4 +1,5 @@
-"""The verl side of online drafter co-training: the only place in verl_speco that imports verl/ray.
+"""The verl side of online drafter co-training: the only place in verl_speco that imports verl/ray
+(besides verl's CPU platform, `verl_speco.cpu_port.verl_platform`).
 
 Modules (each imports verl lazily where it can, so `import verl_speco` never loads verl):
 
