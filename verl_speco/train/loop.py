@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -76,17 +77,19 @@ def _make_export_fn(cfg: TrainerConfig, family: Any, fam_cfg: Any, target: Targe
     return export
 
 
-def run(cfg: TrainerConfig) -> dict[str, Any]:
-    """Train according to `cfg`; returns a summary (final step, last losses, skipped steps, ...)."""
+def run(cfg: TrainerConfig, on_step: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Train according to `cfg`; returns a summary (final step, last losses, skipped steps, ...).
+    `on_step(step, total_steps)` is called after every optimizer step (an application's progress bar)."""
     device, created = init_distributed(cfg)
     try:
-        return _run(cfg, device)
+        return _run(cfg, device, on_step)
     finally:
         if created:
             dist.destroy_process_group()
 
 
-def _run(cfg: TrainerConfig, device: torch.device) -> dict[str, Any]:
+def _run(cfg: TrainerConfig, device: torch.device,
+         on_step: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     out_dir = Path(cfg.run.out_dir)
     seed_everything(cfg.run.seed)  # identical on every rank: the same initial weights everywhere
@@ -138,6 +141,8 @@ def _run(cfg: TrainerConfig, device: torch.device) -> dict[str, Any]:
         if step % cfg.run.log_every == 0 or res.skipped or step == stop_at:
             logger.log(step, "train", record)
         logger.advance()
+        if on_step is not None:
+            on_step(step, total)
         last.update(step=step, loss=res.loss, skipped_steps=skipped)
         if eval_index is not None and ((cfg.run.eval_every and step % cfg.run.eval_every == 0) or step == total):
             ev = evaluate(model, family, eval_batches(eval_index, cfg.data, rank, world, layout), device)
