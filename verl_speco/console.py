@@ -35,9 +35,9 @@ BAR_FORMAT = "{desc:<16} {percentage:3.0f}%|{bar:24}| {n_fmt}/{total_fmt} [{elap
 OPEN_FORMAT = "{desc:<16} {n_fmt} [{elapsed}]{postfix}"  # a stage of unknown length
 
 
-def _flush_all() -> None:
+def _flush_all(*streams: Any) -> None:
     """Python's and C's buffered output written out before a descriptor changes."""
-    for stream in (sys.stdout, sys.stderr):
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__, *streams):
         with contextlib.suppress(Exception):
             stream.flush()
     with contextlib.suppress(Exception):
@@ -86,6 +86,7 @@ class Console:
         self.bars = bars
         self.append = append
         self._saved: tuple[int, int] | None = None
+        self._streams: tuple[Any, Any] | None = None
         self._term: tuple[IO[str], IO[str]] | None = None
         self._bar: Any = None
         self._stop = threading.Event()
@@ -123,6 +124,11 @@ class Console:
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.close(log)
+        # Python's own streams onto descriptors 1 and 2 too, where they were elsewhere (pytest's
+        # capture, a notebook); the originals come back on leaving
+        self._streams = (sys.stdout, sys.stderr)
+        sys.stdout = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")  # noqa: SIM115
         self.print(f"{self._prefix()}engine and library logs: {self.log_path}", err=True)
         if self.bars and self.stderr.isatty():  # the elapsed time moves while a stage waits
             self._stop.clear()
@@ -142,7 +148,10 @@ class Console:
         if self._ticker is not None:
             self._ticker.join(timeout=5)
             self._ticker = None
-        _flush_all()
+        _flush_all(*(self._streams or ()))
+        if self._streams is not None:
+            sys.stdout, sys.stderr = self._streams
+            self._streams = None
         os.dup2(self._saved[0], 1)
         os.dup2(self._saved[1], 2)
         for fd in self._saved:

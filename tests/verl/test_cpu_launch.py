@@ -145,3 +145,39 @@ def test_the_launcher_refuses_a_drafter_directory_without_an_export(tmp_path: Pa
     out = subprocess.run(["bash", str(ROOT / "scripts" / "run_cpu_grpo.sh"), "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "usage: run_cpu_grpo" in out.stdout
+
+
+FAKE_VERL = """
+import json, os, sys
+print("(pid=1) INFO verl and vLLM noise"); print("ray noise", file=sys.stderr)
+with open(os.environ["VERL_FILE_LOGGER_PATH"], "w") as f:
+    for step in (1, 2):
+        f.write(json.dumps({"step": step, "data": {"critic/score/mean": 0.5 * step, "drafter/version": step}}) + "\\n")
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("rc", [0, 3])
+def test_the_launcher_is_quiet_and_ends_with_a_summary_or_the_logs_tail(
+        rc: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]) -> None:
+    """The run's output goes to <out>/run_cpu_grpo.log; the terminal gets the bars and the last step's
+    figures, or, when the run fails, its exit status and the log's last lines (a stand-in for verl)."""
+    import sys
+
+    from verl_speco.cpu_port import launch as cpu_launch
+    from verl_speco.target import named
+
+    monkeypatch.setattr(named, "resolve_target", lambda name, log=print: log("target noise") or tmp_path)
+    monkeypatch.setattr(cpu_launch, "launch_command", lambda *a: [sys.executable, "-c", FAKE_VERL, str(rc)])
+    out = tmp_path / "out"
+    assert cpu_launch.main(["--out", str(out), "--drafter", "fresh", "trainer.total_training_steps=2"]) == rc
+    term = capfd.readouterr()
+    log = (out / cpu_launch.LOG).read_text()
+    for noise in ("target noise", "verl and vLLM noise", "ray noise"):
+        assert noise in log and (noise in term.err) == (rc != 0) and noise not in term.out
+    if rc == 0:
+        assert "[run_cpu_grpo] exit 0" in term.out and "2 GRPO steps" in term.out
+        assert "step 2: score mean 1, drafter version 2" in term.out
+        assert "GRPO steps" in term.err and "2/2" in term.err
+    else:
+        assert "[run_cpu_grpo] exit 3" in term.err and "RunFailed" in term.err

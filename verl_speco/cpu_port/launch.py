@@ -13,6 +13,11 @@
    logger at `<out>/metrics.jsonl` (every step's metrics, `drafter/*` included) and drafts published
    under `<out>/publish`. Extra arguments are Hydra overrides (e.g. `trainer.total_training_steps=5`,
    `actor_rollout_ref.rollout.drafter.mode=collect_only`). Exit status: the run's.
+
+The terminal gets one progress bar per stage (the GRPO steps counted from `<out>/metrics.jsonl`) and
+a short summary of the last step; the target build's, verl's, Ray's and vLLM's logs go to
+`<out>/run_cpu_grpo.log` (`verl_speco.console`; a failure shows the log's last lines). --verbose
+(run_cpu_grpo.sh: also VERBOSE=1) leaves them on the terminal.
 """
 
 from __future__ import annotations
@@ -26,8 +31,16 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from verl_speco.console import Console
+
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = "+speco_cpu=grpo_embedded"
+PRESET_FILE = ROOT / "configs" / "speco_cpu" / "grpo_embedded.yaml"
+LOG = "run_cpu_grpo.log"
+SUMMARY_KEYS = (  # the end-of-run summary: verl / trainer metric -> label
+    ("critic/score/mean", "score mean"), ("drafter/accept/mean_acceptance_length", "rollout acceptance length"),
+    ("drafter/heldout/mean_acceptance_length", "held-out acceptance length"), ("drafter/loss", "drafter loss"),
+    ("drafter/version", "drafter version"), ("timing_s/step", "step s"))
 QUICKSTART_TRAIN = ROOT / "runs" / "quickstart" / "train"
 
 
@@ -76,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rule-reward problems: the embedded corpus's, or plain-English arithmetic (default: corpus "
                         "for the embedded target, plain for any other, which never saw the corpus's format)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verbose", action="store_true",
+                   help=f"verl, Ray and vLLM logs on the terminal (default: in <out>/{LOG})")
     p.add_argument("overrides", nargs="*", help="Hydra overrides passed to verl-speco")
     return p
 
@@ -128,23 +143,88 @@ def launch_command(target: Path, data: dict[str, Path], out: Path, drafter: Path
     return args + list(overrides)
 
 
+def planned_steps(overrides: Sequence[str]) -> int | None:
+    """trainer.total_training_steps of the run: the last override that sets it, else the preset's
+    (None when it is not a number: the progress bar then counts without a total)."""
+    from omegaconf import OmegaConf
+
+    value: Any = OmegaConf.select(OmegaConf.load(PRESET_FILE), "trainer.total_training_steps")
+    for item in overrides:
+        key, _, given = item.lstrip("+").partition("=")
+        if key == "trainer.total_training_steps":
+            value = given
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def logged_steps(metrics: Path) -> dict[int, dict[str, Any]]:
+    """verl's file logger lines merged per step (validation before training is step 0)."""
+    steps: dict[int, dict[str, Any]] = {}
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                record = json.loads(line)
+                steps.setdefault(int(record["step"]), {}).update(record["data"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a line being written
+    return steps
+
+
+def summary_lines(steps: dict[int, dict[str, Any]]) -> list[str]:
+    """The last step's figures, one line (and the held-out figures before training, when logged)."""
+    def figures(m: dict[str, Any]) -> str:
+        return ", ".join(f"{label} {m[key]:.4g}" if isinstance(m[key], float) else f"{label} {m[key]}"
+                         for key, label in SUMMARY_KEYS if key in m)
+
+    lines = []
+    if 0 in steps and figures(steps[0]):
+        lines.append(f"  before training: {figures(steps[0])}")
+    trained = [s for s in steps if s >= 1]
+    if trained:
+        lines.append(f"  step {max(trained)}: {figures(steps[max(trained)])}")
+    return lines
+
+
+class RunFailed(RuntimeError):
+    def __init__(self, rc: int) -> None:
+        super().__init__(f"verl-speco exited {rc}")
+        self.rc = rc
+
+
+def _run_verl(cmd: list[str], env: dict[str, str], metrics: Path, console: Console, total: int | None) -> None:
+    """The verl run in a child process (its output where this process's fds 1 and 2 point), its
+    progress read from the metrics it logs; raises RunFailed on a non-zero exit."""
+    with console.stage("GRPO steps", total=total) as bar:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT)
+        try:
+            while True:
+                try:
+                    rc = proc.wait(timeout=2.0)
+                    break
+                except subprocess.TimeoutExpired:
+                    bar.set(max((s for s in logged_steps(metrics) if s >= 1), default=0))
+        except BaseException:
+            proc.terminate()
+            proc.wait()
+            raise
+        if rc != 0:
+            raise RunFailed(rc)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    from verl_speco.cpu_port.env import cpu_environment
-    from verl_speco.target.named import resolve_target
-    from verl_speco.target.rl_data import write_rl_dataset
-
     out = Path(args.out).resolve()  # created once the drafter choice is valid
+    drafter: Path | None
     if args.target != "embedded" and args.drafter in (None, "trained"):
         if args.drafter == "trained":
             print(f"run_cpu_grpo: --drafter trained trains on the embedded target only; with --target {args.target} "
                   "pass a drafter export directory or 'fresh'", file=sys.stderr)
             return 2
         drafter, source = None, f"fresh (the quickstart drafter belongs to the embedded target, not {args.target})"
-    elif args.drafter == "fresh":
-        drafter, source = None, "fresh"
-    elif args.drafter == "trained":
-        drafter, source = train_small_drafter(out / "drafter", seed=args.seed), "trained (train_small_drafter)"
+    elif args.drafter in ("fresh", "trained"):
+        drafter, source = None, args.drafter
     elif args.drafter:
         drafter, source = Path(args.drafter).resolve(), "given"
         if not (drafter / "config.json").is_file():
@@ -155,21 +235,51 @@ def main(argv: Sequence[str] | None = None) -> int:
         drafter = quickstart_drafter()
         source = "quickstart" if drafter is not None else "fresh (no quickstart export under runs/quickstart)"
     out.mkdir(parents=True, exist_ok=True)
-    target = resolve_target(args.target, log=print)
-    task = rl_task(args.target, args.task)
-    data = write_rl_dataset(out / "data", n_train=args.train_prompts, n_val=args.val_prompts, seed=args.seed,
-                            task=task)
-    print(f"[run_cpu_grpo] target {target}; initial drafter: {drafter or 'freshly exported'} ({source})", flush=True)
+    console = Console(out / LOG, verbose=args.verbose, name="run_cpu_grpo")
+    started = time.perf_counter()
+    metrics = out / "metrics.jsonl"
+    try:
+        with console:
+            _launch(args, out, drafter, source, metrics, console)
+    except RunFailed as failed:
+        console.print(f"[run_cpu_grpo] exit {failed.rc} after {time.perf_counter() - started:.1f} s; "
+                      f"metrics: {metrics}", err=True)
+        return failed.rc
+    except Exception:
+        if console.quiet:
+            return 1  # the console showed the error and the log's last lines
+        raise
+    steps = logged_steps(metrics)
+    console.print(f"[run_cpu_grpo] exit 0 after {time.perf_counter() - started:.1f} s, "
+                  f"{len([s for s in steps if s >= 1])} GRPO steps")
+    for line in summary_lines(steps):
+        console.print(line)
+    console.print(f"  metrics: {metrics}" + (f"; logs: {console.log_path}" if console.quiet else ""))
+    return 0
+
+
+def _launch(args: argparse.Namespace, out: Path, drafter: Path | None, source: str, metrics: Path,
+            console: Console) -> None:
+    from verl_speco.cpu_port.env import cpu_environment
+    from verl_speco.target.named import resolve_target
+    from verl_speco.target.rl_data import write_rl_dataset
+
+    with console.stage("build target", total=1):
+        target = resolve_target(args.target, log=print)
+        task = rl_task(args.target, args.task)
+        data = write_rl_dataset(out / "data", n_train=args.train_prompts, n_val=args.val_prompts, seed=args.seed,
+                                task=task)
+    if source == "trained":
+        with console.stage("initial drafter", total=1):
+            drafter, source = train_small_drafter(out / "drafter", seed=args.seed), "trained (train_small_drafter)"
+    console.print(f"[run_cpu_grpo] target {target}; initial drafter: {drafter or 'freshly exported'} ({source})")
     cmd = launch_command(target, data, out, drafter, args.overrides)
     env = cpu_environment()
-    env["VERL_FILE_LOGGER_PATH"] = str(out / "metrics.jsonl")
+    env["VERL_FILE_LOGGER_PATH"] = str(metrics)
+    metrics.unlink(missing_ok=True)  # the steps counted are this run's
     (out / "launch.json").write_text(json.dumps({"target": str(target), "drafter": str(drafter) if drafter else None,
                                                  "drafter_source": source, "task": task, "command": cmd}, indent=1))
-    started = time.perf_counter()
-    rc = subprocess.run(cmd, env=env, cwd=ROOT).returncode
-    print(f"[run_cpu_grpo] exit {rc} after {time.perf_counter() - started:.1f} s; metrics: {out / 'metrics.jsonl'}",
-          flush=True)
-    return rc
+    _run_verl(cmd, env, metrics, console, planned_steps(args.overrides))
 
 
 if __name__ == "__main__":
