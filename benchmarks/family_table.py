@@ -1,16 +1,27 @@
 """The seven-family comparison's report rendering (`scripts/bench_family_acceptance.py`): the
-families' constants, the drafting cost of a round, the markdown tables and the PNG chart."""
+families as the catalog has them, the drafting cost of a round, the markdown tables and the PNG chart.
+
+Every per-family fact comes from the catalog: the families (`drafters.registry.known_families`), the
+setting that fixes the drafts per round (`draft_depth_settings`: block_size, num_depths), the vLLM
+method (`engine_method(f, "vllm").label()`) and what vLLM cannot serve on CPU and why
+(`verl_speco.engines.vllm_engine.CPU_UNSERVABLE`, in a few words `CPU_UNSERVABLE_SHORT`).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-FAMILIES = ("eagle1", "eagle2", "eagle3", "dflash", "dspark", "domino", "peagle")
-BLOCK_OFFSET = {"dflash": 1, "domino": 1, "dspark": 0}  # block_size = k + offset: k drafts per round
-VLLM_METHOD = {"eagle1": "eagle", "eagle2": "eagle, EAGLE-1 chain", "eagle3": "eagle3", "dflash": "dflash",
-               "peagle": "eagle3 + parallel_drafting"}
-UNSERVED_SHORT = {"dspark": "V1 runner refuses it, V2 needs Triton", "domino": "vLLM 0.32 has no Domino"}
+from drafters.registry import draft_depth_settings, engine_method, has_engine_method, known_families
+from verl_speco.engines.vllm_engine import CPU_UNSERVABLE, CPU_UNSERVABLE_SHORT
+
+FAMILIES = known_families()
+VLLM_METHOD = {f: engine_method(f, "vllm").label() for f in FAMILIES if has_engine_method(f, "vllm")}
+
+
+def vllm_served(families: list[str]) -> list[str]:
+    """The families vLLM serves on its CPU platform here: a vLLM method in the catalog, not CPU_UNSERVABLE."""
+    return [f for f in families if f in VLLM_METHOD and f not in CPU_UNSERVABLE]
 
 
 def drafting_cost(family: str, k: int, tree: dict[str, int] | None) -> dict[str, Any]:
@@ -27,7 +38,7 @@ def drafting_cost(family: str, k: int, tree: dict[str, int] | None) -> dict[str,
     if tree is not None:
         return {"tokens_per_target_forward": tree["total_tokens"], "draft_forwards": tree["depth"],
                 "head_steps": 0, "forwards_text": f"{tree['depth']} (tree depth)"}
-    if family in ("eagle1", "eagle2", "eagle3"):
+    if not draft_depth_settings(family, k):  # a chain: k is a decoding choice
         return {"tokens_per_target_forward": k, "draft_forwards": k, "head_steps": 0, "forwards_text": f"{k}"}
     if family == "dspark":
         return {"tokens_per_target_forward": k, "draft_forwards": 1, "head_steps": k,
@@ -61,9 +72,9 @@ def table(report: dict[str, Any]) -> str:
         cost = r.get("cost") or drafting_cost(name, k, tree)
         if tree:
             drafting = f"tree top_k={tree['top_k']}, depth={tree['depth']}, {tree['total_tokens']} tokens/round"
-        elif name in BLOCK_OFFSET:
-            drafting = f"block {k + BLOCK_OFFSET[name]}, k={k}, one draft forward"
-        elif name == "peagle":
+        elif "block_size" in draft_depth_settings(name, k):
+            drafting = f"block {draft_depth_settings(name, k)['block_size']}, k={k}, one draft forward"
+        elif "num_depths" in draft_depth_settings(name, k):
             drafting = f"parallel, {k} depths in one forward"
         else:
             drafting = f"chain, k={k}"
@@ -77,7 +88,7 @@ def table(report: dict[str, Any]) -> str:
         if vl is not None:
             vcell = f"{vl['mean_acceptance_length']:.3f} ({VLLM_METHOD[name]}; lossless {'yes' if vl['lossless'] else 'NO'})"
         elif "vllm_unservable" in r:
-            vcell = f"- ({UNSERVED_SHORT.get(name, 'not served on CPU')})"
+            vcell = f"- ({CPU_UNSERVABLE_SHORT.get(name, 'not served on CPU')})"
         elif "vllm_error" in r:
             vcell = f"- (vLLM failed: {r['vllm_error'].split(':')[0]})"
         elif forced_tree_row(fam):

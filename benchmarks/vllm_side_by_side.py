@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +52,15 @@ def _run(target: Path, prompts: list[list[int]], max_new_tokens: int, eos: int, 
 
 
 def side_by_side(target: Path, drafts: dict[str, tuple[Path, dict[str, Any]]], prompts: list[list[int]],
-                 eos: int, k: int, max_new_tokens: int) -> dict[str, dict[str, Any]]:
+                 eos: int, k: int, max_new_tokens: int, tick: Callable[[], None] | None = None
+                 ) -> dict[str, dict[str, Any]]:
     """{"plain": ..., "ngram": ..., family: ...} (see the module docstring). `drafts`: family ->
-    (export dir, its vLLM speculative config). A family vLLM fails to serve gets {"error": ...}."""
+    (export dir, its vLLM speculative config). A family vLLM fails to serve gets {"error": ...}.
+    `tick()` after each engine (2 + len(drafts) of them)."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     plain = _run(target, prompts, max_new_tokens, eos, k)
+    if tick is not None:
+        tick()
     results: dict[str, dict[str, Any]] = {"plain": plain}
     methods: dict[str, tuple[Path | None, dict[str, Any]]] = {"ngram": (None, NGRAM), **drafts}
     for name, (draft, spec) in methods.items():
@@ -64,6 +69,9 @@ def side_by_side(target: Path, drafts: dict[str, tuple[Path, dict[str, Any]]], p
         except Exception as err:  # reported in the table, the other methods still measured
             results[name] = {"error": f"{type(err).__name__}: {err}"[:400]}
             continue
+        finally:
+            if tick is not None:
+                tick()
         res["lossless"] = res["outputs"] == plain["outputs"]
         res["speedup_vs_plain"] = res["output_tokens_per_s"] / plain["output_tokens_per_s"]
         results[name] = res

@@ -38,20 +38,29 @@ class EngineMethod:
     method: str
     extra: Mapping[str, Any] = field(default_factory=dict)
     note: str = ""
+    serves_as: str = ""  # what the engine runs when it is not the family's own drafting (a few words)
+
+    def label(self) -> str:
+        """The method in a few words, for tables: "eagle3 + parallel_drafting", "eagle, EAGLE-1 chain"."""
+        flags = "".join(f" + {key}" for key, value in self.extra.items() if value is True)
+        return self.method + flags + (f", {self.serves_as}" if self.serves_as else "")
 
 
 @dataclass(frozen=True)
 class CatalogEntry:
-    """import_path: "module:attribute" of the family object."""
+    """import_path: "module:attribute" of the family object. draft_depth: the config field that
+    fixes how many tokens one round drafts, and its offset: k drafts per round need `field = k +
+    offset` (a block drafter's block_size, P-EAGLE's num_depths); None: k is a decoding choice."""
 
     name: str
     summary: str
     import_path: str
     engine_methods: tuple[EngineMethod, ...]
+    draft_depth: tuple[str, int] | None = None
 
 
-def _m(engine: str, method: str, note: str = "", **extra: Any) -> EngineMethod:
-    return EngineMethod(engine, method, MappingProxyType(dict(extra)), note)
+def _m(engine: str, method: str, note: str = "", serves_as: str = "", **extra: Any) -> EngineMethod:
+    return EngineMethod(engine, method, MappingProxyType(dict(extra)), note, serves_as)
 
 
 CATALOG: Mapping[str, CatalogEntry] = MappingProxyType({e.name: e for e in (
@@ -61,7 +70,7 @@ CATALOG: Mapping[str, CatalogEntry] = MappingProxyType({e.name: e for e in (
     CatalogEntry("eagle2", "EAGLE-2: EAGLE-1 weights with dynamic-tree drafting",
                  "drafters.eagle2.family:FAMILY",
                  (_m("vllm", "eagle", note="vLLM 0.32 has no tree: it serves the EAGLE-1 chain; the dynamic "
-                                           "tree is not realised"),
+                                           "tree is not realised", serves_as="EAGLE-1 chain"),
                   _m("sglang", "EAGLE", note="dynamic tree: --speculative-eagle-topk = top_k > 1, --speculative-"
                                              "num-steps = depth, --speculative-num-draft-tokens = total_tokens + 1"))),
     CatalogEntry("eagle3", "EAGLE-3: fused multi-layer target features, training-time test, draft vocab",
@@ -70,20 +79,24 @@ CATALOG: Mapping[str, CatalogEntry] = MappingProxyType({e.name: e for e in (
     CatalogEntry("dflash", "DFlash: block-diffusion drafter over injected target context",
                  "drafters.dflash.family:FAMILY",
                  (_m("vllm", "dflash", note="num_speculative_tokens = block_size - 1"),
-                  _m("sglang", "DFLASH", note="--speculative-num-draft-tokens = block_size"))),
+                  _m("sglang", "DFLASH", note="--speculative-num-draft-tokens = block_size")),
+                 draft_depth=("block_size", 1)),
     CatalogEntry("dspark", "DSpark: DFlash backbone + Markov head + confidence head",
                  "drafters.dspark.family:FAMILY",
                  (_m("vllm", "dspark", note="num_speculative_tokens = block_size; V2 runner only (GPU), vanilla "
                                             "Markov head only"),
-                  _m("sglang", "DSPARK", note="--speculative-dspark-block-size = block_size; CUDA/NPU/XPU"))),
+                  _m("sglang", "DSPARK", note="--speculative-dspark-block-size = block_size; CUDA/NPU/XPU")),
+                 draft_depth=("block_size", 0)),
     CatalogEntry("domino", "Domino: DFlash backbone + causal GRU correction head",
                  "drafters.domino.family:FAMILY",
                  (_m("sglang", "DFLASH", note="dflash_config.projector_type domino; --speculative-num-draft-tokens = "
-                                              "block_size; greedy, CUDA, bf16, full vocab"),)),
+                                              "block_size; greedy, CUDA, bf16, full vocab"),),
+                 draft_depth=("block_size", 1)),
     CatalogEntry("peagle", "P-EAGLE: EAGLE-3 with parallel drafting of K tokens in one pass",
                  "drafters.peagle.family:FAMILY",
                  (_m("vllm", "eagle3", note="vLLM >= 0.16; num_speculative_tokens <= the trained depths; SGLang "
-                                            "0.5.23 has no P-EAGLE", parallel_drafting=True),)),
+                                            "0.5.23 has no P-EAGLE", parallel_drafting=True),),
+                 draft_depth=("num_depths", 0)),
 )})
 
 
@@ -120,6 +133,18 @@ def engine_method(name: str, engine: str) -> EngineMethod:
             return m
     raise UnknownEngineMethodError(f"drafter family {name!r} has no known {engine} method "
                                    f"(engines with one: {[m.engine for m in catalog_entry(name).engine_methods]})")
+
+
+def has_engine_method(name: str, engine: str) -> bool:
+    """Whether the catalog knows a method of `engine` for family `name`."""
+    return any(m.engine == engine for m in catalog_entry(name).engine_methods)
+
+
+def draft_depth_settings(name: str, k: int) -> dict[str, int]:
+    """The config settings that make family `name` draft `k` tokens per round (`CatalogEntry.draft_depth`):
+    {"block_size": k + 1} for DFlash, {} where k is a decoding choice (chains, trees)."""
+    depth = catalog_entry(name).draft_depth
+    return {} if depth is None else {depth[0]: k + depth[1]}
 
 
 def engine_format_from_dict(data: Mapping[str, Any]) -> EngineFormat:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,7 +13,10 @@ from drafters.common.collate import collate
 from drafters.registry import (
     UnknownEngineMethodError,
     UnknownFamilyError,
+    catalog_entry,
+    draft_depth_settings,
     engine_method,
+    has_engine_method,
 )
 
 
@@ -49,3 +55,36 @@ def test_catalog() -> None:
     assert engine_method("domino", "sglang").method == "DFLASH"  # DFLASH with dflash_config.projector_type domino
     with pytest.raises(UnknownEngineMethodError, match="'domino' has no known vllm method"):
         engine_method("domino", "vllm")  # vLLM 0.32 has no Domino (docs/design/engines.md section 2.6)
+    assert [engine_method(n, "vllm").label() for n in ("eagle2", "peagle")] == ["eagle, EAGLE-1 chain",
+                                                                                 "eagle3 + parallel_drafting"]
+    assert not has_engine_method("domino", "vllm") and has_engine_method("domino", "sglang")
+
+
+def test_draft_depth_settings_are_what_the_engine_formats_accept(tmp_path: Path) -> None:
+    """`draft_depth_settings(name, k)` (the catalog's draft_depth) gives a config whose engine format
+    serves exactly k drafts per round (DFlash, Domino: block_size - 1; DSpark: block_size; P-EAGLE: up
+    to num_depths); the chain and tree families have no such setting."""
+    from drafters.common.target import TargetSpec
+
+    spec = TargetSpec(vocab_size=37, hidden_size=32, num_hidden_layers=8, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, intermediate_size=64, rope_theta=10000.0,
+                      rms_norm_eps=1e-6, max_position_embeddings=128, model_type="qwen3", tie_word_embeddings=False)
+    assert draft_depth_settings("dflash", 3) == {"block_size": 4} and draft_depth_settings("dspark", 7) == {
+        "block_size": 7}
+    for name in known_families():
+        if catalog_entry(name).draft_depth is None:
+            assert draft_depth_settings(name, 3) == {}, name
+            continue
+        family = get_family(name)
+        for k in (3, 7):
+            settings = draft_depth_settings(name, k)
+            fields = {f.name for f in dataclasses.fields(family.config_cls)}
+            extra = {"mask_token_id": spec.vocab_size - 1} if "mask_token_id" in fields else {}
+            fmt = family.engine_format(family.resolve(family.config_cls(**settings, **extra), spec), spec)
+            if has_engine_method(name, "vllm"):
+                serve = fmt.vllm_speculative_config
+            else:  # Domino: SGLang only, from a bf16 export
+                serve = dataclasses.replace(fmt, dtype="bfloat16").sglang_server_args  # type: ignore[type-var]
+            serve(tmp_path, k)
+            with pytest.raises(ValueError, match="num_speculative_tokens"):
+                serve(tmp_path, k + 1)

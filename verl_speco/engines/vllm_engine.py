@@ -36,6 +36,9 @@ CPU_UNSERVABLE = {  # family -> why vLLM cannot serve it here (its export is che
     "dspark": "vLLM 0.32's V1 model runner (the only one on CPU) refuses dspark, and V2 needs Triton",
     "domino": "vLLM 0.32 has no Domino (it would serve the backbone as plain DFlash); SGLang serves it, on CUDA only",
 }
+CPU_UNSERVABLE_SHORT = {  # the same reasons in a few words (the benchmark tables' cells)
+    "dspark": "V1 runner refuses it, V2 needs Triton", "domino": "vLLM 0.32 has no Domino",
+}
 _COUNTER_KEYS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
     "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
