@@ -246,7 +246,7 @@ class DFlashAdapter(Adapter):
     """
 
     name, label = "dflash", "DFlash"
-    block_size, loss_gamma = 16, 7.0  # our DFlashConfig defaults (z-lab recipe)
+    block_size, loss_gamma = DFlashConfig.block_size, DFlashConfig.loss_gamma  # the family's defaults (z-lab recipe)
     lean = 2.0  # target argmax == next token at every position (CE labels agree)
     sample_from_anchor = False  # speculators' layout flag: slot 0 drafts (DSpark) or is the bonus token
     family: ClassVar[DFlashFamily] = DFLASH
@@ -444,7 +444,7 @@ class DSparkAdapter(DFlashAdapter):
     """
 
     name, label = "dspark", "DSpark"
-    block_size, loss_gamma = 7, 4.0  # our DSparkConfig defaults (DeepSpec gamma 4 for block 7)
+    block_size, loss_gamma = DSparkConfig.block_size, DSparkConfig.loss_gamma  # the family's defaults (DeepSpec)
     sample_from_anchor = True
     family = DSPARK
     objective_module: ClassVar[ModuleType] = dspark_objective_module
