@@ -51,7 +51,9 @@ Outputs: <out>/report_k<k>.json, <out>/table_k<k>.md (markdown, footnotes under 
 <out>/acceptance_k<k>.png (bar chart of the reference decoder's mean acceptance length); runs with
 another --k in the same --out reuse the store and the runs that do not depend on k (training,
 timing and every decoding run are cached keyed by their settings and the exports' contents, so a
-stopped run resumes; --retime measures the step time again).
+stopped run resumes; --retime measures the step time again). The terminal gets one progress bar
+per stage, then the tables and the paths; vLLM's, the trainer's and the libraries' output goes to
+<out>/bench.log (appended; `verl_speco.console`), on the terminal with --verbose.
 """
 
 from __future__ import annotations
