@@ -43,9 +43,10 @@ import torch
 from drafters.common.tokens import cut_at_end
 from verl_speco.engines.spec_metrics import SpecCounters, acceptance_summary
 from verl_speco.online.capture import CapturedRows, OnlineCapture
-from verl_speco.online.config import CAPTURE_PASSES, SCHEDULES, CaptureCaps, DrafterOptim, DrafterRunConfig
+from verl_speco.online.config import CAPTURE_PASSES, SCHEDULES, CaptureCaps, DrafterRunConfig
 from verl_speco.online.publish import load_outcome, write_version
 from verl_speco.online.session import DrafterSession, TargetHeadSnapshot
+from verl_speco.train.config import OptimConfig
 
 # per-family drafter settings of the harness (training choices only: they apply to a loaded export)
 DRIFT_SETTINGS: dict[str, dict[str, Any]] = {"eagle3": {"ttt_steps": 3}}
@@ -69,7 +70,7 @@ class DriftConfig:
     drafter: DrafterRunConfig = field(default_factory=lambda: DrafterRunConfig(
         enable=True, mode="online", train_steps_per_round=60, micro_batch_size=8, max_staleness=0,
         capture_pass="post_update",
-        settings=dict(DRIFT_SETTINGS["eagle3"]), optim=DrafterOptim(lr=1e-3, warmup_steps=0),
+        settings=dict(DRIFT_SETTINGS["eagle3"]), optim=OptimConfig(lr=1e-3, warmup_steps=0),
         caps=CaptureCaps(max_rows=64, max_tokens=65536)))
 
 

@@ -225,8 +225,8 @@ class DrafterSession:
             samples = self._rank_rows(samples)
             self._use_head(head)
             set_lr(self.optimizer, warmup_lr(self.step, self.cfg.optim.lr, self.cfg.optim.warmup_steps))
-            result = train_step(self.model, self.family, [samples], self.optimizer,
-                                self.cfg.optim.grad_clip, self.device, progress=self.progress())
+            result = train_step(self.model, self.family, [samples], self.optimizer, self.cfg.optim.grad_clip,
+                                self.device, self.cfg.optim.denominators, progress=self.progress())
             self.step += 1
             skipped += int(result.skipped)
             tokens += result.tokens
