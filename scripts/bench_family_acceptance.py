@@ -176,7 +176,7 @@ def _collect(args: argparse.Namespace, families: list[str], target: Path, out: P
         layout_of = ",".join(sorted(_trained_families(_collect_for(args, families))))
         store = out / "stores" / target.name / layout_of.replace(",", "+") / name
         if not (store.parent / f"{name}.done").exists():
-            collect_features(target, jsonl, store, algorithm=layout_of, generate=True,
+            collect_features(target, jsonl, store, families=layout_of, generate=True,
                              max_new_tokens=args.max_new_tokens, seed=args.seed, batch_size=128 if embedded else 16,
                              engine="hf" if embedded else "vllm", max_length=args.max_length)
             (store.parent / f"{name}.done").write_text("")
@@ -265,8 +265,8 @@ def _timing_setup(args: argparse.Namespace, family: str, target: Path, stores: d
                                  _depth_settings(family, args.k) + _target_settings(family, args.target)))
     device = resolve_device(cfg.run.device)
     seed_everything(cfg.run.seed)
-    fam = get_family(cfg.drafter.algorithm)
-    fam_cfg = build_family_config(fam.config_cls, dict(cfg.drafter.settings), cfg.drafter.algorithm)
+    fam = get_family(cfg.drafter.family)
+    fam_cfg = build_family_config(fam.config_cls, dict(cfg.drafter.settings), cfg.drafter.family)
     head = TargetHead.from_pretrained(cfg.target.path)
     layout, fields = fam.required_layout(fam_cfg, head.spec), tuple(fam.required_fields(fam_cfg))
     reader = open_train_reader(cfg.data, 0, 1, layout, fields, None)

@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         done = store.parent / f"{name}.collected.json"  # written once the whole store is collected
         if not done.exists():
             shutil.rmtree(store, ignore_errors=True)
-            summary = collect_features(target, data, store, algorithm=args.algorithm, generate=True,
+            summary = collect_features(target, data, store, families=args.algorithm, generate=True,
                                        max_new_tokens=args.max_new_tokens, seed=args.seed,
                                        batch_size=args.collect_batch_size,
                                        engine="hf" if embedded else "vllm")

@@ -56,7 +56,7 @@ def _objective(session: DrafterSession, rows: CapturedRows) -> float:
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_block_family_co_trains_and_publishes_through_the_session(name: str, tmp_path: Path, target_dir: Path,
                                                                   target_model: Any) -> None:
-    cfg = DrafterRunConfig(enable=True, algorithm=name, settings=SETTINGS[name], micro_batch_size=8,
+    cfg = DrafterRunConfig(enable=True, family=name, settings=SETTINGS[name], micro_batch_size=8,
                            train_steps_per_round=5, max_staleness=5, publish_dir=str(tmp_path / "pub"),
                            curriculum_steps=20, optim=OptimConfig(lr=3e-3)).validate()
     session = DrafterSession(cfg, target_dir)

@@ -23,7 +23,7 @@ def test_defaults_from_none_and_empty() -> None:
     for raw in (None, {}):
         cfg = DrafterRunConfig.from_dict(raw)
         assert cfg == DrafterRunConfig()
-        assert (cfg.enable, cfg.algorithm, cfg.mode, cfg.schedule) == (False, "eagle3", "online", "serial")
+        assert (cfg.enable, cfg.family, cfg.mode, cfg.schedule) == (False, "eagle3", "online", "serial")
         assert cfg.model_path is None and cfg.settings == {} and cfg.publish_dir is None
         assert (cfg.num_speculative_tokens, cfg.collect_interval, cfg.train_interval, cfg.publish_interval) == (3, 1, 1, 1)
         assert (cfg.train_steps_per_round, cfg.micro_batch_size, cfg.max_staleness) == (8, 8, 2)
@@ -58,7 +58,7 @@ def test_nested_sections_and_top_level_values() -> None:
 
 
 @pytest.mark.parametrize(("raw", "where", "key", "valid"), [
-    ({"enabel": True}, "drafter", "enabel", ["algorithm", "caps", "enable", "mode", "optim", "settings"]),
+    ({"enabel": True}, "drafter", "enabel", ["caps", "enable", "family", "mode", "optim", "settings"]),
     ({"caps": {"max_rowz": 3}}, "drafter.caps", "max_rowz",
      ["max_rows", "max_seq_len", "max_tokens", "min_response_tokens"]),
     ({"optim": {"learning_rate": 1.0}}, "drafter.optim", "learning_rate", ["betas", "grad_clip", "lr"]),

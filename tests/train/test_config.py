@@ -48,8 +48,8 @@ def test_configs_dir_has_the_expected_files() -> None:
 def test_every_yaml_composes_and_validates(rel: str) -> None:
     cfg = _compose(rel)
     assert isinstance(cfg, TrainerConfig)
-    family = get_family(cfg.drafter.algorithm)
-    fam_cfg = build_family_config(family.config_cls, dict(cfg.drafter.settings), cfg.drafter.algorithm)
+    family = get_family(cfg.drafter.family)
+    fam_cfg = build_family_config(family.config_cls, dict(cfg.drafter.settings), cfg.drafter.family)
     assert isinstance(fam_cfg, family.config_cls)
 
 

@@ -54,7 +54,7 @@ class FeatureStoreSink:
 @dataclass
 class DrafterRunConfig:
     enable: bool = False
-    algorithm: str = "eagle3"  # drafters.registry name
+    family: str = "eagle3"  # drafters.registry name
     mode: str = "online"  # online | collect_only | offline
     model_path: str | None = None  # initial draft export (native / speculators); None: fresh init
     settings: dict[str, Any] = field(default_factory=dict)  # -> family.config_cls(**settings)

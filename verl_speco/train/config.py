@@ -22,7 +22,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class DrafterSection:
-    algorithm: str = "eagle3"  # a name from drafters.registry.available_families()
+    family: str = "eagle3"  # a name from drafters.registry.available_families()
     settings: dict[str, Any] = field(default_factory=dict)  # -> family.config_cls(**settings)
     export_formats: list[str] = field(default_factory=list)  # empty: the family's default format
 
@@ -170,19 +170,19 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
     return cfg
 
 
-def build_family_config(config_cls: type, settings: dict[str, Any], algorithm: str) -> Any:
+def build_family_config(config_cls: type, settings: dict[str, Any], family: str) -> Any:
     """`config_cls(**settings)` with unknown keys reported by name (never silently dropped)."""
     if dataclasses.is_dataclass(config_cls):
         known = {f.name for f in dataclasses.fields(config_cls)}
         unknown = sorted(set(settings) - known)
         if unknown:
             raise ConfigError(
-                f"drafter.settings has unknown key(s) {unknown} for algorithm {algorithm!r}; "
+                f"drafter.settings has unknown key(s) {unknown} for family {family!r}; "
                 f"expected a subset of {sorted(known)}")
     try:
         return config_cls(**settings)
     except (TypeError, ValueError) as err:
-        raise ConfigError(f"drafter.settings={settings!r} invalid for {algorithm!r}: {err}") from err
+        raise ConfigError(f"drafter.settings={settings!r} invalid for family {family!r}: {err}") from err
 
 
 def warmup_steps(cfg: TrainerConfig) -> int:
