@@ -6,8 +6,8 @@ are catalog data (docs/design/algorithms.md sections 1-7; docs/design/engines.md
 
 A family of this repository is one `CatalogEntry` line in `BUILTIN` below. A family from another
 package registers its `CatalogEntry` without editing this file (docs/adding-a-family.md):
-- an entry point in the group `ENTRY_POINT_GROUP` ("verl_speco.drafters") naming the entry, e.g. in
-  that package's pyproject.toml `[project.entry-points."verl_speco.drafters"] toy = "toyfam.catalog:ENTRY"`:
+- an entry point in the group `ENTRY_POINT_GROUP` ("verl_speco_drafters") naming the entry, e.g. in
+  that package's pyproject.toml `[project.entry-points.verl_speco_drafters] toy = "toyfam.catalog:ENTRY"`:
   found in every process where the package is installed (verl's workers too), at the first catalog
   lookup and again whenever a name is not found;
 - or `register_family(entry)` in the process that uses it (`unregister_family(name)` undoes it).
@@ -30,7 +30,7 @@ from typing import Any
 from drafters.common.contract import EXPORT_META_FILE, DrafterFamily, EngineFormat, contract_gaps
 
 ENGINES = ("vllm", "sglang")
-ENTRY_POINT_GROUP = "verl_speco.drafters"
+ENTRY_POINT_GROUP = "verl_speco_drafters"
 NAME_PATTERN = r"[a-z][a-z0-9_]*"  # a family name: also a config value, a directory and a preset name
 
 

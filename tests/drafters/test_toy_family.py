@@ -5,7 +5,7 @@ feature recurrence without attention: row t pairs embed(x_{t+1}) with the featur
 f^_{t+1} = f_t + fc2(silu(fc1([embed(x_{t+1}); f_t]))); draft logits = the frozen target head of f^.
 Its package is written under tmp_path, one file per checklist step (`SOURCES`, the steps' numbers in
 each docstring), wired in family.py (`WIRING`), and registered the two ways step 8 gives: an entry
-point in the group `verl_speco.drafters` (a `.dist-info` next to the package, what installing a
+point in the group `verl_speco_drafters` (a `.dist-info` next to the package, what installing a
 package with that pyproject.toml table writes) and `register_family` in the process.
 
 Asserted:
@@ -335,7 +335,7 @@ def write_family(root: Path, pkg: str, name: str, skip: frozenset[str] = frozens
 
 
 def write_entry_point(root: Path, pkg: str, name: str) -> None:
-    """What installing `pkg` with `[project.entry-points."verl_speco.drafters"] name = "pkg.catalog:ENTRY"` writes."""
+    """What installing `pkg` with `[project.entry-points.verl_speco_drafters] name = "pkg.catalog:ENTRY"` writes."""
     info = root / f"{pkg}-0.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {pkg}\nVersion: 0.0\n")
