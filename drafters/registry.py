@@ -3,21 +3,35 @@
 Families load lazily by import path, so `import drafters.registry` imports no family code.
 Engine method names (vLLM `speculative_config["method"]`, SGLang `--speculative-algorithm`)
 are catalog data (docs/design/algorithms.md sections 1-7; docs/design/engines.md for what each engine serves).
+
+A family of this repository is one `CatalogEntry` line in `BUILTIN` below. A family from another
+package registers its `CatalogEntry` without editing this file (docs/adding-a-family.md):
+- an entry point in the group `ENTRY_POINT_GROUP` ("verl_speco_drafters") naming the entry, e.g. in
+  that package's pyproject.toml `[project.entry-points.verl_speco_drafters] toy = "toyfam.catalog:ENTRY"`:
+  found in every process where the package is installed (verl's workers too), at the first catalog
+  lookup and again whenever a name is not found;
+- or `register_family(entry)` in the process that uses it (`unregister_family(name)` undoes it).
+`get_family` checks a family object against the contract once (`contract_gaps`) and refuses an
+incomplete one naming what it lacks (`FamilyContractError`).
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from importlib.metadata import entry_points
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from drafters.common.contract import EXPORT_META_FILE, DrafterFamily, EngineFormat
+from drafters.common.contract import EXPORT_META_FILE, DrafterFamily, EngineFormat, contract_gaps
 
 ENGINES = ("vllm", "sglang")
+ENTRY_POINT_GROUP = "verl_speco_drafters"
+NAME_PATTERN = r"[a-z][a-z0-9_]*"  # a family name: also a config value, a directory and a preset name
 
 
 class RegistryError(LookupError):
@@ -30,6 +44,10 @@ class UnknownFamilyError(RegistryError):
 
 class UnknownEngineMethodError(RegistryError):
     """The family has no known method for that engine."""
+
+
+class FamilyContractError(RegistryError):
+    """The family object lacks members of the family contract (drafters/common/contract.py)."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +81,7 @@ def _m(engine: str, method: str, note: str = "", serves_as: str = "", **extra: A
     return EngineMethod(engine, method, MappingProxyType(dict(extra)), note, serves_as)
 
 
-CATALOG: Mapping[str, CatalogEntry] = MappingProxyType({e.name: e for e in (
+BUILTIN: Mapping[str, CatalogEntry] = MappingProxyType({e.name: e for e in (
     CatalogEntry("eagle1", "EAGLE-1: feature-level autoregressive draft over the target's last hidden state",
                  "drafters.eagle1.family:FAMILY",
                  (_m("vllm", "eagle"), _m("sglang", "EAGLE"))),
@@ -100,27 +118,111 @@ CATALOG: Mapping[str, CatalogEntry] = MappingProxyType({e.name: e for e in (
 )})
 
 
+_ENTRIES: dict[str, CatalogEntry] = dict(BUILTIN)
+CATALOG: Mapping[str, CatalogEntry] = MappingProxyType(_ENTRIES)  # live: built-ins, then registered families
+_CHECKED: dict[str, DrafterFamily] = {}  # families that passed the contract check
+_BROKEN: dict[str, str] = {}  # entry-point name -> why it could not be loaded
+_discovered = False
+
+
+def register_family(entry: CatalogEntry) -> None:
+    """Add a family from another package to the catalog (module docstring). Registering the same
+    entry again is a no-op; another entry under a known name, a malformed name or an unknown
+    engine is refused naming it."""
+    if not isinstance(entry, CatalogEntry):
+        raise TypeError(f"register_family: got {type(entry).__name__}, expected a drafters.registry.CatalogEntry")
+    if not re.fullmatch(NAME_PATTERN, entry.name):
+        raise ValueError(f"register_family: name {entry.name!r}, expected lower-case letters, digits and _ "
+                         f"({NAME_PATTERN})")
+    module, sep, attr = entry.import_path.partition(":")
+    if not (module and sep and attr):
+        raise ValueError(f"register_family {entry.name!r}: import_path {entry.import_path!r}, expected "
+                         "'package.module:ATTRIBUTE'")
+    engines = [m.engine for m in entry.engine_methods if m.engine not in ENGINES]
+    if engines:
+        raise ValueError(f"register_family {entry.name!r}: engines {engines}, expected some of {ENGINES}")
+    have = _ENTRIES.get(entry.name)
+    if have is not None and have != entry:
+        where = "a built-in family" if entry.name in BUILTIN else f"registered from {have.import_path}"
+        raise ValueError(f"register_family: {entry.name!r} is already {where}")
+    _ENTRIES[entry.name] = entry
+    _BROKEN.pop(entry.name, None)
+
+
+def unregister_family(name: str) -> None:
+    """Remove a family added by `register_family` or an entry point (built-ins cannot be removed)."""
+    if name in BUILTIN:
+        raise ValueError(f"unregister_family: {name!r} is a built-in family")
+    if name not in _ENTRIES:
+        raise UnknownFamilyError(f"unregister_family: {name!r} is not registered")
+    del _ENTRIES[name]
+    _CHECKED.pop(name, None)
+
+
+def discover_families() -> tuple[str, ...]:
+    """Register every family an installed package declares under the entry-point group
+    `ENTRY_POINT_GROUP` (value: "module:ATTRIBUTE" of its `CatalogEntry`, whose name must equal the
+    entry point's); returns the names found. One that fails to load is remembered with its error,
+    which a lookup of that name reports."""
+    global _discovered
+    _discovered = True
+    found = []
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            entry = ep.load()
+            if not isinstance(entry, CatalogEntry) or entry.name != ep.name:
+                raise ValueError(f"{ep.value} is {entry!r}, expected a CatalogEntry named {ep.name!r}")
+            if _ENTRIES.get(ep.name) != entry:
+                register_family(entry)
+            found.append(ep.name)
+        except Exception as err:  # noqa: BLE001 (a broken plugin must not break the built-in families)
+            _BROKEN[ep.name] = f"entry point {ep.name} = {ep.value} ({ENTRY_POINT_GROUP}): {type(err).__name__}: {err}"
+    return tuple(found)
+
+
+def _catalog() -> Mapping[str, CatalogEntry]:
+    if not _discovered:
+        discover_families()
+    return CATALOG
+
+
 def known_families() -> tuple[str, ...]:
-    """Every catalog name, in catalog order."""
-    return tuple(CATALOG)
+    """Every catalog name, in catalog order (built-ins first, then registered families)."""
+    return tuple(_catalog())
 
 
 def available_families() -> tuple[str, ...]:
-    """The families this version implements: every catalog entry (all seven are implemented)."""
+    """The families this version implements: every catalog entry (all seven built-ins are implemented)."""
     return known_families()
 
 
 def catalog_entry(name: str) -> CatalogEntry:
+    if name not in _catalog():
+        discover_families()  # a package installed (or put on sys.path) since the last look
     if name not in CATALOG:
-        raise UnknownFamilyError(f"unknown drafter family {name!r}; valid names: {', '.join(CATALOG)}")
+        why = f" ({_BROKEN[name]})" if name in _BROKEN else ""
+        raise UnknownFamilyError(f"unknown drafter family {name!r}{why}; valid names: {', '.join(CATALOG)}")
     return CATALOG[name]
 
 
 def get_family(name: str) -> DrafterFamily:
-    """The family object for `name` (imported on first use)."""
+    """The family object for `name` (imported on first use, then checked against the contract:
+    `FamilyContractError` names every member it lacks)."""
     entry = catalog_entry(name)
+    checked = _CHECKED.get(name)
+    if checked is not None:
+        return checked
     module_name, attr = entry.import_path.split(":")
     family: DrafterFamily = getattr(importlib.import_module(module_name), attr)
+    gaps = contract_gaps(family)
+    if gaps:
+        raise FamilyContractError(f"drafter family {name!r} ({entry.import_path}) does not implement the family "
+                                  f"contract: missing {gaps} (drafters/common/contract.py DrafterFamily and "
+                                  "drafters/common/family_base.py HOOKS; docs/adding-a-family.md)")
+    if getattr(family, "name", name) != name:
+        raise FamilyContractError(f"drafter family {name!r} ({entry.import_path}): the object's name is "
+                                  f"{family.name!r}, expected {name!r}")
+    _CHECKED[name] = family
     return family
 
 
@@ -170,5 +272,5 @@ def export_family(export_dir: str | Path) -> str:
 
 def vllm_methods() -> tuple[str, ...]:
     """Every vLLM speculative method the catalog uses, plus the target-free ones (ngram, draft_model)."""
-    names = {m.method for e in CATALOG.values() for m in e.engine_methods if m.engine == "vllm"}
+    names = {m.method for e in _catalog().values() for m in e.engine_methods if m.engine == "vllm"}
     return tuple(sorted(names | {"ngram", "draft_model"}))

@@ -183,7 +183,7 @@ def _collect(args: argparse.Namespace, families: list[str], target: Path, out: P
             layout_of = ",".join(sorted(_trained_families(_collect_for(args, families))))
             store = out / "stores" / target.name / layout_of.replace(",", "+") / name
             if not (store.parent / f"{name}.done").exists():
-                collect_features(target, jsonl, store, algorithm=layout_of, generate=True,
+                collect_features(target, jsonl, store, families=layout_of, generate=True,
                                  max_new_tokens=args.max_new_tokens, seed=args.seed,
                                  batch_size=128 if embedded else 16, engine="hf" if embedded else "vllm",
                                  max_length=args.max_length)

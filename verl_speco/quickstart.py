@@ -106,7 +106,7 @@ def run(args: argparse.Namespace, console: Console | None = None) -> dict[str, A
             done = store.parent / f"{name}.collected.json"  # written once the whole store is collected
             if not done.exists():
                 shutil.rmtree(store, ignore_errors=True)
-                summary = collect_features(target, data, store, algorithm=args.family, generate=True,
+                summary = collect_features(target, data, store, families=args.family, generate=True,
                                            max_new_tokens=args.max_new_tokens, seed=args.seed,
                                            batch_size=args.collect_batch_size,
                                            engine="hf" if embedded else "vllm")

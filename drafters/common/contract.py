@@ -8,6 +8,8 @@
   publish), the speculative arguments per engine and the publish-manifest round trip.
 - `DrafterFamily`: the protocol every catalog entry implements; `TreeDrafterFamily` adds the
   optional methods of a family that drafts EAGLE-2 dynamic trees (`tree_config`, `tree_proposer`).
+  `drafters.common.family_base.DrafterFamilyBase` implements its shared half once;
+  `contract_gaps(family)` names what a family object lacks (docs/adding-a-family.md).
 """
 
 from __future__ import annotations
@@ -194,3 +196,18 @@ class TreeDrafterFamily(DrafterFamily, Protocol):
     def tree_proposer(self, model: nn.Module, target_spec: TargetSpec) -> TreeProposer:
         """The `TreeProposer` (drafters/common/tree.py) that expands the tree with `model`."""
         ...
+
+
+def contract_members() -> tuple[str, ...]:
+    """The names every family object has: the members of `DrafterFamily`, in declaration order."""
+    return tuple(n for n in vars(DrafterFamily) if not n.startswith("_"))
+
+
+def contract_gaps(family: object) -> list[str]:
+    """What `family` lacks of the contract, by name: every `DrafterFamily` member it does not have,
+    then every class attribute its base declares in `HOOKS` (`DrafterFamilyBase`: config_cls,
+    model_cls, export_cls, ...) that it does not set. Empty for a complete family. Example: a family
+    written without its export role (no export.py) -> ['export', 'load_export', 'export_cls']."""
+    missing = [n for n in contract_members() if not hasattr(family, n)]
+    hooks = getattr(type(family), "HOOKS", ())
+    return missing + [n for n in hooks if n not in missing and not hasattr(family, n)]

@@ -11,14 +11,13 @@ its engine format records family "eagle2" and the tree SGLang drafts (`Eagle2Exp
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
-from drafters.common.contract import EXPORT_META_FILE, StoreStats, TreeDrafterFamily
+from drafters.common.contract import EXPORT_META_FILE, TreeDrafterFamily
 from drafters.common.target import TargetHead, TargetSpec
 from drafters.common.tree import TreeConfig
 from drafters.eagle1.config import Eagle1Config
@@ -30,19 +29,6 @@ from drafters.eagle2.config import TREE_FIELDS, Eagle2Config
 from drafters.eagle2.export import Eagle2ExportConfig
 
 
-def _as_model(model: nn.Module) -> Eagle1Model:
-    if not isinstance(model, Eagle1Model) or not isinstance(model.cfg, Eagle2Config):
-        raise TypeError(f"model: got {type(model).__name__} with config {type(getattr(model, 'cfg', None)).__name__}, "
-                        "expected an Eagle1Model built by drafters.eagle2 (Eagle2Config)")
-    return model
-
-
-def _as_config(cfg: Eagle1Config) -> Eagle2Config:
-    if not isinstance(cfg, Eagle2Config):
-        raise TypeError(f"cfg: got {type(cfg).__name__}, expected Eagle2Config (the EAGLE-1 settings plus the tree)")
-    return cfg
-
-
 def _recorded_tree(export_dir: Path) -> dict[str, Any]:
     """The tree shape recorded in an export's meta (`engine_format`); {} for an EAGLE-1 export."""
     meta = export_dir / EXPORT_META_FILE
@@ -52,30 +38,11 @@ def _recorded_tree(export_dir: Path) -> dict[str, Any]:
 
 class Eagle2Family(Eagle1Family):
     name = "eagle2"
-    config_cls = Eagle2Config
+    label = "EAGLE-2"
+    config_cls = Eagle2Config  # the EAGLE-1 settings plus the tree; the model is EAGLE-1's
+    export_cls = Eagle2ExportConfig
     # training choices and the tree shape: none changes the exported function
     mutable_settings = tuple(f.name for f in fields(Eagle2Config))
-
-    def resolve(self, cfg: Eagle1Config, target_spec: TargetSpec) -> Eagle2Config:
-        return _as_config(cfg).resolve(target_spec)
-
-    def config_of(self, model: nn.Module) -> Eagle2Config:
-        return _as_config(_as_model(model).cfg)
-
-    def with_settings(self, model: nn.Module, **settings: Any) -> Eagle1Model:
-        return super().with_settings(_as_model(model), **settings)
-
-    def build(self, cfg: Eagle1Config, target: TargetHead, store_stats: StoreStats | None = None) -> Eagle1Model:
-        """The EAGLE-1 draft model, carrying the Eagle2Config (no store stats needed)."""
-        return Eagle1Model(_as_config(cfg).resolve(target.spec), target)
-
-    def engine_format(self, cfg: Eagle1Config, target_spec: TargetSpec) -> Eagle2ExportConfig:
-        return Eagle2ExportConfig.from_drafter(_as_config(cfg), target_spec)
-
-    def format_from_dict(self, data: Mapping[str, Any]) -> Eagle2ExportConfig:
-        out = Eagle2ExportConfig.from_dict(data)
-        assert isinstance(out, Eagle2ExportConfig)
-        return out
 
     def load_export(self, export_dir: str | Path, target: TargetHead) -> Eagle1Model:
         """The EAGLE-1 reader (checks and exact weights), then the tree recorded in the export
@@ -88,14 +55,17 @@ class Eagle2Family(Eagle1Family):
     def export(self, model: nn.Module, cfg: Eagle1Config, target_spec: TargetSpec, out_dir: str | Path,
                fmt: str = "native", **kwargs: Any) -> Path:
         """`drafters.eagle2.export.export` (format "native", the EAGLE-1 directory; kwargs dtype, meta)."""
-        return export_module.export(_as_model(model), _as_config(cfg), target_spec, Path(out_dir), fmt, **kwargs)
+        return export_module.export(self._as_model(model), self._as_config(cfg), target_spec, Path(out_dir), fmt,
+                                    **kwargs)
 
     def tree_config(self, cfg: Eagle1Config) -> TreeConfig:
-        return _as_config(cfg).tree()
+        tree: TreeConfig = self._as_config(cfg).tree()
+        return tree
 
     def tree_proposer(self, model: nn.Module, target_spec: TargetSpec) -> Eagle1Proposer:
         """The EAGLE-1 proposer: its `expand` drafts the tree (drafters/eagle1/proposer.py)."""
-        return self.proposer(_as_model(model), target_spec)
+        proposer: Eagle1Proposer = self.proposer(model, target_spec)
+        return proposer
 
 
 FAMILY = Eagle2Family()

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from drafters.common.collate import collate
 from drafters.common.contract import DrafterFamily, StoreStats
+from drafters.common.family_base import DrafterFamilyBase
 from drafters.common.losses import ObjectiveOutput
 from drafters.common.target import TargetHead, TargetSpec
 from drafters.common.vocab import DraftVocab
@@ -27,52 +25,22 @@ EXPORT_MODULE = "drafters.eagle3.export"
 NOT_EXPORTED = ("embed_tokens.weight",)  # model entries an export does not carry: the target's embedding
 
 
-class Eagle3Family:
+class Eagle3Family(DrafterFamilyBase):
     """EAGLE-3; P-EAGLE (drafters/peagle/family.py) subclasses it: same architecture, vocab
-    selection, target head and layout, its own config, model, objective, export and proposer."""
+    selection, target head and layout, its own config, model, objective, export and proposer.
+    The shared methods are `DrafterFamilyBase`'s; set_target_head writes embed_tokens [V, H] to the
+    frozen embedding and lm_head [V, H] to the training-target head (the base's defaults)."""
 
     name = "eagle3"
     label = "EAGLE-3"
     config_cls: type[Eagle3Architecture] = Eagle3Config
     model_cls: type[Eagle3Backbone[Any]] = Eagle3Model
-    proposer_cls: Any = Eagle3Proposer
+    required = REQUIRED_FIELDS
+    export_cls: type[Any] = Eagle3ExportConfig
+    proposer_cls: type[Any] = Eagle3Proposer
     export_module = EXPORT_MODULE
     # may change on a drafter loaded from an export: they shape training, not the exported function
     mutable_settings: tuple[str, ...] = ("ttt_steps", "ttt_decay", "attn_backend", "loss_chunk_rows")
-
-    def _as_model(self, model: nn.Module) -> Any:
-        if not isinstance(model, self.model_cls):
-            raise TypeError(f"model: got {type(model).__name__}, expected {self.model_cls.__name__} (unwrap "
-                            "DDP/compile first)")
-        return model
-
-    def resolve(self, cfg: Eagle3Architecture, target_spec: TargetSpec) -> Eagle3Architecture:
-        return cfg.resolve(target_spec)
-
-    def config_of(self, model: nn.Module) -> Eagle3Architecture:
-        return self._as_model(model).cfg
-
-    def with_settings(self, model: nn.Module, **settings: Any) -> Eagle3Model:
-        m = self._as_model(model)
-        other = sorted(set(settings) - set(self.mutable_settings))
-        if other:
-            raise ValueError(f"settings: {other} cannot change a loaded {self.label} drafter (its architecture comes "
-                             f"from the export); only {list(self.mutable_settings)} can")
-        m.cfg = replace(m.cfg, **settings)
-        return m
-
-    def set_target_head(self, model: nn.Module, embed_tokens: Tensor, lm_head: Tensor) -> None:
-        """embed_tokens [V, H] -> the frozen embedding; lm_head [V, H] -> the training-target head."""
-        m = self._as_model(model)
-        m.target_lm_head = lm_head.to(m.target_lm_head.device, m.target_lm_head.dtype)
-        with torch.no_grad():
-            m.embed_tokens.weight.copy_(embed_tokens.to(m.embed_tokens.weight.device, m.embed_tokens.weight.dtype))
-
-    def engine_format(self, cfg: Eagle3Config, target_spec: TargetSpec) -> Eagle3ExportConfig:
-        return Eagle3ExportConfig.from_drafter(cfg, target_spec)
-
-    def format_from_dict(self, data: Mapping[str, Any]) -> Eagle3ExportConfig:
-        return Eagle3ExportConfig.from_dict(data)
 
     def load_export(self, export_dir: str | Path, target: TargetHead) -> Any:
         """The trainable model of a native or speculators export of `target` (eval mode)."""
@@ -110,20 +78,11 @@ class Eagle3Family:
             vocab = DraftVocab.select(counts, cfg.draft_vocab_size)
         return self.model_cls(cfg, target, vocab)
 
-    def required_fields(self, cfg: Eagle3Architecture) -> tuple[str, ...]:
-        return REQUIRED_FIELDS
-
     def required_layout(self, cfg: Eagle3Architecture, target_spec: TargetSpec) -> Layout:
         """The resolved aux layer ids (internal convention) plus the post-final-norm last hidden."""
         aux = Eagle3Architecture.resolve(cfg, target_spec).aux_layer_ids  # the architecture's part only
         assert aux is not None
         return Layout(layer_ids=aux, last_hidden="post_norm")
-
-    def collate(self, samples: list[dict[str, Tensor]]) -> dict[str, Tensor]:
-        missing = [f for f in REQUIRED_FIELDS if samples and f not in samples[0]]
-        if missing:
-            raise KeyError(f"{self.label} samples: missing fields {missing} (have {sorted(samples[0])})")
-        return collate(samples)
 
     def objective(self, model: nn.Module, batch: dict[str, Tensor], progress: float = 0.0) -> ObjectiveOutput:
         """EAGLE-3's loss does not depend on training progress (no curriculum)."""
@@ -136,13 +95,6 @@ class Eagle3Family:
         module = importlib.import_module(self.export_module)
         out: Path = module.export(self._as_model(model), cfg, target_spec, Path(out_dir), fmt, **kwargs)
         return out
-
-    def proposer(self, model: nn.Module, target_spec: TargetSpec) -> Any:
-        m = self._as_model(model)
-        if m.spec.vocab_size != target_spec.vocab_size or m.spec.hidden_size != target_spec.hidden_size:
-            raise ValueError(f"proposer: model built for vocab/hidden {m.spec.vocab_size}/{m.spec.hidden_size}, "
-                             f"target has {target_spec.vocab_size}/{target_spec.hidden_size}")
-        return self.proposer_cls(m)
 
 
 FAMILY = Eagle3Family()

@@ -6,7 +6,6 @@ proposer: the vocab selection, frozen target pieces, store layout and collation 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +27,14 @@ class PEagleFamily(Eagle3Family):
     label = "P-EAGLE"
     config_cls = PEagleConfig
     model_cls = PEagleModel
+    export_cls = PEagleExportConfig
     proposer_cls = PEagleProposer
     export_module = "drafters.peagle.export"
     # training-only choices: the COD budget and the partitioning change no exported function
     mutable_settings = ("cod_ratio", "cod_ratio_min", "num_segments", "attn_backend", "loss_chunk_rows")
 
     def engine_format(self, cfg: Any, target_spec: TargetSpec) -> PEagleExportConfig:
-        return PEagleExportConfig.from_peagle(cfg, target_spec)
-
-    def format_from_dict(self, data: Mapping[str, Any]) -> PEagleExportConfig:
-        return PEagleExportConfig.from_dict(data)
+        return PEagleExportConfig.from_peagle(self._as_config(cfg), target_spec)
 
     def load_export(self, export_dir: str | Path, target: TargetHead) -> PEagleModel:
         """The trainable model of a checked export (`drafters.peagle.export.check_export`), eval mode."""

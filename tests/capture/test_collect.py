@@ -130,7 +130,7 @@ def test_generate_eagle3_and_rank_sharding(target_dir: Path, data: Path, tmp_pat
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     store = tmp_path / "store"
-    summaries = [collect_features(target_dir, data, store, algorithm="eagle3", generate=True, max_new_tokens=5,
+    summaries = [collect_features(target_dir, data, store, families="eagle3", generate=True, max_new_tokens=5,
                                   batch_size=2, max_samples=5, dtype="float32", rank=r, world_size=2)
                  for r in (0, 1)]
     assert [s.samples for s in summaries] == [3, 2] and summaries[0].layer_ids == (2, 4, 5)
@@ -156,7 +156,7 @@ def test_help_and_bad_arguments(tmp_path: Path, data: Path, target_dir: Path) ->
     assert main(args + ["--layers", "2,9"]) == 2           # outside [0, 8]
     assert main(args[:3] + [str(tmp_path / "missing.jsonl")] + args[4:] + ["--layers", "2"]) == 2
     with pytest.raises(SystemExit):
-        main(args + ["--layers", "2", "--algorithm", "eagle3"])
+        main(args + ["--layers", "2", "--family", "eagle3"])
 
 
 def test_resolve_layout(qwen3) -> None:

@@ -118,7 +118,7 @@ def test_collect_union_serves_each_family_as_its_own_store(collected: dict[str, 
     assert load_store(collected["union"]).schema.layout == Layout(ids, last_hidden="post_norm")
     assert load_store(collected["explicit"]).schema.layout == Layout((1, 2, 4, 5), last_hidden="post_norm")
     producer = json.loads((collected["union"] / "store.json").read_text())["producer"]
-    assert producer["algorithm"] == ",".join(FAMILIES)
+    assert producer["families"] == ",".join(FAMILIES)
     stores = {kind: _samples(collected[kind]) for kind in ("union", "explicit")}
     for name, lay in zip(FAMILIES, need):
         assert load_store(collected[name]).schema.layout == lay

@@ -123,7 +123,7 @@ def _setup(monkeypatch: pytest.MonkeyPatch, family: str, engine: str, release: s
     monkeypatch.setattr(engine_check, "installed_engine_version", lambda name: release)
     monkeypatch.setattr(drafter_actor, "start_drafter_group", start)
     trainer: Any = object.__new__(type("Trainer", (SpecoTrainerMixin,), {"_speco_target_dir": lambda self: "/t"}))
-    trainer.speco = DrafterRunConfig(enable=True, algorithm=family, mode="online")
+    trainer.speco = DrafterRunConfig(enable=True, family=family, mode="online")
     trainer.config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": engine}},
                                       "trainer": {"experiment_name": "refusal"}})
     trainer._setup()

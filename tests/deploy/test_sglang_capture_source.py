@@ -123,7 +123,7 @@ def test_capture_source_forced_refuses_auto_falls_back_actor_is_default(caplog: 
     with pytest.raises(DrafterConfigError, match="rollout.name=sglang, got 'vllm'"):
         choose_capture_source(DrafterRunConfig(capture_source="rollout"), "vllm", family, fcfg, SPEC, None)
     e1 = get_family("eagle1")
-    plan = choose_capture_source(DrafterRunConfig(algorithm="eagle1", capture_source="rollout"), "sglang", e1,
+    plan = choose_capture_source(DrafterRunConfig(family="eagle1", capture_source="rollout"), "sglang", e1,
                                  e1.config_cls(), SPEC, "0.5.12")
     assert plan is not None and plan.mode == "plain" and plan.layout == Layout(layer_ids=(), last_hidden="post_norm")
     with pytest.raises(DrafterConfigError, match="capture_source: got 'both'"):

@@ -1,7 +1,8 @@
 """The family contract (docs/internals.md, drafters section), for EVERY implemented family.
 
 Parametrised over `drafters.registry.available_families()`, so a new family is covered as soon as
-it is registered; everything below goes through the family protocol only (`get_family(name)`:
+it is registered (docs/adding-a-family.md; tests/drafters/test_toy_family.py runs these same functions
+on a family from another package); everything below goes through the family protocol only (`get_family(name)`:
 config_cls, resolve, build, required_layout / required_fields, collate, objective, export,
 engine_format, load_export, proposer, and the optional tree methods of a `TreeDrafterFamily`).
 
@@ -165,17 +166,15 @@ def _trainable(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
-def trained(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
-    """Per family: the debug target, the resolved config and a draft trained for a few seconds on
-    the target's greedy continuations (acceptance well above chance, so lossless greedy decoding
-    exercises the acceptance path, and exported weights are no longer their initial values)."""
-    before = torch.get_num_threads()
-    torch._C.set_num_threads(1)
-    family = get_family(request.param)
+def train_family(name: str) -> dict[str, Any]:
+    """Family `name` (through the catalog): the debug target, the resolved config and a draft trained
+    for a few seconds on the target's greedy continuations (acceptance well above chance, so lossless
+    greedy decoding exercises the acceptance path, and exported weights are no longer their initial
+    values). The `trained` fixture of every catalog family; tests/drafters/test_toy_family.py reuses it."""
+    family = get_family(name)
     target = _target(SPEC, seed=3)
     cfg = _config(family, SPEC)
-    samples = _greedy_samples(family, cfg, target, TRAIN_SEQUENCES.get(request.param, 12), seed=11)
+    samples = _greedy_samples(family, cfg, target, TRAIN_SEQUENCES.get(name, 12), seed=11)
     model = _build(family, cfg, target, samples, seed=1).train()
     batch = family.collate(samples)
     opt = torch.optim.AdamW([p for _, p in _trainable(model)], lr=3e-3)
@@ -186,9 +185,16 @@ def trained(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
-    assert losses[-1] < 0.7 * losses[0], (request.param, losses[::20])
-    yield {"name": request.param, "family": family, "target": target, "cfg": cfg, "model": model.eval(),
-           "samples": samples}
+    assert losses[-1] < 0.7 * losses[0], (name, losses[::20])
+    return {"name": name, "family": family, "target": target, "cfg": cfg, "model": model.eval(), "samples": samples}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def trained(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
+    """`train_family(name)` per catalog family, on one intra-op thread."""
+    before = torch.get_num_threads()
+    torch._C.set_num_threads(1)
+    yield train_family(request.param)
     torch._C.set_num_threads(before)
 
 

@@ -91,7 +91,7 @@ def drafts(real: dict[str, Any]) -> dict[str, Path]:
     write_sharegpt_sets(root / "sharegpt", seed=0)
     data = write_jsonl(root / "train.jsonl", read_jsonl(root / "sharegpt" / "train.jsonl")[:24])
     store = root / "store"
-    summary = collect_features(real["target"], data, store, algorithm="eagle3,dflash", generate=True,
+    summary = collect_features(real["target"], data, store, families="eagle3,dflash", generate=True,
                                max_new_tokens=64, max_length=1024, engine="vllm")
     assert summary.samples == 24 and summary.truncated == 0 and summary.response_tokens > 24 * 16
     exports = {}

@@ -113,7 +113,7 @@ def served(target_dir: Path, request: pytest.FixtureRequest) -> Iterator[tuple[F
     name = request.param
     family = get_family(name)
     spec = TargetSpec.from_pretrained(target_dir)
-    cfg = DrafterRunConfig(enable=True, algorithm=name, mode="collect_only", capture_source="rollout",
+    cfg = DrafterRunConfig(enable=True, family=name, mode="collect_only", capture_source="rollout",
                            settings=SETTINGS[name])
     fam_cfg = family.resolve(build_family_config(family.config_cls, dict(cfg.settings), name), spec)
     plan = choose_capture_source(cfg, "sglang", family, fam_cfg, spec, "0.5.23")

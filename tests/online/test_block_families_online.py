@@ -17,9 +17,10 @@ import torch
 
 from drafters.registry import engine_format_from_dict
 from verl_speco.online.capture import CapturedRows, OnlineCapture
-from verl_speco.online.config import CaptureCaps, DrafterOptim, DrafterRunConfig
+from verl_speco.online.config import CaptureCaps, DrafterRunConfig
 from verl_speco.online.publish import load_version, read_manifest
 from verl_speco.online.session import DrafterSession, TargetHeadSnapshot
+from verl_speco.train.config import OptimConfig
 
 SETTINGS: dict[str, dict[str, Any]] = {  # one-layer drafts, 3 drafts per block
     "dflash": {"num_layers": 1, "block_size": 4, "num_target_features": 3},
@@ -55,9 +56,9 @@ def _objective(session: DrafterSession, rows: CapturedRows) -> float:
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_block_family_co_trains_and_publishes_through_the_session(name: str, tmp_path: Path, target_dir: Path,
                                                                   target_model: Any) -> None:
-    cfg = DrafterRunConfig(enable=True, algorithm=name, settings=SETTINGS[name], micro_batch_size=8,
+    cfg = DrafterRunConfig(enable=True, family=name, settings=SETTINGS[name], micro_batch_size=8,
                            train_steps_per_round=5, max_staleness=5, publish_dir=str(tmp_path / "pub"),
-                           curriculum_steps=20, optim=DrafterOptim(lr=3e-3)).validate()
+                           curriculum_steps=20, optim=OptimConfig(lr=3e-3)).validate()
     session = DrafterSession(cfg, target_dir)
     layout = session.family.required_layout(session.fam_cfg, session.target_spec)
     rows = _capture(target_model, tuple(layout.layer_ids))

@@ -8,12 +8,13 @@ from typing import Any
 import pytest
 
 from verl_speco.online.config import (
+    ONLINE_OPTIM,
     CaptureCaps,
     DrafterConfigError,
-    DrafterOptim,
     DrafterRunConfig,
     FeatureStoreSink,
 )
+from verl_speco.train.config import OptimConfig
 
 PREFIX = "actor_rollout_ref.rollout.drafter."
 
@@ -22,13 +23,13 @@ def test_defaults_from_none_and_empty() -> None:
     for raw in (None, {}):
         cfg = DrafterRunConfig.from_dict(raw)
         assert cfg == DrafterRunConfig()
-        assert (cfg.enable, cfg.algorithm, cfg.mode, cfg.schedule) == (False, "eagle3", "online", "serial")
+        assert (cfg.enable, cfg.family, cfg.mode, cfg.schedule) == (False, "eagle3", "online", "serial")
         assert cfg.model_path is None and cfg.settings == {} and cfg.publish_dir is None
         assert (cfg.num_speculative_tokens, cfg.collect_interval, cfg.train_interval, cfg.publish_interval) == (3, 1, 1, 1)
         assert (cfg.train_steps_per_round, cfg.micro_batch_size, cfg.max_staleness) == (8, 8, 2)
         assert (cfg.buffer_max_tokens, cfg.seed) == (262144, 0)
         assert cfg.caps == CaptureCaps(max_rows=64, max_tokens=32768, min_response_tokens=1, max_seq_len=4096)
-        assert cfg.optim == DrafterOptim(lr=1e-4, betas=[0.9, 0.95], weight_decay=0.0, warmup_steps=0, grad_clip=1.0)
+        assert cfg.optim == OptimConfig(lr=1e-4, betas=[0.9, 0.95], weight_decay=0.0, warmup_steps=0, grad_clip=1.0)
         assert cfg.feature_store == FeatureStoreSink(path=None, hidden_dtype="bfloat16", flush_samples=256)
 
 
@@ -48,16 +49,16 @@ def test_nested_sections_and_top_level_values() -> None:
     cfg = DrafterRunConfig.from_dict(raw)
     assert (cfg.enable, cfg.mode, cfg.schedule, cfg.seed) == (True, "collect_only", "overlap", 7)
     assert cfg.settings == {"ttt_steps": 2, "num_layers": 1}
-    assert isinstance(cfg.caps, CaptureCaps) and isinstance(cfg.optim, DrafterOptim)
+    assert isinstance(cfg.caps, CaptureCaps) and isinstance(cfg.optim, OptimConfig)
     # given keys replaced, the others of the section keep their defaults
     assert cfg.caps == CaptureCaps(max_rows=5, max_tokens=32768, min_response_tokens=1, max_seq_len=100)
-    assert cfg.optim == DrafterOptim(lr=3e-3, betas=[0.8, 0.9], weight_decay=0.0, warmup_steps=4, grad_clip=1.0)
+    assert cfg.optim == OptimConfig(lr=3e-3, betas=[0.8, 0.9], weight_decay=0.0, warmup_steps=4, grad_clip=1.0)
     assert cfg.feature_store == FeatureStoreSink(path="/tmp/store", hidden_dtype="float32", flush_samples=256)
     assert raw["caps"] == {"max_rows": 5, "max_seq_len": 100}  # the input is not modified
 
 
 @pytest.mark.parametrize(("raw", "where", "key", "valid"), [
-    ({"enabel": True}, "drafter", "enabel", ["algorithm", "caps", "enable", "mode", "optim", "settings"]),
+    ({"enabel": True}, "drafter", "enabel", ["caps", "enable", "family", "mode", "optim", "settings"]),
     ({"caps": {"max_rowz": 3}}, "drafter.caps", "max_rowz",
      ["max_rows", "max_seq_len", "max_tokens", "min_response_tokens"]),
     ({"optim": {"learning_rate": 1.0}}, "drafter.optim", "learning_rate", ["betas", "grad_clip", "lr"]),
@@ -99,10 +100,18 @@ BAD_VALUES: list[tuple[dict[str, Any], str, str, str]] = [
     ({"max_staleness": -1}, "max_staleness", "-1", "an integer >= 0"),
     *[({"caps": {k: 0}}, f"caps.{k}", "0", "an integer >= 1") for k in (
         "max_rows", "max_tokens", "min_response_tokens", "max_seq_len")],
-    ({"optim": {"lr": 0.0}}, "optim.lr", "0.0", "a positive float"),
-    ({"optim": {"lr": -1e-3}}, "optim.lr", "-0.001", "a positive float"),
-    ({"optim": {"betas": [0.9]}}, "optim.betas", "[0.9]", "two floats"),
-    ({"optim": {"betas": [0.9, 0.95, 0.99]}}, "optim.betas", "[0.9, 0.95, 0.99]", "two floats"),
+    # OptimConfig.problems(), shared with the standalone trainer
+    ({"optim": {"lr": 0.0}}, "optim.lr", "0.0", "> 0"),
+    ({"optim": {"lr": -1e-3}}, "optim.lr", "-0.001", "> 0"),
+    ({"optim": {"betas": [0.9]}}, "optim.betas", "[0.9]", "two values in [0, 1)"),
+    ({"optim": {"betas": [0.9, 0.95, 0.99]}}, "optim.betas", "[0.9, 0.95, 0.99]", "two values in [0, 1)"),
+    ({"optim": {"betas": [0.9, 1.0]}}, "optim.betas", "[0.9, 1.0]", "two values in [0, 1)"),
+    ({"optim": {"warmup_steps": -1}}, "optim.warmup_steps", "-1", ">= 0"),
+    ({"optim": {"denominators": "both"}}, "optim.denominators", "'both'", "retain or prepass"),
+    # valid OptimConfig values the online drafter cannot honour
+    ({"optim": {"schedule": "cosine"}}, "optim.schedule", "'cosine'", ONLINE_OPTIM["schedule"][1]),
+    ({"optim": {"warmup_ratio": 0.1}}, "optim.warmup_ratio", "0.1", ONLINE_OPTIM["warmup_ratio"][1]),
+    ({"optim": {"grad_accum": 2}}, "optim.grad_accum", "2", ONLINE_OPTIM["grad_accum"][1]),
     ({"enable": True, "mode": "collect_only"}, "feature_store.path", "None",
      "a store directory in collect_only mode"),
     ({"enable": True, "mode": "collect_only", "feature_store": {"path": ""}}, "feature_store.path", "''",

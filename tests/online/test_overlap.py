@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from verl_speco.online.capture import CapturedRows, OnlineCapture
-from verl_speco.online.config import CaptureCaps, DrafterOptim, DrafterRunConfig
+from verl_speco.online.config import CaptureCaps, DrafterRunConfig
 from verl_speco.online.session import DrafterSession, TargetHeadSnapshot
+from verl_speco.train.config import OptimConfig
 
 LAYER_IDS = (2, 4, 5)
 
@@ -29,7 +30,7 @@ def _rows(model: Any, version: int) -> CapturedRows:
 def _session(tmp: Path, target_dir: Path, model: Any) -> DrafterSession:
     cfg = DrafterRunConfig(enable=True, settings={"ttt_steps": 2}, micro_batch_size=4, train_steps_per_round=3,
                            max_staleness=3, publish_dir=str(tmp / "pub"), schedule="overlap",
-                           optim=DrafterOptim(lr=3e-3)).validate()
+                           optim=OptimConfig(lr=3e-3)).validate()
     session = DrafterSession(cfg, target_dir)
     session.add(_rows(model, 0), TargetHeadSnapshot.from_model(model, 0))
     return session

@@ -19,9 +19,10 @@ from drafters.eagle3.export import Eagle3ExportConfig, expected_shapes
 from drafters.eagle3.family import FAMILY
 from drafters.registry import engine_format_from_dict
 from verl_speco.online.capture import CapturedRows, OnlineCapture
-from verl_speco.online.config import CaptureCaps, DrafterOptim, DrafterRunConfig
+from verl_speco.online.config import CaptureCaps, DrafterRunConfig
 from verl_speco.online.publish import load_version, read_manifest
 from verl_speco.online.session import DrafterSession, FeatureBuffer, TargetHeadSnapshot
+from verl_speco.train.config import OptimConfig
 
 LAYER_IDS = (2, 4, 5)
 
@@ -150,7 +151,7 @@ def rows_v0(target_model) -> CapturedRows:  # type: ignore[no-untyped-def]
 def _cfg(tmp: Path, **kw: Any) -> DrafterRunConfig:
     base: dict[str, Any] = {"enable": True, "settings": {"ttt_steps": 2}, "micro_batch_size": 8,
                             "train_steps_per_round": 2, "max_staleness": 5, "publish_dir": str(tmp / "pub"),
-                            "optim": DrafterOptim(lr=3e-3)}
+                            "optim": OptimConfig(lr=3e-3)}
     return DrafterRunConfig(**{**base, **kw}).validate()
 
 
@@ -304,7 +305,7 @@ def test_architecture_settings_rejected_with_model_path(tmp_path: Path, target_d
 
 def test_warmup_lr_schedule(tmp_path: Path, target_dir: Path, target_model,  # type: ignore[no-untyped-def]
                             rows_v0: CapturedRows) -> None:
-    cfg = _cfg(tmp_path, optim=DrafterOptim(lr=1e-3, warmup_steps=4))
+    cfg = _cfg(tmp_path, optim=OptimConfig(lr=1e-3, warmup_steps=4))
     session = DrafterSession(cfg, target_dir)
     session.add(rows_v0, TargetHeadSnapshot.from_model(target_model, 0))
     lrs = []

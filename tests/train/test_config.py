@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from drafters import get_family
 from verl_speco.train.compose import compose_raw, default_config_dir, load_config, to_trainer_config
-from verl_speco.train.config import ConfigError, TrainerConfig, build_family_config
+from verl_speco.train.config import ConfigError, OptimConfig, TrainerConfig, build_family_config
 
 CONFIG_DIR = default_config_dir()
 PATHS = ["target.path=/nonexistent/target", "data.store=/nonexistent/store"]
@@ -46,8 +48,8 @@ def test_configs_dir_has_the_expected_files() -> None:
 def test_every_yaml_composes_and_validates(rel: str) -> None:
     cfg = _compose(rel)
     assert isinstance(cfg, TrainerConfig)
-    family = get_family(cfg.drafter.algorithm)
-    fam_cfg = build_family_config(family.config_cls, dict(cfg.drafter.settings), cfg.drafter.algorithm)
+    family = get_family(cfg.drafter.family)
+    fam_cfg = build_family_config(family.config_cls, dict(cfg.drafter.settings), cfg.drafter.family)
     assert isinstance(fam_cfg, family.config_cls)
 
 
@@ -93,6 +95,21 @@ def test_type_errors_fail_by_name(override: str, message: str) -> None:
 def test_bad_values_name_the_field(override: str, key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config([*PATHS, override])
+
+
+def test_one_optim_section_for_both_trainers() -> None:
+    """`OptimConfig` is the standalone trainer's `optim` and the online drafter's, each with its own
+    schedule default (cosine / constant); its validation names the field, the value and what was expected."""
+    from verl_speco.online.config import DrafterConfigError, DrafterRunConfig
+
+    assert type(TrainerConfig().optim) is type(DrafterRunConfig().optim) is OptimConfig
+    assert (TrainerConfig().optim.schedule, DrafterRunConfig().optim.schedule) == ("cosine", "constant")
+    assert {f.name for f in dataclasses.fields(OptimConfig)} >= {"lr", "betas", "warmup_ratio", "denominators"}
+    assert OptimConfig(lr=0.0, grad_accum=0).problems() == [("lr", 0.0, "> 0"), ("grad_accum", 0, ">= 1")]
+    with pytest.raises(ConfigError, match=r"^optim\.lr=0\.0: expected > 0$"):
+        load_config([*PATHS, "optim.lr=0.0"])
+    with pytest.raises(DrafterConfigError, match=r"^actor_rollout_ref\.rollout\.drafter\.optim\.lr: got 0\.0, expected > 0$"):
+        DrafterRunConfig.from_dict({"optim": {"lr": 0.0}})
 
 
 def test_missing_mandatory_paths_are_named() -> None:

@@ -11,23 +11,23 @@ import pytest
 import torch
 
 from verl_speco.train.checkpoint import flatten_optimizer_state, unflatten_optimizer_state
-from verl_speco.train.config import OptimSection
+from verl_speco.train.config import OptimConfig
 from verl_speco.train.optim import lr_at
 from verl_speco.train.rng import capture_rng, restore_rng
 
 
 def test_linear_schedule_worked_example() -> None:
-    cfg = OptimSection(lr=1.0, schedule="linear", min_lr_ratio=0.0)
+    cfg = OptimConfig(lr=1.0, schedule="linear", min_lr_ratio=0.0)
     assert [lr_at(s, cfg, 6, 2) for s in range(6)] == pytest.approx([0.5, 1.0, 1.0, 2 / 3, 1 / 3, 0.0])
 
 
 def test_cosine_and_constant_schedules() -> None:
-    cos = OptimSection(lr=2.0, schedule="cosine", min_lr_ratio=0.1)
+    cos = OptimConfig(lr=2.0, schedule="cosine", min_lr_ratio=0.1)
     # no warmup, 5 steps: progress 0, 1/4, 1/2, 3/4, 1 -> 2 * (0.1 + 0.9 * (1 + cos(pi p)) / 2)
     want = [2.0 * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p))) for p in (0, 0.25, 0.5, 0.75, 1.0)]
     assert [lr_at(s, cos, 5, 0) for s in range(5)] == pytest.approx(want)
     assert lr_at(4, cos, 5, 0) == pytest.approx(0.2)
-    const = OptimSection(lr=3.0, schedule="constant")
+    const = OptimConfig(lr=3.0, schedule="constant")
     assert [lr_at(s, const, 10, 4) for s in (0, 3, 4, 9)] == pytest.approx([0.75, 3.0, 3.0, 3.0])
 
 

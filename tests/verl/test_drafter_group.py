@@ -15,9 +15,10 @@ from safetensors.torch import load_file
 from speco_verl_helpers import tiny_qwen3
 
 from verl_speco.online.capture import CapturedRows, OnlineCapture
-from verl_speco.online.config import CaptureCaps, DrafterOptim, DrafterRunConfig
+from verl_speco.online.config import CaptureCaps, DrafterRunConfig
 from verl_speco.online.publish import load_version
 from verl_speco.online.session import DrafterSession, TargetHeadSnapshot
+from verl_speco.train.config import OptimConfig
 
 LAYER_IDS = (2, 4, 5)
 
@@ -65,7 +66,7 @@ def test_two_rank_fsdp2_group_trains_like_one_process(local_ray: Any, tmp_path: 
     model.save_pretrained(target)
     cfg = DrafterRunConfig(enable=True, train_steps_per_round=3, micro_batch_size=4, max_staleness=1,
                            settings={"aux_layer_ids": list(LAYER_IDS), "ttt_steps": 2}, num_workers=2,
-                           optim=DrafterOptim(lr=3e-3), publish_dir=str(tmp_path / "publish"))
+                           optim=OptimConfig(lr=3e-3), publish_dir=str(tmp_path / "publish"))
     group = start_drafter_group(cfg, str(target), "grp")
     assert isinstance(group, DrafterGroup) and len(group.actors) == 2
     assert ray.get([a.rank.remote() for a in group.actors]) == [0, 1]

@@ -86,7 +86,7 @@ def test_every_online_combination_composes_or_is_refused(family: str, engine: st
     kwargs = check_verl(overrides, device)  # compose + drafter schema + verl's validate_config + engine args
     values = recipes.settings(family, device)
     k = recipes.speculative_tokens(family, values)
-    assert f"{DRAFTER}.algorithm={family}" in overrides and f"{DRAFTER}.num_speculative_tokens={k}" in overrides
+    assert f"{DRAFTER}.family={family}" in overrides and f"{DRAFTER}.num_speculative_tokens={k}" in overrides
     assert f"{DRAFTER}.mode=online" in overrides
     from verl_speco.main import compose
 
@@ -210,7 +210,7 @@ def test_a_partial_user_speculative_config_is_completed_not_replaced() -> None:
     family = get_family("dflash")
     fmt = family.engine_format(family.resolve(recipes.family_config("dflash", values), recipes.QWEN3_8B),
                                recipes.QWEN3_8B)
-    base = [f"{DRAFTER}.enable=true", f"{DRAFTER}.algorithm=dflash", f"{DRAFTER}.num_speculative_tokens=15"]
+    base = [f"{DRAFTER}.enable=true", f"{DRAFTER}.family=dflash", f"{DRAFTER}.num_speculative_tokens=15"]
     cfg = compose([*base, "+actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.enforce_eager=true"])
     spec = apply_speculative_config(cfg, extract_drafter(cfg), "/d", fmt)["speculative_config"]
     assert spec == {"method": "dflash", "model": "/d", "num_speculative_tokens": 15, "enforce_eager": True}

@@ -45,11 +45,11 @@ def test_both_stages_compose_with_one_family_and_store(monkeypatch: pytest.Monke
     assert cmds["inspect"][-2:] == ["/data/features", "--strict"]
     train = cmds["train"][cmds["train"].index("--nproc-per-node") + 2:]
     cfg = check_trainer(train)
-    assert (cfg.drafter.algorithm, cfg.data.store, cfg.run.out_dir) == (family, "/data/features", "/ckpt/x")
+    assert (cfg.drafter.family, cfg.data.store, cfg.run.out_dir) == (family, "/data/features", "/ckpt/x")
     from verl_speco.main import compose
 
     rollout = compose(collect).actor_rollout_ref.rollout
-    assert rollout.drafter.algorithm == family and dict(rollout.drafter.settings) == dict(cfg.drafter.settings)
+    assert rollout.drafter.family == family and dict(rollout.drafter.settings) == dict(cfg.drafter.settings)
     assert dict(cfg.drafter.settings) == recipes.settings(family, device)
     if device in ("gpu", "npu"):
         assert cfg.target.path == "/home/user/models/Qwen3-8B" == compose(collect).actor_rollout_ref.model.path
@@ -68,7 +68,7 @@ def test_the_script_prints_and_checks_both_stages() -> None:
     cmds = printed(SEPARATE, DEVICE="cpu", DRAFTER="dflash", COLLECT_STEPS="2")
     assert [c[2] for c in cmds] == ["verl_speco.cpu_port.launch", "feature_store.inspect",
                                     "verl_speco.train.launcher"]
-    assert "trainer.total_training_steps=2" in cmds[0] and "drafter.algorithm=dflash" in cmds[2]
+    assert "trainer.total_training_steps=2" in cmds[0] and "drafter.family=dflash" in cmds[2]
     proc = launch(SEPARATE, "--check", ENGINE="sglang", DRAFTER="domino")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "collect: config OK" in proc.stdout and "train: config OK" in proc.stdout

@@ -171,12 +171,12 @@ def test_capture_source_in_a_verl_run(tmp_path: Path, caplog: pytest.LogCaptureF
     target = tmp_path / "target"
     tiny_qwen3().save_pretrained(target)
     on = {"enable": True, "mode": "collect_only"}
-    eagle3 = DrafterRunConfig(**on, algorithm="eagle3", capture_source="rollout")
+    eagle3 = DrafterRunConfig(**on, family="eagle3", capture_source="rollout")
     assert speco_capture_source(dataclasses.replace(eagle3, capture_source="actor"), "sglang", str(target),
                                 "0.5.23") == "actor"
     with pytest.raises(DrafterConfigError, match="capture_source: got 'rollout', but .*never both"):
         speco_capture_source(eagle3, "sglang", str(target), "0.5.23")
-    eagle1 = DrafterRunConfig(**on, algorithm="eagle1", capture_source="rollout")
+    eagle1 = DrafterRunConfig(**on, family="eagle1", capture_source="rollout")
     with pytest.raises(DrafterConfigError, match="--enable-return-hidden-states.*SGLangHttpServer.generate"):
         speco_capture_source(eagle1, "sglang", str(target), "0.5.12")
     with caplog.at_level("WARNING"):

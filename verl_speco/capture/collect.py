@@ -2,7 +2,7 @@
 
     verl-speco-collect --target DIR --data chats.jsonl --store STORE --layout-of eagle3 --generate
 
-What is captured: ``--layout-of eagle1,eagle3`` (alias ``--algorithm``) the union of the named drafter
+What is captured: ``--layout-of eagle1,eagle3`` (alias ``--family``) the union of the named drafter
 families' required layouts (their layer ids, and the post-norm last hidden when one needs it), so one
 store trains each of them; or ``--layer-ids 1,2,4,5`` (alias ``--layers``) explicit internal ids. The
 store's schema records that layout; the trainer reads each family's layers out of it.
@@ -135,7 +135,7 @@ def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 
 def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
-                     layer_ids: Sequence[int] | None = None, algorithm: str | Sequence[str] | None = None,
+                     layer_ids: Sequence[int] | None = None, families: str | Sequence[str] | None = None,
                      generate: bool = False, max_new_tokens: int = 256, temperature: float = 0.0,
                      dtype: str = "bfloat16", batch_size: int = 8, max_samples: int | None = None,
                      max_length: int | None = None, min_response_tokens: int = 1, seed: int = 0,
@@ -145,7 +145,7 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
                      engine: str = "hf", encoding: str = "raw") -> CollectSummary:
     """Fill ``store`` from the JSONL chats in ``data`` (see the module docstring).
 
-    ``algorithm``: one drafter family or several (``"eagle1,eagle3"`` or a list): the union of their
+    ``families``: one drafter family or several (``"eagle1,eagle3"`` or a list): the union of their
     layouts is captured (``records.resolve_layout``); explicit ``layer_ids`` win.
     ``last_hidden``: store it (default: yes, or as the families' layouts say).
     ``engine``: what generates the responses with ``generate``: "hf" (transformers' generate) or
@@ -171,7 +171,7 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
     rank, world_size = _rank_world(rank, world_size)
     chats = load_chats(data, max_samples)[rank::world_size]  # first: the data fails fast, the model loads slowly
     if not layer_ids:
-        load_families(algorithm)                            # an unknown family fails before the model loads
+        load_families(families)                             # an unknown family fails before the model loads
     torch.manual_seed(seed)
     if tokenizer is None or model is None:
         check_target(target)
@@ -184,7 +184,7 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
     model.eval()
     hf_config: Any = model.config
     config: Any = getattr(hf_config, "text_config", None) or hf_config
-    layout, required = resolve_layout(layer_ids, algorithm, hf_config.to_dict(), last_hidden)
+    layout, required = resolve_layout(layer_ids, families, hf_config.to_dict(), last_hidden)
     layers, want_last = layout.layer_ids, layout.last_hidden != "none"
     end_ids = end_token_ids(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_ids[0]
@@ -214,12 +214,12 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
     schema = build_schema(layout, config.hidden_size, config.vocab_size, model_id, DTYPES[dtype], encoding)
     missing = [f for f in required if f not in schema.names]
     if missing:
-        raise ValueError(f"--layout-of {','.join(family_names(algorithm))}: the families need fields {missing} "
+        raise ValueError(f"--layout-of {','.join(family_names(families))}: the families need fields {missing} "
                          f"that capture does not produce "
                          f"(it writes {list(schema.names)})")
     producer = {"tool": "verl-speco-collect", "target_model_id": model_id, "layer_ids": list(layers),
                 "target": str(Path(target).resolve()) if local else str(target),
-                "algorithm": ",".join(family_names(algorithm)) or None,
+                "families": ",".join(family_names(families)) or None,
                 "generated": generate, "max_new_tokens": max_new_tokens, "temperature": temperature,
                 "seed": seed, "data": str(data)}
     tokens = response_tokens = 0
@@ -253,7 +253,7 @@ def _parser() -> argparse.ArgumentParser:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--layer-ids", "--layers", dest="layers",
                        help="internal layer ids (HF hidden_states index) to capture, e.g. 1,2,4,5")
-    group.add_argument("--layout-of", "--algorithm", dest="algorithm",
+    group.add_argument("--layout-of", "--family", dest="families",
                        help="drafter families whose layouts to capture, their union when several, e.g. eagle3 "
                             "(2, L//2, L-3) or eagle1,eagle3 (one store for both)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="stored hidden-state dtype")
@@ -288,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         target = resolve_target(args.target) if is_named_target(args.target) else args.target
         summary = collect_features(
-            target, args.data, args.store, layer_ids=layers, algorithm=args.algorithm,
+            target, args.data, args.store, layer_ids=layers, families=args.families,
             generate=args.generate, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             dtype=args.dtype, batch_size=args.batch_size, max_samples=args.max_samples,
             max_length=args.max_length, min_response_tokens=args.min_response_tokens, seed=args.seed,

@@ -45,21 +45,21 @@ def build_schema(layout: Layout, hidden_size: int, vocab_size: int, target_model
                            hidden_encoding=encoding)
 
 
-def family_names(algorithm: str | Sequence[str] | None) -> tuple[str, ...]:
+def family_names(families: str | Sequence[str] | None) -> tuple[str, ...]:
     """``"eagle1,eagle3"`` or ``["eagle1", "eagle3"]`` -> ``("eagle1", "eagle3")`` (order kept, repeats dropped)."""
-    if algorithm is None:
+    if families is None:
         return ()
-    names = algorithm.split(",") if isinstance(algorithm, str) else list(algorithm)
+    names = families.split(",") if isinstance(families, str) else list(families)
     return tuple(dict.fromkeys(n.strip() for n in names if n.strip()))
 
 
-def load_families(algorithm: str | Sequence[str] | None) -> list[Any]:
-    """The drafter family objects named by ``algorithm`` (``family_names``); an unknown or not yet
+def load_families(families: str | Sequence[str] | None) -> list[Any]:
+    """The drafter family objects named by ``families`` (``family_names``); an unknown or not yet
     implemented name fails listing the valid / implemented ones."""
     from drafters.registry import get_family
 
     out = []
-    for name in family_names(algorithm):
+    for name in family_names(families):
         try:
             out.append(get_family(name))
         except LookupError as e:            # unknown or not implemented: the message lists the valid ones
@@ -80,35 +80,35 @@ def union_layout(layouts: Sequence[tuple[str, Layout]]) -> Layout:
     return Layout(layer_ids=tuple(ids), convention="hf_hidden_states", last_hidden=last)
 
 
-def resolve_layout(layer_ids: Sequence[int] | None, algorithm: str | Sequence[str] | None,
+def resolve_layout(layer_ids: Sequence[int] | None, families: str | Sequence[str] | None,
                    hf_config: dict[str, Any], last_hidden: bool | None = None) -> tuple[Layout, tuple[str, ...]]:
     """The layout to capture + the fields the named families need.
 
     Explicit ``layer_ids`` (internal ids) win; otherwise the union (``union_layout``) of each drafter
     family's own ``required_layout(default config, target)`` (e.g. eagle3: (2, L//2, L-3) with a
-    post-norm last hidden; eagle1: no layer, the post-norm last hidden). ``algorithm`` names one
+    post-norm last hidden; eagle1: no layer, the post-norm last hidden). ``families`` names one
     family or several (``"eagle1,eagle3"``); one store then serves each of them.
     """
     from drafters.common.target import TargetSpec
 
     spec = TargetSpec.from_hf_config(hf_config)
-    families = family_names(algorithm)
+    names = family_names(families)
     if layer_ids:
         layout = capture_layout(layer_ids, True if last_hidden is None else last_hidden)
         required: tuple[str, ...] = ()
-    elif families:
+    elif names:
         layouts, fields = [], []
-        for name, family in zip(families, load_families(families)):
+        for name, family in zip(names, load_families(names)):
             cfg = family.config_cls()
             layouts.append((name, family.required_layout(cfg, spec)))
             fields += family.required_fields(cfg)
         layout, required = union_layout(layouts), tuple(dict.fromkeys(fields))
         if last_hidden is not None and last_hidden != (layout.last_hidden != "none"):
-            raise ValueError(f"last_hidden={last_hidden}: --layout-of {','.join(families)} needs layout "
+            raise ValueError(f"last_hidden={last_hidden}: --layout-of {','.join(names)} needs layout "
                              f"{layout.to_dict()}")
     else:
         raise ValueError("layer_ids: none given and no drafter family; pass --layer-ids/--layers (internal HF "
-                         "hidden_states ids, e.g. 2,4,5) or --layout-of/--algorithm (e.g. eagle3 or eagle1,eagle3)")
+                         "hidden_states ids, e.g. 2,4,5) or --layout-of/--family (e.g. eagle3 or eagle1,eagle3)")
     bad = [i for i in layout.layer_ids if not 0 <= i <= spec.num_hidden_layers]
     if bad or not (layout.layer_ids or layout.last_hidden != "none"):
         raise ValueError(f"layer_ids={list(layout.layer_ids)}: expected ids in [0, {spec.num_hidden_layers}] "

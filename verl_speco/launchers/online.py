@@ -100,7 +100,7 @@ def drafter_overrides(family: str, device: str, mode: str) -> list[str]:
     """The drafter's family, settings and k (the same for both workflows and both stages)."""
     values = recipes.settings(family, device)
     k = recipes.speculative_tokens(family, values)
-    return [f"{DRAFTER}.enable=true", f"{DRAFTER}.algorithm={family}", f"{DRAFTER}.mode={mode}",
+    return [f"{DRAFTER}.enable=true", f"{DRAFTER}.family={family}", f"{DRAFTER}.mode={mode}",
             f"{DRAFTER}.num_speculative_tokens={k}", *settings_overrides(DRAFTER, values)]
 
 

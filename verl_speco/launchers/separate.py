@@ -75,7 +75,7 @@ def train_overrides(family: str, device: str, inputs: Inputs, target: str) -> li
     """Stage 2's `verl-speco-draft-train` overrides (the trainer's own config, configs/draft_trainer.yaml)."""
     values = recipes.settings(family, device)
     return [f"target.path={hydra_value(target)}", f"data.store={hydra_value(inputs.feature_dir)}",
-            f"run.out_dir={hydra_value(inputs.ckpt_dir)}", "~drafter", f"drafter.algorithm={family}",
+            f"run.out_dir={hydra_value(inputs.ckpt_dir)}", "~drafter", f"drafter.family={family}",
             *settings_overrides("drafter", values), f"run.total_steps={inputs.train_steps}", "run.resume=true",
             *({"gpu": GPU_TRAIN, "npu": NPU_TRAIN}.get(device) or [*CPU_TRAIN, f"run.save_every={inputs.train_steps}"])]
 

@@ -45,17 +45,17 @@ def check_verl(overrides: Sequence[str], device: str) -> dict[str, Any]:
     try:
         cfg = compose(list(overrides))
         drafter = prepare_config(cfg)
-        recipes.family_config(drafter.algorithm, dict(drafter.settings))
+        recipes.family_config(drafter.family, dict(drafter.settings))
         if not (drafter.enable and drafter.mode == "online"):
             return {}
         values = dict(drafter.settings)
         engine = rollout_engine(cfg)
-        recipes.engine_speculative_args(drafter.algorithm, engine, values, drafter.num_speculative_tokens, device)
+        recipes.engine_speculative_args(drafter.family, engine, values, drafter.num_speculative_tokens, device)
         spec = recipes.CPU_PROBE if device == "cpu" else recipes.QWEN3_8B
         from drafters.registry import get_family
 
-        family = get_family(drafter.algorithm)
-        fmt = family.engine_format(family.resolve(recipes.family_config(drafter.algorithm, values), spec), spec)
+        family = get_family(drafter.family)
+        fmt = family.engine_format(family.resolve(recipes.family_config(drafter.family, values), spec), spec)
         kwargs = apply_speculative_config(cfg, drafter, "<draft>", fmt)
     except Exception as err:  # noqa: BLE001 - every configuration error is reported the same way
         if not _config_error(err):
@@ -72,7 +72,7 @@ def check_trainer(overrides: Sequence[str]) -> Any:
 
     try:
         cfg = load_config(list(overrides))
-        recipes.family_config(cfg.drafter.algorithm, dict(cfg.drafter.settings))
+        recipes.family_config(cfg.drafter.family, dict(cfg.drafter.settings))
     except Exception as err:  # noqa: BLE001 - every configuration error is reported the same way
         if not _config_error(err):
             raise

@@ -15,10 +15,18 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from verl_speco.train.config import OptimConfig
+
 MODES = ("online", "collect_only", "offline")
 SCHEDULES = ("serial", "overlap")
 CAPTURE_PASSES = ("old_logprob", "post_update")
 CAPTURE_SOURCES = ("actor", "rollout", "auto")
+# `optim` settings the online drafter fixes (OptimConfig is shared with the standalone trainer):
+# it has no planned total of steps and takes one micro-batch per optimizer step
+ONLINE_OPTIM = {"warmup_ratio": (0.0, "0.0 (the online drafter has no planned total steps: use warmup_steps)"),
+                "schedule": ("constant", "'constant' (the online drafter has no planned total steps: warmup_steps, "
+                                         "then a constant lr)"),
+                "grad_accum": (1, "1 (the online drafter takes one micro-batch of micro_batch_size rows per step)")}
 
 
 class DrafterConfigError(ValueError):
@@ -36,16 +44,6 @@ class CaptureCaps:
 
 
 @dataclass
-class DrafterOptim:
-    lr: float = 1e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    weight_decay: float = 0.0
-    eps: float = 1e-8
-    warmup_steps: int = 0
-    grad_clip: float = 1.0
-
-
-@dataclass
 class FeatureStoreSink:
     path: str | None = None  # collect_only: the store root (one writer per rank)
     hidden_dtype: str = "bfloat16"  # dtype of stored hidden states (as read back)
@@ -56,7 +54,7 @@ class FeatureStoreSink:
 @dataclass
 class DrafterRunConfig:
     enable: bool = False
-    algorithm: str = "eagle3"  # drafters.registry name
+    family: str = "eagle3"  # drafters.registry name
     mode: str = "online"  # online | collect_only | offline
     model_path: str | None = None  # initial draft export (native / speculators); None: fresh init
     settings: dict[str, Any] = field(default_factory=dict)  # -> family.config_cls(**settings)
@@ -87,7 +85,7 @@ class DrafterRunConfig:
     num_gpus: float = 0.0  # accelerators reserved for each drafter actor (outside verl's pools); 0: CPU
     num_workers: int = 1  # drafter actors; > 1: FSDP2 data parallel over them (one node)
     caps: CaptureCaps = field(default_factory=CaptureCaps)
-    optim: DrafterOptim = field(default_factory=DrafterOptim)
+    optim: OptimConfig = field(default_factory=OptimConfig)  # shared with the standalone trainer
     feature_store: FeatureStoreSink = field(default_factory=FeatureStoreSink)
 
     @classmethod
@@ -120,17 +118,19 @@ class DrafterRunConfig:
         for key in ("max_rows", "max_tokens", "min_response_tokens", "max_seq_len"):
             if getattr(self.caps, key) < 1:
                 raise bad(f"caps.{key}", getattr(self.caps, key), "an integer >= 1")
-        if self.optim.lr <= 0:
-            raise bad("optim.lr", self.optim.lr, "a positive float")
-        if len(self.optim.betas) != 2:
-            raise bad("optim.betas", self.optim.betas, "two floats")
+        for key, value, expected in self.optim.problems():
+            raise bad(f"optim.{key}", value, expected)
+        for key, (fixed, expected) in ONLINE_OPTIM.items():
+            if getattr(self.optim, key) != fixed:
+                raise bad(f"optim.{key}", getattr(self.optim, key), expected)
         if self.enable and self.mode == "collect_only" and not self.feature_store.path:
             raise bad("feature_store.path", self.feature_store.path, "a store directory in collect_only mode")
         return self
 
 
-def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
-    """Recursive dataclass construction that names unknown keys."""
+def _build(cls: type, raw: dict[str, Any], where: str, default: Any = None) -> Any:
+    """Recursive dataclass construction that names unknown keys; a nested section starts from the
+    default its owner declares (`default`), so only the given keys change."""
     names = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - set(names))
     if unknown:
@@ -143,7 +143,7 @@ def _build(cls: type, raw: dict[str, Any], where: str) -> Any:
         if dataclasses.is_dataclass(sub) and not isinstance(sub, type):
             if not isinstance(value, dict):
                 raise DrafterConfigError(f"actor_rollout_ref.rollout.{where}.{key}: got {value!r}, expected a mapping")
-            kwargs[key] = _build(type(sub), dict(value), f"{where}.{key}")
+            kwargs[key] = _build(type(sub), dict(value), f"{where}.{key}", sub)
         else:
             kwargs[key] = value
-    return cls(**kwargs)
+    return cls(**kwargs) if default is None else dataclasses.replace(default, **kwargs)

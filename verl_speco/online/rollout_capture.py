@@ -48,7 +48,7 @@ def choose_capture_source(cfg: DrafterRunConfig, engine: str, family: Any, famil
             raise RolloutCaptureRefused(f"rollout capture needs actor_rollout_ref.rollout.name=sglang, got {engine!r}")
         if sglang_version is None:
             raise RolloutCaptureRefused("rollout capture: SGLang's version is unknown (is sglang installed?)")
-        return plan_rollout_capture(cfg.algorithm, family.required_layout(family_cfg, spec),
+        return plan_rollout_capture(cfg.family, family.required_layout(family_cfg, spec),
                                     family.required_fields(family_cfg), spec.num_hidden_layers, sglang_version,
                                     serves_draft=cfg.mode == "online")
     except RolloutCaptureRefused as e:

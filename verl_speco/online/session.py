@@ -158,7 +158,7 @@ class DrafterSession:
                  run_name: str = "run"):
         self.cfg = cfg
         self.device = torch.device(device)
-        self.family = get_family(cfg.algorithm)
+        self.family = get_family(cfg.family)
         target = TargetHead.from_pretrained(target_dir)
         if cfg.model_path:  # the architecture comes from the export; settings may change training only
             try:
@@ -168,7 +168,7 @@ class DrafterSession:
                 raise ValueError(f"actor_rollout_ref.rollout.drafter.{e} (model_path={cfg.model_path!r})") from None
             self.fam_cfg = self.family.config_of(model)
         else:
-            raw = build_family_config(self.family.config_cls, dict(cfg.settings), cfg.algorithm)
+            raw = build_family_config(self.family.config_cls, dict(cfg.settings), cfg.family)
             self.fam_cfg = self.family.resolve(raw, target.spec)
             with torch.random.fork_rng(devices=[]):  # a fresh init is a function of drafter.seed
                 torch.manual_seed(cfg.seed)
@@ -225,8 +225,8 @@ class DrafterSession:
             samples = self._rank_rows(samples)
             self._use_head(head)
             set_lr(self.optimizer, warmup_lr(self.step, self.cfg.optim.lr, self.cfg.optim.warmup_steps))
-            result = train_step(self.model, self.family, [samples], self.optimizer,
-                                self.cfg.optim.grad_clip, self.device, progress=self.progress())
+            result = train_step(self.model, self.family, [samples], self.optimizer, self.cfg.optim.grad_clip,
+                                self.device, self.cfg.optim.denominators, progress=self.progress())
             self.step += 1
             skipped += int(result.skipped)
             tokens += result.tokens

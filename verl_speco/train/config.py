@@ -22,7 +22,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class DrafterSection:
-    algorithm: str = "eagle3"  # a name from drafters.registry.available_families()
+    family: str = "eagle3"  # a name from drafters.registry.available_families()
     settings: dict[str, Any] = field(default_factory=dict)  # -> family.config_cls(**settings)
     export_formats: list[str] = field(default_factory=list)  # empty: the family's default format
 
@@ -47,21 +47,46 @@ class DataSection:
     verify_checksums: bool = True  # each shard's checksum, once, when first read (false: skip)
 
 
+SCHEDULES = ("cosine", "linear", "constant")
+DENOMINATORS = ("retain", "prepass")
+
+
 @dataclass
-class OptimSection:
+class OptimConfig:
+    """AdamW and its learning-rate schedule (verl_speco/train/optim.py): the `optim` section of the
+    standalone trainer (`TrainerConfig.optim`, schedule cosine by default) and of the online drafter
+    (`actor_rollout_ref.rollout.drafter.optim`, `verl_speco.online.config.DrafterRunConfig`, which
+    has no planned total: warmup then a constant lr, one micro-batch per step). `problems()` is its
+    validation, for both."""
+
     lr: float = 1e-4
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     weight_decay: float = 0.0
     eps: float = 1e-8
     warmup_steps: int = 0  # takes precedence over warmup_ratio when > 0
     warmup_ratio: float = 0.0  # fraction of run.total_steps
-    schedule: str = "cosine"  # cosine | linear | constant (after warmup)
+    schedule: str = "constant"  # cosine | linear | constant (after warmup)
     min_lr_ratio: float = 0.0  # the decay ends at lr * min_lr_ratio
     grad_clip: float = 1.0  # max global grad norm; <= 0 disables clipping
     grad_accum: int = 1  # micro-batches per rank per optimizer step
     # how the global denominators are obtained before backward (verl_speco/train/step.py):
     # retain: keep all grad_accum graphs, one backward; prepass: +1 no-grad forward, constant memory
     denominators: str = "retain"
+
+    def problems(self) -> list[tuple[str, Any, str]]:
+        """(field, value, what was expected) of every invalid setting, in field order; [] when valid."""
+        betas = list(self.betas)
+        checks = [
+            (self.lr > 0, "lr", self.lr, "> 0"),
+            (len(betas) == 2 and all(0 <= b < 1 for b in betas), "betas", betas, "two values in [0, 1)"),
+            (self.warmup_steps >= 0, "warmup_steps", self.warmup_steps, ">= 0"),
+            (0.0 <= self.warmup_ratio < 1.0, "warmup_ratio", self.warmup_ratio, "in [0, 1)"),
+            (self.schedule in SCHEDULES, "schedule", self.schedule, f"one of {', '.join(SCHEDULES)}"),
+            (0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", self.min_lr_ratio, "in [0, 1]"),
+            (self.grad_accum >= 1, "grad_accum", self.grad_accum, ">= 1"),
+            (self.denominators in DENOMINATORS, "denominators", self.denominators, " or ".join(DENOMINATORS)),
+        ]
+        return [(key, value, expected) for ok, key, value, expected in checks if not ok]
 
 
 @dataclass
@@ -95,7 +120,7 @@ class TrainerConfig:
     drafter: DrafterSection = field(default_factory=DrafterSection)
     target: TargetSection = field(default_factory=TargetSection)
     data: DataSection = field(default_factory=DataSection)
-    optim: OptimSection = field(default_factory=OptimSection)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(schedule="cosine"))
     run: RunSection = field(default_factory=RunSection)
     dist: DistSection = field(default_factory=DistSection)
 
@@ -125,17 +150,8 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
     _check(d.max_seq_len >= 2, "data.max_seq_len", d.max_seq_len, ">= 2")
     _check(0.0 <= d.eval_fraction < 1.0, "data.eval_fraction", d.eval_fraction, "in [0, 1)")
     _check(d.eval_samples >= 0, "data.eval_samples", d.eval_samples, ">= 0")
-    _check(o.lr > 0, "optim.lr", o.lr, "> 0")
-    _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), "optim.betas", list(o.betas),
-           "two values in [0, 1)")
-    _check(o.schedule in ("cosine", "linear", "constant"), "optim.schedule", o.schedule,
-           "one of cosine, linear, constant")
-    _check(0.0 <= o.min_lr_ratio <= 1.0, "optim.min_lr_ratio", o.min_lr_ratio, "in [0, 1]")
-    _check(0.0 <= o.warmup_ratio < 1.0, "optim.warmup_ratio", o.warmup_ratio, "in [0, 1)")
-    _check(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, ">= 0")
-    _check(o.grad_accum >= 1, "optim.grad_accum", o.grad_accum, ">= 1")
-    _check(o.denominators in ("retain", "prepass"), "optim.denominators", o.denominators,
-           "retain or prepass")
+    for key, value, expected in o.problems():
+        _check(False, f"optim.{key}", value, expected)
     _check(r.total_steps >= 1, "run.total_steps", r.total_steps, ">= 1")
     _check(r.stop_after is None or r.stop_after >= 1, "run.stop_after", r.stop_after, "null or >= 1")
     _check(r.save_every >= 0, "run.save_every", r.save_every, ">= 0 (0: only at the end)")
@@ -154,19 +170,19 @@ def validate(cfg: TrainerConfig) -> TrainerConfig:
     return cfg
 
 
-def build_family_config(config_cls: type, settings: dict[str, Any], algorithm: str) -> Any:
+def build_family_config(config_cls: type, settings: dict[str, Any], family: str) -> Any:
     """`config_cls(**settings)` with unknown keys reported by name (never silently dropped)."""
     if dataclasses.is_dataclass(config_cls):
         known = {f.name for f in dataclasses.fields(config_cls)}
         unknown = sorted(set(settings) - known)
         if unknown:
             raise ConfigError(
-                f"drafter.settings has unknown key(s) {unknown} for algorithm {algorithm!r}; "
+                f"drafter.settings has unknown key(s) {unknown} for family {family!r}; "
                 f"expected a subset of {sorted(known)}")
     try:
         return config_cls(**settings)
     except (TypeError, ValueError) as err:
-        raise ConfigError(f"drafter.settings={settings!r} invalid for {algorithm!r}: {err}") from err
+        raise ConfigError(f"drafter.settings={settings!r} invalid for family {family!r}: {err}") from err
 
 
 def warmup_steps(cfg: TrainerConfig) -> int:

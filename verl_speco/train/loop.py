@@ -93,8 +93,8 @@ def _run(cfg: TrainerConfig, device: torch.device,
     rank, world = dist.get_rank(), dist.get_world_size()
     out_dir = Path(cfg.run.out_dir)
     seed_everything(cfg.run.seed)  # identical on every rank: the same initial weights everywhere
-    family = get_family(cfg.drafter.algorithm)
-    fam_cfg = build_family_config(family.config_cls, dict(cfg.drafter.settings), cfg.drafter.algorithm)
+    family = get_family(cfg.drafter.family)
+    fam_cfg = build_family_config(family.config_cls, dict(cfg.drafter.settings), cfg.drafter.family)
     target = TargetHead.from_pretrained(cfg.target.path)
     layout, fields = family.required_layout(fam_cfg, target.spec), tuple(family.required_fields(fam_cfg))
     shard_set, held = train_shard_set(cfg.data)

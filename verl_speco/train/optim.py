@@ -12,32 +12,15 @@ Worked example (lr=1, W=2, total=6, linear, m=0): steps 0..5 -> 0.5, 1, 1, 2/3, 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from typing import Protocol
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
-from verl_speco.train.config import OptimSection
+from verl_speco.train.config import OptimConfig
 
 
-class AdamWSettings(Protocol):
-    """What the optimizer reads: the standalone trainer's `optim` section or the online drafter's."""
-
-    @property
-    def lr(self) -> float: ...
-
-    @property
-    def betas(self) -> Sequence[float]: ...
-
-    @property
-    def weight_decay(self) -> float: ...
-
-    @property
-    def eps(self) -> float: ...
-
-
-def build_optimizer(params: Iterable[nn.Parameter], cfg: AdamWSettings) -> torch.optim.AdamW:
+def build_optimizer(params: Iterable[nn.Parameter], cfg: OptimConfig) -> torch.optim.AdamW:
     """AdamW over the trainable parameters (both the standalone trainer and the online drafter)."""
     trainable = [p for p in params if p.requires_grad]
     if not trainable:
@@ -53,7 +36,7 @@ def warmup_lr(step: int, lr: float, warmup: int) -> float:
     return lr * (step + 1) / warmup if warmup > 0 and step < warmup else lr
 
 
-def lr_at(step: int, cfg: OptimSection, total_steps: int, warmup: int) -> float:
+def lr_at(step: int, cfg: OptimConfig, total_steps: int, warmup: int) -> float:
     """Learning rate of optimizer step `step` (0-based)."""
     if warmup > 0 and step < warmup:
         return warmup_lr(step, cfg.lr, warmup)

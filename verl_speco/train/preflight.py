@@ -41,10 +41,10 @@ def report(err: BaseException, rank: str | None = None) -> int:
 def check_inputs(cfg: TrainerConfig, world_size: int) -> None:
     """Raise a `USER_ERRORS` exception naming the first unusable setting (see the module doc)."""
     try:
-        family = get_family(cfg.drafter.algorithm)
+        family = get_family(cfg.drafter.family)
     except RegistryError as err:
-        raise ConfigError(f"drafter.algorithm={cfg.drafter.algorithm!r}: {err}") from err
-    fam_cfg = build_family_config(family.config_cls, dict(cfg.drafter.settings), cfg.drafter.algorithm)
+        raise ConfigError(f"drafter.family={cfg.drafter.family!r}: {err}") from err
+    fam_cfg = build_family_config(family.config_cls, dict(cfg.drafter.settings), cfg.drafter.family)
     spec = check_target(cfg.target.path)
     try:
         layout = family.required_layout(fam_cfg, spec)

@@ -173,7 +173,7 @@ class SpecoTrainerMixin:
 
             # before anything starts: an engine release that cannot serve the family, or (vLLM) one
             # the live draft reload was not checked against, is refused naming the release and why
-            require_engine_support(engine, self.speco.algorithm, live_publish=True)
+            require_engine_support(engine, self.speco.family, live_publish=True)
             run_name = str(self.config.trainer.experiment_name)
             device_type = "npu" if str(self.config.trainer.get("device", "cuda")) == "npu" else "cuda"
             self._speco_drafter = start_drafter_group(self.speco, target_dir, run_name, device_type)
@@ -391,8 +391,8 @@ def _local_layout(drafter: DrafterRunConfig, target_dir: str) -> tuple[list[int]
     from verl_speco.train.config import build_family_config
 
     spec = TargetSpec.from_pretrained(target_dir)
-    family = get_family(drafter.algorithm)
-    cfg = family.resolve(build_family_config(family.config_cls, dict(drafter.settings), drafter.algorithm), spec)
+    family = get_family(drafter.family)
+    cfg = family.resolve(build_family_config(family.config_cls, dict(drafter.settings), drafter.family), spec)
     ids = [int(i) for i in family.required_layout(cfg, spec).layer_ids]
     return ids, {"hidden_size": int(spec.hidden_size), "vocab_size": int(spec.vocab_size)}
 
@@ -424,8 +424,8 @@ def speco_capture_source(drafter: DrafterRunConfig, engine: str, target_dir: str
     from verl_speco.train.config import build_family_config
 
     spec = TargetSpec.from_pretrained(target_dir)
-    family = get_family(drafter.algorithm)
-    fam_cfg = family.resolve(build_family_config(family.config_cls, dict(drafter.settings), drafter.algorithm), spec)
+    family = get_family(drafter.family)
+    fam_cfg = family.resolve(build_family_config(family.config_cls, dict(drafter.settings), drafter.family), spec)
     plan = choose_capture_source(drafter, engine, family, fam_cfg, spec, sglang_version)
     if plan is None:
         return "actor"

@@ -98,7 +98,7 @@ class SpecoActorRolloutRefWorker(ActorRolloutRefWorker):
 
             self._speco_sink = StoreSink(cfg.feature_store, tuple(int(i) for i in layer_ids), int(hidden_size),
                                          int(vocab_size), target_model_id, rank=self.rank,
-                                         producer={"algorithm": cfg.algorithm})
+                                         producer={"family": cfg.family})
         return {"rank": self.rank, "armed": True}
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
