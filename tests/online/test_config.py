@@ -26,10 +26,11 @@ def test_defaults_from_none_and_empty() -> None:
         assert (cfg.enable, cfg.family, cfg.mode, cfg.schedule) == (False, "eagle3", "online", "serial")
         assert cfg.model_path is None and cfg.settings == {} and cfg.publish_dir is None
         assert (cfg.num_speculative_tokens, cfg.collect_interval, cfg.train_interval, cfg.publish_interval) == (3, 1, 1, 1)
-        assert (cfg.train_steps_per_round, cfg.micro_batch_size, cfg.max_staleness) == (8, 8, 2)
+        assert (cfg.train_steps_per_round, cfg.micro_batch_size, cfg.max_staleness) == (8, 8, 1)
+        assert cfg.capture_pass == "post_update"
         assert (cfg.buffer_max_tokens, cfg.seed) == (262144, 0)
         assert cfg.caps == CaptureCaps(max_rows=64, max_tokens=32768, min_response_tokens=1, max_seq_len=4096)
-        assert cfg.optim == OptimConfig(lr=1e-4, betas=[0.9, 0.95], weight_decay=0.0, warmup_steps=0, grad_clip=1.0)
+        assert cfg.optim == OptimConfig(lr=1e-3, betas=[0.9, 0.95], weight_decay=0.0, warmup_steps=0, grad_clip=1.0)
         assert cfg.feature_store == FeatureStoreSink(path=None, hidden_dtype="bfloat16", flush_samples=256)
 
 

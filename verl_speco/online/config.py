@@ -29,6 +29,9 @@ ONLINE_OPTIM = {"warmup_ratio": (0.0, "0.0 (the online drafter has no planned to
                 "grad_accum": (1, "1 (the online drafter takes one micro-batch of micro_batch_size rows per step)")}
 
 
+ONLINE_LR = 1e-3
+
+
 class DrafterConfigError(ValueError):
     """A drafter setting of the RL run has a value we cannot use."""
 
@@ -72,20 +75,24 @@ class DrafterRunConfig:
     # update, so the draft the next rollout serves lags the policy by one update). post_update: one extra
     # forward of the updated actor over the step's batch right after the update (rows of the very policy
     # the next rollout runs; costs one forward pass of the actor per capturing step).
-    capture_pass: str = "old_logprob"
+    # Default post_update: with old_logprob the co-trained draft lags a moving policy by a full update
+    # (docs/results/drift_grpo/README.md, "What bounds the co-trained drafter's lag").
+    capture_pass: str = "post_update"
     # where hidden states come from. actor: the actor's forward (capture_pass). rollout: the rollout
     # engine returns them with each generated sequence (rollout.name=sglang; verl_speco.engines.sglang_capture);
     # refused when the rollout cannot give the family's layout. auto: rollout where it can, else actor
     # (with one log line naming why).
     capture_source: str = "actor"
-    max_staleness: int = 2  # features older than this many policy versions are evicted
+    max_staleness: int = 1  # features older than this many policy versions are evicted (1: the newest only)
     buffer_max_tokens: int = 262144  # replay buffer capacity (oldest evicted first)
     seed: int = 0
     publish_dir: str | None = None  # where published draft versions are written (default: tmp)
     num_gpus: float = 0.0  # accelerators reserved for each drafter actor (outside verl's pools); 0: CPU
     num_workers: int = 1  # drafter actors; > 1: FSDP2 data parallel over them (one node)
     caps: CaptureCaps = field(default_factory=CaptureCaps)
-    optim: OptimConfig = field(default_factory=OptimConfig)  # shared with the standalone trainer
+    # shared with the standalone trainer; online lr 1e-3 (the offline recipes' lr): at 1e-4 the draft
+    # could not follow a policy that moves every step (the lag study above)
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=ONLINE_LR))
     feature_store: FeatureStoreSink = field(default_factory=FeatureStoreSink)
 
     @classmethod
