@@ -207,7 +207,7 @@ def contract_gaps(family: object) -> list[str]:
     """What `family` lacks of the contract, by name: every `DrafterFamily` member it does not have,
     then every class attribute its base declares in `HOOKS` (`DrafterFamilyBase`: config_cls,
     model_cls, export_cls, ...) that it does not set. Empty for a complete family. Example: a family
-    written without its export role (no export.py) -> ['export', 'load_export', 'export_cls']."""
+    written without its export role (no export.py) -> ['load_export', 'export', 'export_cls']."""
     missing = [n for n in contract_members() if not hasattr(family, n)]
     hooks = getattr(type(family), "HOOKS", ())
     return missing + [n for n in hooks if n not in missing and not hasattr(family, n)]
