@@ -80,13 +80,19 @@ def test_every_npu_launcher_asks_only_what_it_serves(source: Path) -> None:
     assert gaps(AscendTree(source)) == {}
 
 
+def planted_copy(source: Path, dest: Path, edits: dict[str, tuple[str, str]]) -> AscendTree:
+    """A copy of the source under `dest` with `old` replaced by `new` in each file `rel` of `edits`."""
+    shutil.copytree(source / "vllm_ascend", dest / "vllm_ascend")
+    for rel, (old, new) in edits.items():
+        path = dest / "vllm_ascend" / rel
+        path.write_text(path.read_text().replace(old, new))
+    return AscendTree(dest)
+
+
 def test_a_planted_source_change_is_caught(source: Path, tmp_path: Path) -> None:
-    shutil.copytree(source / "vllm_ascend", tmp_path / "vllm_ascend")
-    init = tmp_path / "vllm_ascend/spec_decode/__init__.py"
-    init.write_text(init.read_text().replace('method == "dflash"', 'method == "dflash_renamed"'))
-    attn = tmp_path / "vllm_ascend/attention/attention_v1.py"
-    attn.write_text(attn.read_text().replace("self.decode_threshold <= 16", "self.decode_threshold <= 8"))
-    planted = gaps(AscendTree(tmp_path))
+    planted = gaps(planted_copy(source, tmp_path, {
+        "spec_decode/__init__.py": ('method == "dflash"', 'method == "dflash_renamed"'),
+        "attention/attention_v1.py": ("self.decode_threshold <= 16", "self.decode_threshold <= 8")}))
     assert planted["dflash"] == ["method 'dflash'", "k + 1 = 15 > 8"], planted
     assert planted["peagle"] == ["k + 1 = 9 > 8"] and "eagle3" not in planted
 
@@ -126,11 +132,9 @@ def test_the_draft_reload_reaches_only_what_vllm_ascend_has(source: Path) -> Non
 
 
 def test_a_planted_reload_change_is_caught(source: Path, tmp_path: Path) -> None:
-    shutil.copytree(source / "vllm_ascend", tmp_path / "vllm_ascend")
-    runner = tmp_path / "vllm_ascend/worker/model_runner_v1.py"
-    runner.write_text(runner.read_text().replace("self.drafter", "self.proposer"))
-    patch = tmp_path / "vllm_ascend/patch/worker/patch_qwen3_dflash.py"
-    patch.write_text(patch.read_text().replace("self._fused_kv_bias", "self._fused_kv_bias_v2"))
-    assert reload_gaps(AscendTree(tmp_path)) == [
+    planted = planted_copy(source, tmp_path, {
+        "worker/model_runner_v1.py": ("self.drafter", "self.proposer"),
+        "patch/worker/patch_qwen3_dflash.py": ("self._fused_kv_bias", "self._fused_kv_bias_v2")})
+    assert reload_gaps(planted) == [
         "NPUModelRunner sets no self.drafter",
         "the DFlash patch reads ['_fused_kv_bias_v2', '_fused_kv_weight']"]

@@ -88,22 +88,25 @@ def test_everything_resolves_in_the_installed_032(installed: VllmTree, uses: lis
     assert report.missing == () and report.out_of_scope == ()
 
 
-def test_vllm_024_has_everything_we_use_on_it(installed: VllmTree, v024: VllmTree, uses: list[Use]) -> None:
-    assert v024.version == load_versions().line("gpu-vllm-verl")["vllm"] == "0.24.0"
-    report = check_uses(v024, uses, reference=installed)
-    print("vLLM 0.24.0 lacks, used only by modules that refuse it:", *report.out_of_scope, sep="\n  ")
+def _lacks_only_what_refusing_modules_use(tree: VllmTree, uses: list[Use], installed: VllmTree) -> tuple[str, ...]:
+    """What `tree` lacks of our uses (printed): nothing, except uses of modules that patch 0.32.0 only."""
+    report = check_uses(tree, uses, reference=installed)
+    print(f"vLLM {tree.version} lacks, used only by modules that refuse it:", *report.out_of_scope, sep="\n  ")
     assert report.missing == ()
     assert all("its module patches vLLM 0.32.0 only" in line for line in report.out_of_scope)
-    assert any(line.startswith("_normalize_context_k") for line in report.out_of_scope)
+    return report.out_of_scope
+
+
+def test_vllm_024_has_everything_we_use_on_it(installed: VllmTree, v024: VllmTree, uses: list[Use]) -> None:
+    assert v024.version == load_versions().line("gpu-vllm-verl")["vllm"] == "0.24.0"
+    out_of_scope = _lacks_only_what_refusing_modules_use(v024, uses, installed)
+    assert any(line.startswith("_normalize_context_k") for line in out_of_scope)
 
 
 def test_vllm_023_has_everything_we_use_on_it(installed: VllmTree, v023: VllmTree, uses: list[Use]) -> None:
     """vllm-ascend 0.23.0 runs on vLLM 0.23.0: the draft reload (PATCHED_VLLM) finds all it uses there."""
     assert v023.version == load_versions().line("ascend")["vllm"] == "0.23.0"
-    report = check_uses(v023, uses, reference=installed)
-    print("vLLM 0.23.0 lacks, used only by modules that refuse it:", *report.out_of_scope, sep="\n  ")
-    assert report.missing == ()
-    assert all("its module patches vLLM 0.32.0 only" in line for line in report.out_of_scope)
+    _lacks_only_what_refusing_modules_use(v023, uses, installed)
     assert {u.scope for u in uses if u.where.startswith("verl_speco/engines/vllm_engine.py")} == {
         ("0.32.0", "0.24.0", "0.23.0")}
 
