@@ -115,19 +115,22 @@ def test_capture_source_forced_refuses_auto_falls_back_actor_is_default(caplog: 
     assert DrafterRunConfig().capture_source == "actor"
     assert choose_capture_source(DrafterRunConfig(), "sglang", family, fcfg, SPEC, "0.5.23") is None
     with pytest.raises(DrafterConfigError, match=r"drafter\.capture_source: got 'rollout', but .*never both"):
-        choose_capture_source(DrafterRunConfig(capture_source="rollout"), "sglang", family, fcfg, SPEC, "0.5.23")
+        choose_capture_source(DrafterRunConfig(capture_pass="old_logprob", capture_source="rollout"), "sglang", family, fcfg, SPEC, "0.5.23")
     with caplog.at_level("WARNING"):
-        assert choose_capture_source(DrafterRunConfig(capture_source="auto"), "sglang", family, fcfg, SPEC,
+        assert choose_capture_source(DrafterRunConfig(capture_pass="old_logprob", capture_source="auto"), "sglang", family, fcfg, SPEC,
                                      "0.5.23") is None
     assert "capturing from the actor" in caplog.text and "never both" in caplog.text
     with pytest.raises(DrafterConfigError, match="rollout.name=sglang, got 'vllm'"):
-        choose_capture_source(DrafterRunConfig(capture_source="rollout"), "vllm", family, fcfg, SPEC, None)
+        choose_capture_source(DrafterRunConfig(capture_pass="old_logprob", capture_source="rollout"), "vllm", family, fcfg, SPEC, None)
     e1 = get_family("eagle1")
-    plan = choose_capture_source(DrafterRunConfig(family="eagle1", capture_source="rollout"), "sglang", e1,
+    plan = choose_capture_source(DrafterRunConfig(family="eagle1", capture_pass="old_logprob", capture_source="rollout"), "sglang", e1,
                                  e1.config_cls(), SPEC, "0.5.12")
     assert plan is not None and plan.mode == "plain" and plan.layout == Layout(layer_ids=(), last_hidden="post_norm")
+    with pytest.raises(DrafterConfigError, match="capture_pass='post_update' needs the updated actor's forward"):
+        choose_capture_source(DrafterRunConfig(family="eagle1", capture_source="rollout"), "sglang", e1,
+                              e1.config_cls(), SPEC, "0.5.12")  # online: the rollout's rows are pre-update
     with pytest.raises(DrafterConfigError, match="capture_source: got 'both'"):
-        DrafterRunConfig(capture_source="both").validate()
+        DrafterRunConfig(capture_pass="old_logprob", capture_source="both").validate()
 
 
 def _meta(prompt: int, decode: int, width: int = 4, chunks: int = 1) -> dict[str, object]:

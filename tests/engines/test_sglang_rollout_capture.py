@@ -19,6 +19,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -41,10 +42,14 @@ from .conftest import HIDDEN, VOCAB
 from .sglang_ref import ROOT
 
 
-def generate_fields() -> set[str]:
-    tree = ast.parse((ROOT / "srt/managers/io_struct.py").read_text())
-    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GenerateReqInput"]
+def dataclass_fields(relpath: str, name: str) -> set[str]:
+    tree = ast.parse((ROOT / relpath).read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name]
     return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def generate_fields() -> set[str]:
+    return dataclass_fields("srt/managers/io_struct.py", "GenerateReqInput")
 
 
 class FakeSGLangGenerate:
@@ -52,6 +57,7 @@ class FakeSGLangGenerate:
 
     def __init__(self, model: Qwen3ForCausalLM, server_args: dict[str, Any]) -> None:
         self.model, self.args, self.fields = model, server_args, generate_fields()
+        self.sampling_fields = dataclass_fields("srt/sampling/sampling_params.py", "SamplingParams")
         self.short: set[int] = set()  # request numbers answered with one decode row missing
         self.sequences: list[list[int]] = []  # every prompt + output served, in order
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -78,7 +84,7 @@ class FakeSGLangGenerate:
         return Handler
 
     def answer(self, route: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        unknown = sorted(set(body) - self.fields)
+        unknown = sorted(set(body) - self.fields) + sorted(set(body.get("sampling_params", {})) - self.sampling_fields)
         if route != "/generate" or unknown:
             return 400, {"object": "error", "message": f"{route}: unknown fields {unknown}", "code": 400}
         capturing = self.args.get("enable_return_hidden_states") or self.args.get("enable_return_aux_hidden_states")
@@ -193,3 +199,135 @@ def test_collect_only_from_the_rollout(served: tuple[FakeSGLangGenerate, Any], t
                        "data.prefetch=0", "run.total_steps=2", "run.save_every=2", "run.eval_every=0",
                        "run.progress_bar=false", "run.tensorboard=false"]) == 0
     assert export_family(out / "ckpt" / "step_2" / "export") == plan.family
+
+
+class FakeServerManager:
+    """verl's `LLMServerClient` as our agent loop uses it: the load balancer's choice (the server's
+    HTTP address, how verl 0.9.1's router keys SGLang replicas) and its release."""
+
+    def __init__(self, address: str) -> None:
+        self.address, self.inflight = address, 0
+
+    async def _acquire_server(self, request_id: str, **extra: Any) -> tuple[str, Any]:
+        self.inflight += 1
+        return self.address, None
+
+    def _release_server(self, server_id: str, request_id: str | None = None) -> None:
+        assert server_id == self.address
+        self.inflight -= 1
+
+
+def _agent_loop(address: str, plan: Any, target_dir: Path, response_length: int) -> Any:
+    """Our loop built the way verl 0.9.1's `AgentLoopWorker._run_agent_loop` builds one: hydra
+    instantiates the entry of the `agent_loop_config_path` file `arm_rollout_capture` writes."""
+    import hydra
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+    from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
+    from verl.utils.dataset.rl_dataset import RLHFDataset
+
+    from verl_speco.verl_integration.sglang_agent_loop import agent_loop_config
+
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    cfg = OmegaConf.create({"actor_rollout_ref": {"rollout": {"prompt_length": 16, "response_length": response_length,
+                                                              "max_model_len": None}}, "data": {}})
+    entry = OmegaConf.create(agent_loop_config(plan, HIDDEN, "float32", 60.0)[0])
+    return hydra.utils.instantiate(config=entry, trainer_config=DictConfigWrap(config=cfg),
+                                   server_manager=FakeServerManager(address), tokenizer=tok, processor=None,
+                                   hf_model_type=None, dataset_cls=RLHFDataset, data_config=DictConfigWrap(cfg.data),
+                                   tools=ToolListWrap([]))
+
+
+@pytest.mark.parametrize("served", ["eagle1"], indirect=True)
+def test_verl_agent_loop_captures_the_rollout(served: tuple[FakeSGLangGenerate, Any], target_dir: Path,
+                                              tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """verl's single-turn loop with our generate: SGLang's own request fields over HTTP, the tokens verl
+    gets, and the rows (in extra_fields) equal to the actor capture's; through the trainer's side
+    (`rollout_entries`, `rows_from_encoded`) into a store that passes inspect --strict. A short
+    response travels as its drop reason; a missing or corrupt entry is refused naming it."""
+    import asyncio
+
+    from verl_speco.online.config import DrafterConfigError
+    from verl_speco.online.rollout_capture import RolloutEntryError
+    from verl_speco.verl_integration.rollout_rows import rollout_entries
+    from verl_speco.verl_integration.sglang_agent_loop import CAPTURE_KEY
+
+    fake, plan = served
+    address = f"127.0.0.1:{fake.httpd.server_address[1]}"
+    fake.short = {1}
+    sampling = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": False}
+    prompts = ["t5 t9 t12 t7", "t30 t31 t2", "t44 t45 t46 t47 t48"]  # the WordLevel vocabulary (conftest)
+
+    async def one(text: str) -> Any:  # built inside the running loop, as verl's worker does
+        loop = _agent_loop(address, plan, target_dir, response_length=5)
+        out = await loop.run(dict(sampling), raw_prompt=[{"role": "user", "content": text}], global_steps=3)
+        assert loop.speco_client.inner.inflight == 0
+        return out
+
+    outputs = [asyncio.run(one(text)) for text in prompts]
+    assert len(fake.sequences) == len(outputs) == 3
+    for out, seq in zip(outputs, fake.sequences):
+        assert list(out.prompt_ids) + list(out.response_ids) == seq and len(out.response_ids) == 5
+        assert 0 not in out.prompt_ids  # no unknown word: the rows below are not all the pad embedding's
+        assert out.extra_fields["min_global_steps"] == out.extra_fields["max_global_steps"] == 3
+
+    extra = [o.extra_fields for o in outputs] + [{CAPTURE_KEY: b"pad"}]
+    tags: list[dict[str, Any]] = [{}, {}, {}, {"is_padding": True}]
+    entries = rollout_entries(extra, tags)
+    capture = RolloutCapture(plan, HIDDEN, CaptureCaps(), seed=0, hidden_dtype=torch.float32)
+    rows = capture.rows_from_encoded(entries, policy_version=2)
+    assert rows.counts["rollout_short_decode"] == 1 and rows.counts["kept"] == 2 and rows.counts["seen"] == 3
+    actor = OnlineCapture(plan.layout.layer_ids, CaptureCaps(), hidden_dtype=torch.float32)
+    assert len(rows.records) == 2 and len(fake.sequences) == 3
+    for record, seq, out in zip(rows.records, [fake.sequences[0], fake.sequences[2]], [outputs[0], outputs[2]]):
+        ids = torch.tensor([seq])
+        mask = torch.zeros_like(ids)
+        mask[0, len(out.prompt_ids):] = 1
+        with torch.no_grad(), actor.hooks(fake.model) as hooked:
+            fake.model(input_ids=ids)
+            want = actor.collect(hooked.pop_all(), ids, torch.ones_like(ids), mask, 0).records[0]
+        assert torch.equal(record["input_ids"], want["input_ids"][:-1])
+        assert torch.equal(record["loss_mask"], want["loss_mask"][:-1])
+        torch.testing.assert_close(record["last_hidden"], want["last_hidden"][:-1], rtol=1e-5, atol=1e-5)
+
+    # the trainer's side: entries read from TransferQueue before the old-logprob pass, stored after the step
+    import numpy as np
+    import transfer_queue
+
+    from verl_speco.verl_integration.rollout_rows import rollout_store_sink
+    from verl_speco.verl_integration.trainer import SpecoTrainerMixin
+
+    batch = SimpleNamespace(keys=["a", "b", "c", "pad"], partition_id="train", tags=tags)
+
+    def kv_batch_get(keys: list[str], partition_id: str, select_fields: list[str]) -> dict[str, Any]:
+        assert keys == batch.keys and select_fields == ["extra_fields"]
+        return {"extra_fields": np.array(extra, dtype=object)}
+
+    monkeypatch.setattr(transfer_queue, "kv_batch_get", kv_batch_get)
+    store = tmp_path / "store"
+    driver: Any = object.__new__(type("Driver", (SpecoTrainerMixin,), {}))
+    driver.speco = DrafterRunConfig(enable=True, family="eagle1", mode="collect_only", capture_source="rollout",
+                                    feature_store=FeatureStoreSink(path=str(store), hidden_dtype="float32"))
+    driver.global_steps = driver.total_training_steps = 3
+    driver._speco_rollout, driver._speco_pending = capture, None
+    driver._speco_sink = rollout_store_sink(driver.speco, plan, HIDDEN, VOCAB, "tiny-qwen3")
+    driver._speco_take_rollout_rows(batch)
+    metrics = driver._speco_after_rollout_step()
+    assert metrics["drafter/capture/kept"] == 2 and metrics["drafter/capture/rollout_short_decode"] == 1
+    assert metrics["drafter/store/samples"] == 2 and driver._speco_sink is None  # closed at the last step
+    capsys.readouterr()
+    assert inspect_main([str(store), "--strict", "--verify-checksums", "--no-progress"]) == 0
+    index = StoreIndex.open(store, verify_checksums=True)
+    assert sorted(int(index.sample(i, copy=True)["policy_version"]) for i in range(2)) == [2, 2]
+    index.close()
+
+    with pytest.raises(DrafterConfigError, match=r"1 of 3 trajectories carry no .*agent_name"):
+        rollout_entries([extra[0], {}, extra[2]], [{}, {}, {}])
+    corrupt = bytearray(entries[0])
+    corrupt[-4:] = b"\xff\xff\xff\xff"
+    for bad, want in [(b"not safetensors", "entry 1: not a safetensors"), ("text", "entry 1: got str"),
+                      (bytes(corrupt[:40]), "entry 1: not a safetensors")]:
+        with pytest.raises(RolloutEntryError, match=want):
+            capture.rows_from_encoded([entries[0], bad], policy_version=2)

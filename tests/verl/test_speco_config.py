@@ -163,9 +163,13 @@ def test_main_cfg_job_prints_the_composed_config(capsys: pytest.CaptureFixture[s
 
 def test_capture_source_in_a_verl_run(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """actor never plans; a family SGLang cannot serve is refused (rollout) or falls back (auto); one it
-    could serve is refused naming verl's SGLang server, which returns no hidden states (auto: actor)."""
+    can serve is armed: SGLang's capture flags in engine_kwargs.sglang, our agent loop the default
+    through a complete agent_loop_config_path file (online: only with capture_pass=old_logprob)."""
+    from omegaconf import OmegaConf
     from speco_verl_helpers import tiny_qwen3
 
+    from verl_speco.verl_integration.rollout_rows import arm_rollout_capture
+    from verl_speco.verl_integration.sglang_agent_loop import AGENT_LOOP_NAME
     from verl_speco.verl_integration.trainer import speco_capture_source
 
     target = tmp_path / "target"
@@ -173,28 +177,74 @@ def test_capture_source_in_a_verl_run(tmp_path: Path, caplog: pytest.LogCaptureF
     on = {"enable": True, "mode": "collect_only"}
     eagle3 = DrafterRunConfig(**on, family="eagle3", capture_source="rollout")
     assert speco_capture_source(dataclasses.replace(eagle3, capture_source="actor"), "sglang", str(target),
-                                "0.5.23") == "actor"
+                                "0.5.23") is None
     with pytest.raises(DrafterConfigError, match="capture_source: got 'rollout', but .*never both"):
         speco_capture_source(eagle3, "sglang", str(target), "0.5.23")
-    eagle1 = DrafterRunConfig(**on, family="eagle1", capture_source="rollout")
-    with pytest.raises(DrafterConfigError, match="--enable-return-hidden-states.*SGLangHttpServer.generate"):
-        speco_capture_source(eagle1, "sglang", str(target), "0.5.12")
+    eagle1 = DrafterRunConfig(**on, family="eagle1", capture_source="rollout", publish_dir=str(tmp_path / "pub"))
+    plan = speco_capture_source(eagle1, "sglang", str(target), "0.5.12")
+    assert plan is not None and plan.mode == "plain"
+    with pytest.raises(DrafterConfigError, match="capture_pass='post_update' needs the updated actor"):
+        speco_capture_source(dataclasses.replace(eagle1, mode="online"), "sglang", str(target), "0.5.12")
+    assert speco_capture_source(dataclasses.replace(eagle1, mode="online", capture_pass="old_logprob"), "sglang",
+                                str(target), "0.5.12") is not None
     with caplog.at_level("WARNING"):
-        assert speco_capture_source(dataclasses.replace(eagle1, capture_source="auto"), "sglang", str(target),
-                                    "0.5.12") == "actor"
         assert speco_capture_source(dataclasses.replace(eagle1, capture_source="auto"), "vllm", str(target),
-                                    None) == "actor"
+                                    None) is None
+        assert speco_capture_source(dataclasses.replace(eagle3, capture_source="auto"), "sglang", str(target),
+                                    "0.5.23") is None
     assert caplog.text.count("capturing from the actor") == 2 and "rollout.name=sglang, got 'vllm'" in caplog.text
 
+    config = OmegaConf.create({"actor_rollout_ref": {"rollout": {
+        "engine_kwargs": {"vllm": {}, "sglang": {"mem_fraction_static": 0.5}},
+        "agent": {"default_agent_loop": "single_turn_agent", "agent_loop_config_path": None}}}})
+    capture = arm_rollout_capture(config, eagle1, plan, 64)
+    rollout = config.actor_rollout_ref.rollout
+    assert dict(rollout.engine_kwargs.sglang) == {"mem_fraction_static": 0.5, "enable_return_hidden_states": True}
+    assert rollout.agent.default_agent_loop == AGENT_LOOP_NAME and capture.hidden_size == 64
+    (entry,) = OmegaConf.load(rollout.agent.agent_loop_config_path)
+    assert Path(rollout.agent.agent_loop_config_path).parent == tmp_path / "pub"
+    assert entry.name == AGENT_LOOP_NAME and entry._target_.endswith("SpecoSGLangCaptureAgentLoop")
+    assert entry.capture_plan.mode == "plain" and entry.capture_hidden_dtype == "bfloat16"
+    assert not list((tmp_path / "pub").glob("*.tmp"))
 
-def test_verls_sglang_server_asks_for_no_hidden_states() -> None:
-    """The reason `speco_capture_source` gives, pinned to verl 0.9.1's source: its SGLang server's
-    generate never sets return_hidden_states (when a release does, the rollout route can be wired)."""
+
+def _verl_source(relpath: str) -> str:
     import importlib.util
+
+    spec = importlib.util.find_spec("verl")
+    assert spec is not None and spec.submodule_search_locations
+    return (Path(list(spec.submodule_search_locations)[0]) / relpath).read_text()
+
+
+def test_verl_internals_the_capture_loop_uses() -> None:
+    """What `sglang_agent_loop` relies on, pinned to verl 0.9.1's source (its SGLang server imports sglang:
+    read, not imported): engine_kwargs.sglang reach ServerArgs; the server's own generate never asks
+    for hidden states (why our loop exists); the router keys replicas by their HTTP address; the client
+    internals we call; agent loops built from `agent_loop_config_path` by `_target_` with extra kwargs;
+    the single-turn loop calls `server_manager.generate`; TQ tags read extra_fields' global steps."""
+    import ast
     from importlib.metadata import version
 
-    assert version("verl") == "0.9.1"
-    spec = importlib.util.find_spec("verl.workers.rollout.sglang_rollout")  # its server imports sglang: read only
-    assert spec is not None and spec.submodule_search_locations
-    source = (Path(list(spec.submodule_search_locations)[0]) / "async_sglang_server.py").read_text()
-    assert "GenerateReqInput(**request)" in source and "return_hidden_states" not in source
+    from verl_speco.verl_integration.sglang_agent_loop import VERL_RELEASES
+
+    assert version("verl") in VERL_RELEASES
+    server = _verl_source("workers/rollout/sglang_rollout/async_sglang_server.py")
+    assert "**engine_kwargs," in server and "server_args = ServerArgs(**args)" in server
+    assert "GenerateReqInput(**request)" in server and "return_hidden_states" not in server
+    assert 'else f"{server_address}:{server_port}"' in server  # SGLangReplica._server_address
+    llm = _verl_source("workers/rollout/llm_server.py")
+    assert "servers=dict(zip(self.server_addresses, self.server_handles, strict=True))" in llm
+    tree = ast.parse(llm)
+    (client,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "LLMServerClient"]
+    methods = {n.name: n for n in client.body if isinstance(n, ast.AsyncFunctionDef | ast.FunctionDef)}
+    assert isinstance(methods["_acquire_server"], ast.AsyncFunctionDef)
+    assert [a.arg for a in methods["_acquire_server"].args.args] == ["self", "request_id"]
+    assert [a.arg for a in methods["_release_server"].args.args] == ["self", "server_id", "request_id"]
+    loop = _verl_source("experimental/agent_loop/agent_loop.py")
+    assert "_agent_loop_registry[agent_loop_config.name] = agent_loop_config" in loop
+    assert "hydra.utils.instantiate(\n                config=agent_loop_config," in loop
+    assert 'default_agent_loop = config.agent.default_agent_loop' in loop
+    single = _verl_source("experimental/agent_loop/single_turn_agent_loop.py")
+    assert "await self.server_manager.generate(" in single and "extra_fields=output.extra_fields" in single
+    tq = _verl_source("trainer/ppo/v1/agent_loop_tq.py")
+    assert '"min_global_steps": field["extra_fields"].get("min_global_steps")' in tq

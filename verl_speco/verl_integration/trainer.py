@@ -41,6 +41,7 @@ from verl.trainer.ppo.utils import Role
 from verl.utils.ray_utils import auto_await
 
 from drafters.registry import engine_format_from_dict
+from verl_speco.engines.sglang_capture import RolloutCapturePlan
 from verl_speco.engines.spec_metrics import SpecCounters, acceptance_summary
 from verl_speco.online.config import DrafterConfigError, DrafterRunConfig
 from verl_speco.online.publish import load_outcome
@@ -128,6 +129,9 @@ class SpecoTrainerMixin:
         self._speco_sync_metrics: dict[str, float] = {}
         self._speco_warned: set[str] = set()
         self._speco_counters = SpecCounters()  # the rollout servers' cumulative counters at the last step
+        self._speco_rollout: Any = None  # a RolloutCapture when capture_source resolved to the rollout
+        self._speco_sink: Any = None  # collect_only from the rollout: the driver writes the store
+        self._speco_pending: tuple[Any, Any] | None = None  # this step's rollout rows and head snapshot
         if self.speco_active and self.speco.capture_pass == "old_logprob":
             rc = config.algorithm.get("rollout_correction", None)
             if rc is not None and rc.get("bypass_mode", False):
@@ -166,7 +170,13 @@ class SpecoTrainerMixin:
             return
         target_dir = self._speco_target_dir()
         engine = rollout_engine(self.config)
-        speco_capture_source(self.speco, engine, target_dir, _installed("sglang"))
+        plan = speco_capture_source(self.speco, engine, target_dir, _installed("sglang"))
+        if plan is not None:
+            from drafters.common.target import TargetSpec
+            from verl_speco.verl_integration.rollout_rows import arm_rollout_capture
+
+            hidden = int(TargetSpec.from_pretrained(target_dir).hidden_size)
+            self._speco_rollout = arm_rollout_capture(self.config, self.speco, plan, hidden)
         if self.speco_online:
             from verl_speco.deploy.engine_check import require_engine_support
             from verl_speco.verl_integration.drafter_actor import start_drafter_group
@@ -198,8 +208,14 @@ class SpecoTrainerMixin:
         else:
             layer_ids, shape = _local_layout(self.speco, target_dir)
         super()._setup()  # type: ignore[misc]
-        self.actor_rollout_wg.speco_init(layer_ids, shape["hidden_size"], shape["vocab_size"],
-                                         str(self.config.actor_rollout_ref.model.path))
+        if self._speco_rollout is None:  # the workers capture
+            self.actor_rollout_wg.speco_init(layer_ids, shape["hidden_size"], shape["vocab_size"],
+                                             str(self.config.actor_rollout_ref.model.path))
+        elif not self.speco_online:  # the rollout's rows go to the store from here
+            from verl_speco.verl_integration.rollout_rows import rollout_store_sink
+
+            self._speco_sink = rollout_store_sink(self.speco, self._speco_rollout.plan, shape["hidden_size"],
+                                                  shape["vocab_size"], str(self.config.actor_rollout_ref.model.path))
         if self.speco_online:
             # verl's trainers sync the colocated replicas through `checkpoint_manager`; the
             # separate_async trainer also has standalone replicas behind `standalone_checkpoint_manager`
@@ -247,17 +263,36 @@ class SpecoTrainerMixin:
 
     # ------------------------------------------------------------- the step
 
+    def _speco_capture_step(self) -> bool:
+        return self.speco_active and (self.global_steps - 1) % self.speco.collect_interval == 0
+
     def _speco_captures(self, capture_pass: str) -> bool:
-        return (self.speco_active and self.speco.capture_pass == capture_pass
-                and (self.global_steps - 1) % self.speco.collect_interval == 0)
+        return self._speco_rollout is None and self.speco.capture_pass == capture_pass and self._speco_capture_step()
 
     def _compute_old_log_prob(self, batch: Any, metrics: dict) -> Any:
+        if self._speco_rollout is not None and self._speco_capture_step():
+            self._speco_take_rollout_rows(batch)
         if self._speco_captures("old_logprob"):  # rows of the policy that generated this step's rollout
             batch.extra_info[POLICY_VERSION_KEY] = self.global_steps - 1
         try:
             return super()._compute_old_log_prob(batch, metrics)  # type: ignore[misc]
         finally:
             batch.extra_info.pop(POLICY_VERSION_KEY, None)
+
+    def _speco_take_rollout_rows(self, batch: Any) -> None:
+        """This step's rows from the rollout's returned hidden states (before the update: the rows and the
+        head snapshot are of the policy that generated them)."""
+        import transfer_queue as tq
+
+        from verl_speco.verl_integration.rollout_rows import read_rollout_entries
+
+        version = self.global_steps - 1
+        rows = self._speco_rollout.rows_from_encoded(read_rollout_entries(batch, tq.kv_batch_get), version)
+        head = None
+        if self.speco_online:
+            heads = [h for h in self.actor_rollout_wg.speco_snapshot_head(version) if h is not None]
+            head = heads[0] if heads else None
+        self._speco_pending = (rows, head)
 
     def _update_actor(self, batch: Any, metrics: dict) -> Any:
         if self._speco_captures("post_update"):  # rows of the updated policy (the next rollout's)
@@ -283,6 +318,8 @@ class SpecoTrainerMixin:
 
     def _speco_after_step(self) -> dict[str, float]:
         out: dict[str, float] = {}
+        if self._speco_rollout is not None:
+            return self._speco_after_rollout_step()
         results = self.actor_rollout_wg.speco_end_step(self.global_steps)
         counts = _sum_counts(results)
         out.update({f"drafter/capture/{k}": float(v) for k, v in counts.items()})
@@ -291,12 +328,45 @@ class SpecoTrainerMixin:
             out["drafter/store/seconds_max"] = max((float(r.get("store_seconds", 0.0)) for r in results), default=0.0)
             out["drafter/store/samples"] = float(sum(int(r.get("store_samples", 0)) for r in results))
             return out
+        rows = [ref for r in results for ref in r.get("rows", [])]
+        heads = [r["head"] for r in results if r.get("head") is not None]
+        return {**out, **self._speco_online_round(rows, heads[0] if heads else None)}
+
+    def _speco_after_rollout_step(self) -> dict[str, float]:
+        """`_speco_after_step` when the rows came from the rollout (`_speco_take_rollout_rows`)."""
+        from verl_speco.online.rollout_capture import capture_metrics
+
+        pending, self._speco_pending = self._speco_pending, None
+        out: dict[str, float] = {}
+        refs: list[Any] = []
+        head = None
+        if pending is not None:
+            rows, head = pending
+            out.update(capture_metrics(rows))
+            if self._speco_sink is not None:
+                started = time.perf_counter()
+                self._speco_sink.write(rows, self.global_steps)
+                self._speco_sink.end_step(self.global_steps)
+                out["drafter/store/seconds_max"] = time.perf_counter() - started
+                out["drafter/store/samples"] = float(self._speco_sink.samples)
+                if self.global_steps >= self.total_training_steps:
+                    self._speco_sink.close()
+                    self._speco_sink = None
+            elif rows.records:
+                refs = [ray.put(rows.to_bytes())]
+        if not self.speco_online:
+            return out
+        return {**out, **self._speco_online_round(refs, head)}
+
+    def _speco_online_round(self, rows: list[Any], head: Any) -> dict[str, float]:
+        """Hand this step's rows (object refs of `CapturedRows.to_bytes`) to the drafter group, train
+        every `train_interval` steps, publish every `publish_interval` rounds."""
+        out: dict[str, float] = {}
+        heads = [head] if head is not None else []
         last = self.global_steps >= self.total_training_steps
         out.update(self._speco_acceptance())
         if self._speco_round_ref is not None:  # an overlapped round started last step
             out.update(self._speco_finish_round())
-        rows = [ref for r in results for ref in r.get("rows", [])]
-        heads = [r["head"] for r in results if r.get("head") is not None]
         if rows:
             if not heads:
                 raise RuntimeError("drafter capture: rows without a target-head snapshot (rank 0 captured nothing)")
@@ -406,18 +476,13 @@ def _installed(distribution: str) -> str | None:
         return None
 
 
-def speco_capture_source(drafter: DrafterRunConfig, engine: str, target_dir: str, sglang_version: str | None) -> str:
-    """Where this verl run captures: always "actor" today, decided before anything starts.
-
-    `capture_source=rollout|auto` is planned (`online.rollout_capture.choose_capture_source`): a family
-    the rollout cannot serve is refused (rollout) or falls back with a log line (auto). Where SGLang
-    could serve it, verl's own SGLang server still cannot ask for it: verl 0.9.1's
-    `async_sglang_server.SGLangHttpServer.generate` builds its `GenerateReqInput` without
-    `return_hidden_states` and its `TokenOutput` carries no hidden states, so `rollout` is refused
-    naming that and `auto` captures from the actor (rollout capture runs outside verl through
-    `online.rollout_capture.collect_from_rollout`)."""
+def speco_capture_source(drafter: DrafterRunConfig, engine: str, target_dir: str,
+                         sglang_version: str | None) -> RolloutCapturePlan | None:
+    """The rollout capture plan of this verl run, or None to capture from the actor; decided before
+    anything starts (`online.rollout_capture.choose_capture_source`: a family or setting the rollout
+    cannot serve is refused under `rollout`, falls back with a log line under `auto`)."""
     if drafter.capture_source == "actor" or not drafter.enable or drafter.mode == "offline":
-        return "actor"
+        return None
     from drafters.common.target import TargetSpec
     from drafters.registry import get_family
     from verl_speco.online.rollout_capture import choose_capture_source
@@ -426,16 +491,7 @@ def speco_capture_source(drafter: DrafterRunConfig, engine: str, target_dir: str
     spec = TargetSpec.from_pretrained(target_dir)
     family = get_family(drafter.family)
     fam_cfg = family.resolve(build_family_config(family.config_cls, dict(drafter.settings), drafter.family), spec)
-    plan = choose_capture_source(drafter, engine, family, fam_cfg, spec, sglang_version)
-    if plan is None:
-        return "actor"
-    why = (f"SGLang {sglang_version} could return {plan.field()} ({' '.join(plan.cli_flags())}), but verl's SGLang "
-           "server (verl 0.9.1 SGLangHttpServer.generate) sends no return_hidden_states and returns no hidden states")
-    if drafter.capture_source == "rollout":
-        raise DrafterConfigError(f"actor_rollout_ref.rollout.drafter.capture_source: got 'rollout'; {why}; set "
-                                 "capture_source=actor or auto")
-    logger.warning("drafter capture_source=auto: capturing from the actor; %s", why)
-    return "actor"
+    return choose_capture_source(drafter, engine, family, fam_cfg, spec, sglang_version)
 
 
 _CLASSES: dict[type, type] = {}

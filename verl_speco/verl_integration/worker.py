@@ -203,6 +203,21 @@ class SpecoActorRolloutRefWorker(ActorRolloutRefWorker):
         return out
 
     @register(dispatch_mode=ONE_TO_ALL)
+    def speco_snapshot_head(self, version: int) -> Any:
+        """The target head of the actor now (`capture_source=rollout`, online: the rows come from the
+        rollout, the head from here); a collective under FSDP2, so every rank runs it. Rank 0 returns an
+        object reference to its safetensors bytes, the others None."""
+        import ray
+
+        from verl_speco.online.session import TargetHeadSnapshot
+
+        if self.actor is None:
+            raise DrafterConfigError(f"drafter head snapshot needs the actor role; this worker has role {self.role!r}")
+        engine: Any = self.actor.engine
+        head = TargetHeadSnapshot.from_model(engine.module, int(version), dtype=torch.bfloat16)
+        return ray.put(head.to_bytes()) if self.rank == 0 else None
+
+    @register(dispatch_mode=ONE_TO_ALL)
     def speco_close(self) -> bool:
         if self._speco_sink is not None:
             self._speco_sink.close()
