@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from drafters.common.contract import EXPORT_META_FILE, format_fields
+from drafters.common.engine_args import check_format, sglang_algorithm_args, vllm_speculative_config
 from drafters.common.layer_ids import check_servable_aux_ids, from_engine_layer_ids, to_engine_layer_ids
 
 if TYPE_CHECKING:
@@ -149,7 +150,7 @@ class DFlashExportConfig:
 
     def export(self, state_dict: Mapping[str, Tensor], out_dir: str | Path, fmt: str = "native",
                **kwargs: Any) -> Path:
-        _check_format(fmt)
+        check_format(fmt, FORMATS)
         return export_dflash(state_dict, self, out_dir, **kwargs)
 
     def _check_k(self, num_speculative_tokens: int, engine: str) -> None:
@@ -162,21 +163,13 @@ class DFlashExportConfig:
 
     def vllm_speculative_config(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
         """`{"method": "dflash", "model": dir, "num_speculative_tokens": B - 1}`; any other K is refused."""
-        from drafters.registry import engine_method
-
         self._check_k(num_speculative_tokens, "vLLM")
-        method = engine_method(self.family, "vllm")
-        return {"method": method.method, "model": str(draft_dir),
-                "num_speculative_tokens": int(num_speculative_tokens), **dict(method.extra)}
+        return vllm_speculative_config(self.family, draft_dir, num_speculative_tokens)
 
     def sglang_server_args(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
         """`--speculative-num-draft-tokens` = block_size (B rows: B - 1 drafts); K must be B - 1."""
-        from drafters.registry import engine_method
-
         self._check_k(num_speculative_tokens, "SGLang")
-        return {"speculative_algorithm": engine_method(self.family, "sglang").method,
-                "speculative_draft_model_path": str(draft_dir),
-                "speculative_num_draft_tokens": self.block_size}
+        return {**sglang_algorithm_args(self.family, draft_dir), "speculative_num_draft_tokens": self.block_size}
 
     def sglang_expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """SGLang's `DFlashDraftModel` takes every export tensor (docs/design/engines.md section 4.5)."""
@@ -204,11 +197,6 @@ class DFlashExportConfig:
         return {"num_layers": self.num_hidden_layers, "block_size": self.block_size,
                 "target_layer_ids": self.target_layer_ids, "num_target_features": len(self.target_layer_ids),
                 "mask_token_id": self.mask_token_id}
-
-
-def _check_format(fmt: str) -> None:
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt: got {fmt!r}, expected one of {FORMATS}")
 
 
 def expected_shapes(cfg: DFlashExportConfig) -> dict[str, tuple[int, ...]]:
@@ -274,7 +262,7 @@ def engine_tensors(state_dict: Mapping[str, Tensor], cfg: DFlashExportConfig, fm
     """The tensors of an export, engine names, on CPU: what `model.safetensors` holds and what a
     live publish sends. `state_dict` is a `DFlashDraft`'s (its frozen target buffers are dropped
     if present); every tensor in `dtype`, by default `cfg.dtype` (which must then agree)."""
-    _check_format(fmt)
+    check_format(fmt, FORMATS)
     cast = dtype if dtype is not None else getattr(torch, cfg.dtype)
     name = str(cast).removeprefix("torch.")
     if name != cfg.dtype:
@@ -324,7 +312,7 @@ def export(model: DFlashDraft, cfg: DFlashConfig, target_spec: TargetSpec, out_d
            fmt: str = "native", export_cls: type[DFlashExportConfig] | None = None, **kwargs: Any) -> Path:
     """`FAMILY.export`: a model of the DFlash backbone -> `export_dflash` in the format of
     `export_cls` (default DFlash; DSpark / Domino pass theirs). kwargs: dtype, meta."""
-    _check_format(fmt)
+    check_format(fmt, FORMATS)
     cls = DFlashExportConfig if export_cls is None else export_cls
     drafter = asdict(model.cfg)
     drafter["target_layer_ids"] = list(model.cfg.target_layer_ids or ())

@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from drafters.common.engine_args import sglang_algorithm_args, vllm_speculative_config
 from drafters.dflash import export as dflash_export
 from drafters.dflash.export import DFlashExportConfig
 
@@ -105,29 +106,17 @@ class DSparkExportConfig(DFlashExportConfig):
     def vllm_speculative_config(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
         """`{"method": "dspark", "model": dir, "num_speculative_tokens": block_size}` (GPU: vLLM's V2
         runner; the CPU V1 runner refuses dspark); a gated Markov head is refused."""
-        from drafters.registry import engine_method
-
         if self.markov_head_type != "vanilla" and self.markov_rank:
             raise ValueError(f"vLLM DSpark: markov_head_type={self.markov_head_type!r}, expected 'vanilla' (vLLM 0.32 "
                              "builds only the vanilla low-rank head and refuses the gate_proj weights; serve a gated "
                              "DSpark draft with SGLang)")
         self._check_dspark_k(num_speculative_tokens, "vLLM")
-        method = engine_method(self.family, "vllm")
-        return {"method": method.method, "model": str(draft_dir), "num_speculative_tokens": int(num_speculative_tokens),
-                **dict(method.extra)}
+        return vllm_speculative_config(self.family, draft_dir, num_speculative_tokens)
 
     def sglang_server_args(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
-        from drafters.registry import engine_method
-
         self._check_dspark_k(num_speculative_tokens, "SGLang")
-        return {"speculative_algorithm": engine_method(self.family, "sglang").method,
-                "speculative_draft_model_path": str(draft_dir), "speculative_dspark_block_size": self.block_size}
+        return {**sglang_algorithm_args(self.family, draft_dir), "speculative_dspark_block_size": self.block_size}
 
-
-
-def _check_format(fmt: str) -> None:
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt: got {fmt!r}, expected one of {FORMATS}")
 
 
 def expected_shapes(cfg: DSparkExportConfig) -> dict[str, tuple[int, ...]]:

@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from drafters.common.contract import EXPORT_META_FILE, format_fields
+from drafters.common.engine_args import check_format, sglang_chain_args, vllm_speculative_config
 
 if TYPE_CHECKING:
     from drafters.common.target import TargetHead, TargetSpec
@@ -100,24 +101,15 @@ class Eagle1ExportConfig:
 
     def export(self, state_dict: Mapping[str, Tensor], out_dir: str | Path, fmt: str = "native",
                **kwargs: Any) -> Path:
-        _check_format(fmt)
+        check_format(fmt, FORMATS)
         return export_eagle1(state_dict, self, out_dir, **kwargs)
 
     def vllm_speculative_config(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
-        from drafters.registry import engine_method
-
-        method = engine_method(self.family, "vllm")
-        return {"method": method.method, "model": str(draft_dir),
-                "num_speculative_tokens": int(num_speculative_tokens), **dict(method.extra)}
+        return vllm_speculative_config(self.family, draft_dir, num_speculative_tokens)
 
     def sglang_server_args(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
         """A chain of `num_speculative_tokens` steps (topk 1: num_draft_tokens = steps + 1)."""
-        from drafters.registry import engine_method
-
-        return {"speculative_algorithm": engine_method(self.family, "sglang").method,
-                "speculative_draft_model_path": str(draft_dir),
-                "speculative_num_steps": int(num_speculative_tokens), "speculative_eagle_topk": 1,
-                "speculative_num_draft_tokens": int(num_speculative_tokens) + 1}
+        return sglang_chain_args(self.family, draft_dir, num_speculative_tokens)
 
     def sglang_expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """SGLang's `LlamaForCausalLMEagle` takes every export tensor, fc.bias included (docs/design/engines.md section 4.2)."""
@@ -125,11 +117,6 @@ class Eagle1ExportConfig:
 
     def sglang_never_published(self) -> Mapping[str, str]:
         return {"embed_tokens.weight": REFUSED["embed_tokens.weight"]}
-
-
-def _check_format(fmt: str) -> None:
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt: got {fmt!r}, expected one of {FORMATS}")
 
 
 def expected_shapes(cfg: Eagle1ExportConfig) -> dict[str, tuple[int, ...]]:
@@ -171,7 +158,7 @@ def engine_tensors(state_dict: Mapping[str, Tensor], cfg: Eagle1ExportConfig, fm
     """The tensors of an export, engine names, on CPU: what `model.safetensors` holds and what a
     live publish sends. `state_dict` is an `Eagle1Model`'s (the frozen embedding is dropped, a zero
     `fc.bias` is added when absent); every tensor in `dtype`, by default `cfg.dtype`."""
-    _check_format(fmt)
+    check_format(fmt, FORMATS)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items() if k not in FROZEN}
     if FC_BIAS not in tensors and "fc.weight" in tensors:
         fc = tensors["fc.weight"]
@@ -212,7 +199,7 @@ def export_eagle1(state_dict: Mapping[str, Tensor], cfg: Eagle1ExportConfig, out
 def export(model: Eagle1Model, cfg: Eagle1Config, target_spec: TargetSpec, out_dir: str | Path,
            fmt: str = "native", **kwargs: Any) -> Path:
     """`FAMILY.export`: a `drafters.eagle1` model -> `export_eagle1` (kwargs: dtype, meta)."""
-    _check_format(fmt)
+    check_format(fmt, FORMATS)
     meta = {"drafter_config": asdict(cfg), **dict(kwargs.pop("meta", None) or {})}
     return export_eagle1(model.state_dict(), Eagle1ExportConfig.from_drafter(cfg, target_spec), out_dir,
                          meta=meta, **kwargs)

@@ -39,6 +39,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from drafters.common.contract import EXPORT_META_FILE, format_fields
+from drafters.common.engine_args import check_format, sglang_chain_args, vllm_speculative_config
 from drafters.common.layer_ids import from_engine_layer_ids, to_engine_layer_ids
 from drafters.common.vocab import check_vocab_map
 
@@ -108,20 +109,11 @@ class Eagle3ExportConfig:
         return export_eagle3(state_dict, self, out_dir, fmt, **kwargs)
 
     def vllm_speculative_config(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
-        from drafters.registry import engine_method
-
-        method = engine_method(self.family, "vllm")
-        return {"method": method.method, "model": str(draft_dir),
-                "num_speculative_tokens": int(num_speculative_tokens), **dict(method.extra)}
+        return vllm_speculative_config(self.family, draft_dir, num_speculative_tokens)
 
     def sglang_server_args(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
         """A chain of `num_speculative_tokens` steps (topk 1: num_draft_tokens = steps + 1)."""
-        from drafters.registry import engine_method
-
-        return {"speculative_algorithm": engine_method(self.family, "sglang").method,
-                "speculative_draft_model_path": str(draft_dir),
-                "speculative_num_steps": int(num_speculative_tokens), "speculative_eagle_topk": 1,
-                "speculative_num_draft_tokens": int(num_speculative_tokens) + 1}
+        return sglang_chain_args(self.family, draft_dir, num_speculative_tokens)
 
     def sglang_expected_shapes(self) -> dict[str, tuple[int, ...]]:
         from drafters.eagle3.sglang import ARCH, sglang_expected_tensors, sglang_servable_problems
@@ -254,8 +246,7 @@ def engine_tensors(state_dict: Mapping[str, Tensor], cfg: Eagle3ExportConfig, fm
     """The tensors of an export in format `fmt`, checkpoint names, on CPU (what `model.safetensors`
     holds and what an engine's `load_weights` takes; also what a live publish sends). Floating tensors
     in `dtype`, by default the target's (`cfg.dtype`)."""
-    if fmt not in FORMATS:
-        raise ValueError(f"fmt: got {fmt!r}, expected one of {FORMATS}")
+    check_format(fmt, FORMATS)
     tensors = _prepare(state_dict, cfg)
     dtype = dtype if dtype is not None else getattr(torch, cfg.dtype)  # default: the target's dtype
     tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
