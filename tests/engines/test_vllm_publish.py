@@ -131,6 +131,30 @@ def test_reapply_restores_the_published_draft_after_its_memory_was_overwritten(l
     assert _run(live)["mean_acceptance_length"] == 2.0
 
 
+def test_a_baseline_serves_for_one_measurement_and_the_held_draft_returns(live: dict[str, Any]) -> None:
+    """`speco_apply_baseline` serves a fixed draft (the random one) outside the version order, exactly
+    (its own figures in vLLM's counters); `speco_restore_draft` brings the held version back bit for
+    bit; a corrupt baseline is refused with the held draft serving."""
+    from verl_speco.engines.vllm_engine import draft_stats
+
+    assert _publish(live, "oracle", 6)[0]["status"] == "loaded"
+    digest = draft_stats(live["llm"])[0]["digest"]
+    base = write_version(live["root"] / "baseline", 1, live["tensors"]["random"], bucket_bytes=64 << 10)
+    answer = live["llm"].collective_rpc("speco_apply_baseline", args=(str(base.path), 1))
+    assert answer == [{"status": "loaded", "version": 6, "reason": ""}]  # the held version is unchanged
+    baseline = _run(live)
+    assert baseline["mean_acceptance_length"] < 1.5 and draft_stats(live["llm"])[0]["version"] == 6
+    assert draft_stats(live["llm"])[0]["digest"] != digest
+    assert live["llm"].collective_rpc("speco_restore_draft") == [6]
+    assert draft_stats(live["llm"])[0]["digest"] == digest
+    assert _run(live)["mean_acceptance_length"] == 2.0
+    (bucket,) = sorted(base.path.glob("*.safetensors"))[:1]
+    bucket.write_bytes(bucket.read_bytes()[:-8] + b"\x00" * 8)  # a corrupt baseline: refused, nothing touched
+    (refusal,) = live["llm"].collective_rpc("speco_apply_baseline", args=(str(base.path), 1))
+    assert refusal["status"] == "rejected" and refusal["version"] == 6
+    assert draft_stats(live["llm"])[0]["digest"] == digest
+
+
 def test_process_registry_counters_equal_the_engines(live: dict[str, Any]) -> None:
     """What a vLLM HTTP server reports (its process's registry) is this engine's counters."""
     from verl_speco.engines.vllm_engine import process_spec_counters, snapshot_spec_counters

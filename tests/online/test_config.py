@@ -115,6 +115,8 @@ BAD_VALUES: list[tuple[dict[str, Any], str, str, str]] = [
     ({"optim": {"grad_accum": 2}}, "optim.grad_accum", "2", ONLINE_OPTIM["grad_accum"][1]),
     ({"enable": True, "mode": "collect_only"}, "feature_store.path", "None",
      "a store directory in collect_only mode"),
+    ({"heldout_baseline": True, "mode": "offline"}, "heldout_baseline", "True",
+     "false unless mode=online (it compares the served draft with the initial one)"),
     ({"enable": True, "mode": "collect_only", "feature_store": {"path": ""}}, "feature_store.path", "''",
      "a store directory in collect_only mode"),
 ]

@@ -71,7 +71,7 @@ def trained_drafter(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def online(tmp_path_factory: pytest.TempPathFactory, trained_drafter: Path) -> dict[str, Any]:
     return _launch(tmp_path_factory.mktemp("cpu_grpo_online"), "--drafter", str(trained_drafter),
                    f"trainer.total_training_steps={STEPS}", "trainer.val_before_train=true",
-                   f"trainer.test_freq={STEPS}")
+                   f"trainer.test_freq={STEPS}", "actor_rollout_ref.rollout.drafter.heldout_baseline=true")
 
 
 def _finite(x: Any) -> float:
@@ -127,9 +127,17 @@ def test_heldout_acceptance_is_measured_in_the_run(online: dict[str, Any]) -> No
     assert int(before["drafter/heldout/served_version"]) == 1
     assert int(after["drafter/heldout/served_version"]) == 1 + STEPS
     accept = (before["drafter/heldout/mean_acceptance_length"], after["drafter/heldout/mean_acceptance_length"])
+    base = (before["drafter/heldout_baseline/mean_acceptance_length"],
+            after["drafter/heldout_baseline/mean_acceptance_length"])
     print(f"held-out mean acceptance length (greedy, vLLM counters): before training {accept[0]:.3f}, "
-          f"after step {STEPS} (v{1 + STEPS}) {accept[1]:.3f}")
+          f"after step {STEPS} (v{1 + STEPS}) {accept[1]:.3f}; the initial draft on the same policies "
+          f"(heldout_baseline) {base[0]:.3f}, {base[1]:.3f}")
     assert min(accept) >= TRAINED_MIN_ACCEPT, accept
+    # before training the served draft IS the initial one: the paired pass measures the same thing (the
+    # two greedy passes differ only in vLLM's prefix-cache state; 0.05 is far above that and far below
+    # what a wrong draft gives: an untrained one is < 1.3 on this target, the trained >= 2)
+    assert abs(before["drafter/heldout/gain"] - 1.0) <= 0.05 and before["drafter/heldout_baseline/num_drafts"] > 0
+    assert after["drafter/heldout/gain"] == accept[1] / base[1] and after["drafter/heldout_baseline/num_drafts"] > 0
 
 
 def test_last_publish_is_lossless_and_accepted_far_above_untrained(online: dict[str, Any], trained_drafter: Path,

@@ -401,6 +401,37 @@ class DraftReloadMixin:
             self._speco_reload(state["held"])
         return int(state["version"])
 
+    def speco_apply_baseline(self, path: str, version: int) -> dict[str, Any]:
+        """Serve a fixed reference draft (e.g. the run's initial one) for one measurement, verified like a
+        publish but outside the version order: the held version and its host copy are untouched, and
+        `speco_restore_draft` brings them back. Answers like `speco_load_draft`; "loaded" here means
+        the baseline serves."""
+        from verl_speco.online.publish import PublishRejected, verified_buckets, verify_version
+
+        refused = _reload_refusal()
+        if refused is not None:
+            return self._speco_answer("rejected", f"vllm_version: {refused}")
+        try:
+            manifest = verify_version(path, int(version), self._speco_expected())
+            self._speco_check_not_target_owned([n for b in manifest["buckets"] for n in b["names"]])
+            buckets = list(verified_buckets(path, manifest))
+        except PublishRejected as e:
+            return self._speco_answer("rejected", f"{e.reason}: {e}")
+        try:
+            self._speco_apply(buckets)
+        except Exception as e:  # what served before is back (_speco_apply)
+            return self._speco_answer("failed", f"{type(e).__name__}: {e} (the held draft restored)")
+        return self._speco_answer("loaded")
+
+    def speco_restore_draft(self) -> int:
+        """Reload what serves outside a baseline measurement: the held version, else the start-up
+        checkpoint; its version (-1: the start-up checkpoint)."""
+        held = self._speco_held()
+        if held is not None:
+            self._speco_check_not_target_owned([n for b in held for n, _ in b])
+            self._speco_reload(held)
+        return int(self._speco_state()["version"])
+
     def speco_draft_version(self) -> int:
         return int(self._speco_state()["version"])
 

@@ -83,6 +83,11 @@ class DrafterRunConfig:
     # refused when the rollout cannot give the family's layout. auto: rollout where it can, else actor
     # (with one log line naming why).
     capture_source: str = "actor"
+    # every validation (trainer.test_freq) also decodes the held-out set with the run's initial draft on
+    # the same policy: drafter/heldout_baseline/* and drafter/heldout/gain (co-trained over initial mean
+    # acceptance length), a paired measure of what co-training buys; costs one more validation pass
+    # (online mode, vLLM rollout: SGLang reports no acceptance counters)
+    heldout_baseline: bool = False
     max_staleness: int = 1  # features older than this many policy versions are evicted (1: the newest only)
     buffer_max_tokens: int = 262144  # replay buffer capacity (oldest evicted first)
     seed: int = 0
@@ -130,6 +135,9 @@ class DrafterRunConfig:
         for key, (fixed, expected) in ONLINE_OPTIM.items():
             if getattr(self.optim, key) != fixed:
                 raise bad(f"optim.{key}", getattr(self.optim, key), expected)
+        if self.heldout_baseline and self.mode != "online":
+            raise bad("heldout_baseline", self.heldout_baseline, "false unless mode=online (it compares the served "
+                      "draft with the initial one)")
         if self.enable and self.mode == "collect_only" and not self.feature_store.path:
             raise bad("feature_store.path", self.feature_store.path, "a store directory in collect_only mode")
         return self

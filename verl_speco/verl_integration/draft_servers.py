@@ -6,7 +6,9 @@ The trainer (`trainer.py`) talks to every rollout replica through two calls:
 <held after>, "reason": ...}`: a version is verified completely before anything reaches the engine
 and a refused or failed one leaves the previous draft serving; `speco_reapply_draft()` ->
 the version re-applied, -1 before the first; `speco_draft_version()` -> the version held, -1 before
-the first), answered by every engine worker of every server of the replica, and
+the first; `speco_apply_baseline(path, version)` -> like a load, but a fixed reference draft served
+outside the version order for one measurement, and `speco_restore_draft()` -> the held version back),
+answered by every engine worker of every server of the replica, and
 `replica.speco_spec_counters()`, the replica's cumulative spec-decode counters.
 `SpecoReplicaMixin` is that replica side for both engines (fan-out to `self.servers`).
 
@@ -35,7 +37,8 @@ from typing import Any
 
 from verl_speco.engines.spec_metrics import SpecCounters
 
-DRAFT_METHODS = ("speco_load_draft", "speco_reapply_draft", "speco_draft_version")
+DRAFT_METHODS = ("speco_load_draft", "speco_reapply_draft", "speco_draft_version", "speco_apply_baseline",
+                 "speco_restore_draft")
 SGLANG_REQUEST_TIMEOUT_S = 600.0
 
 
@@ -154,9 +157,11 @@ class SGLangDraftServerMixin:
     def _speco_run(self, method: str, args: tuple) -> Any:
         if method == "speco_load_draft":
             return self._speco_load(str(args[0]), int(args[1]))
+        if method == "speco_apply_baseline":  # the trainer refuses heldout_baseline with SGLang first
+            return self._speco_answer("rejected", "SGLang reports no acceptance counters to measure a baseline with")
         if self._speco_publisher is None:
             return -1
-        if method == "speco_reapply_draft":
+        if method in ("speco_reapply_draft", "speco_restore_draft"):
             return int(self._speco_publisher.reapply())
         latest = self._speco_publisher.latest_version
         return -1 if latest is None else int(latest)

@@ -132,6 +132,7 @@ class SpecoTrainerMixin:
         self._speco_rollout: Any = None  # a RolloutCapture when capture_source resolved to the rollout
         self._speco_sink: Any = None  # collect_only from the rollout: the driver writes the store
         self._speco_pending: tuple[Any, Any] | None = None  # this step's rollout rows and head snapshot
+        self._speco_baseline: tuple[str, int] | None = None  # (path, version) of the kept initial draft
         if self.speco_active and self.speco.capture_pass == "old_logprob":
             rc = config.algorithm.get("rollout_correction", None)
             if rc is not None and rc.get("bypass_mode", False):
@@ -184,6 +185,10 @@ class SpecoTrainerMixin:
             # before anything starts: an engine release that cannot serve the family, or (vLLM) one
             # the live draft reload was not checked against, is refused naming the release and why
             require_engine_support(engine, self.speco.family, live_publish=True)
+            if self.speco.heldout_baseline and engine != "vllm":
+                raise DrafterConfigError(f"actor_rollout_ref.rollout.drafter.heldout_baseline: got True with "
+                                         f"rollout.name={engine}, expected rollout.name=vllm (SGLang reports no "
+                                         "acceptance counters to compare the drafts with)")
             run_name = str(self.config.trainer.experiment_name)
             device_type = "npu" if str(self.config.trainer.get("device", "cuda")) == "npu" else "cuda"
             self._speco_drafter = start_drafter_group(self.speco, target_dir, run_name, device_type)
@@ -225,6 +230,8 @@ class SpecoTrainerMixin:
                     setattr(self, attr, SpecoCheckpointEngineManager.wrap(manager, self._speco_after_weights))
             # v1 = the initial draft: loaded by on_init_end's weight sync, so re-apply always has a source
             self._speco_publish_now()
+            if self.speco.heldout_baseline and self._speco_latest is not None:
+                self._speco_baseline = keep_baseline(str(self._speco_latest["path"]))
 
     # ----------------------------------------------------------- weight sync
 
@@ -415,6 +422,35 @@ class SpecoTrainerMixin:
             out.update(_acceptance_metrics(after - before, "drafter/heldout"))
             held = self._speco_loaded.get(id(getattr(self, "checkpoint_manager", None)), -1)
             out["drafter/heldout/served_version"] = float(held)  # the version the servers loaded last
+            if self._speco_baseline is not None:
+                out.update(self._speco_validate_baseline(out.get("drafter/heldout/mean_acceptance_length")))
+        return out
+
+    def _speco_validate_baseline(self, served_length: float | None) -> dict[str, float]:
+        """verl's validation once more with the initial draft serving on the same policy
+        (`speco_apply_baseline`; its own validation metrics are dropped), then the held draft back
+        (`speco_restore_draft`): `drafter/heldout_baseline/*` and `drafter/heldout/gain`."""
+        assert self._speco_baseline is not None
+        replicas = list(getattr(getattr(self, "checkpoint_manager", None), "replicas", []) or [])
+        path, version = self._speco_baseline
+        status, reasons = load_outcome(_call_replicas(replicas, "speco_apply_baseline", (path, version)))
+        try:
+            if status != "loaded":
+                logger.warning("drafter heldout_baseline: the initial draft was not served (%s): %s", status,
+                               "; ".join(reasons))
+                return {"drafter/heldout_baseline/refused": 1.0}
+            before = self._speco_read_counters()
+            super()._validate()  # type: ignore[misc]
+            after = self._speco_read_counters()
+        finally:
+            _call_replicas(replicas, "speco_restore_draft")
+        if before is None or after is None:
+            return {}
+        self._speco_counters = self._speco_counters + (after - before)  # not counted as rollout
+        out = _acceptance_metrics(after - before, "drafter/heldout_baseline")
+        base = out.get("drafter/heldout_baseline/mean_acceptance_length")
+        if served_length is not None and base:
+            out["drafter/heldout/gain"] = float(served_length) / float(base)
         return out
 
     def _speco_finish_round(self) -> dict[str, float]:
@@ -447,6 +483,27 @@ def _acceptance_metrics(delta: SpecCounters, prefix: str) -> dict[str, float]:
     for i, rate in enumerate(summary["per_position_acceptance_rate"]):
         out[f"{prefix}/pos{i + 1}"] = float(rate)
     return out
+
+
+@auto_await
+async def _call_replicas(replicas: list[Any], method: str, args: tuple = ()) -> list[Any]:
+    return await SpecoTrainerMixin._speco_replica_call(replicas, method, args)
+
+
+def keep_baseline(version_dir: str) -> tuple[str, int]:
+    """A copy of published version `version_dir` (`.../v000001`) that pruning never removes:
+    `<publish root>/baseline/v000001`, complete or absent. Returns (its path, its version)."""
+    import shutil
+    from pathlib import Path
+
+    src = Path(version_dir)
+    dst = src.parent / "baseline" / src.name
+    if not dst.is_dir():
+        tmp = dst.with_name(dst.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(src, tmp)
+        tmp.replace(dst)
+    return str(dst), int(src.name[1:])
 
 
 @auto_await
