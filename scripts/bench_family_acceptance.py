@@ -81,6 +81,7 @@ from benchmarks.family_table import (  # noqa: E402
 from benchmarks.family_timing import time_families  # noqa: E402
 from drafters.registry import draft_depth_settings  # noqa: E402
 from verl_speco.console import Console  # noqa: E402
+from verl_speco.cpu_port.env import use_in_process_vllm_env  # noqa: E402
 
 LOG = "bench.log"  # under --out: the engines' and libraries' output (--verbose: on the terminal)
 
@@ -489,18 +490,12 @@ def _drop(res: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _families(args)  # a bad --families is refused before anything starts
-    for key, value in (("VLLM_ENABLE_V1_MULTIPROCESSING", "0"), ("HF_HUB_OFFLINE", "1"),
-                       ("VLLM_CPU_KVCACHE_SPACE", "1")):
-        os.environ.setdefault(key, value)
+    use_in_process_vllm_env()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     console = Console(Path(args.out) / LOG, verbose=args.verbose, name="bench_family_acceptance", append=True)
-    try:
-        with console:
-            reports = run(args, console)
-    except Exception:
-        if console.quiet:
-            return 1  # the console showed the error and the log's last lines
-        raise
+    reports = console.run(lambda c: run(args, c))
+    if reports is None:
+        return 1  # the console showed the error and the log's last lines
     ok = True
     for set_name, report in reports.items():
         stem = (f"k{args.k}" if set_name == "heldout" else f"{set_name}_k{args.k}") + _suffix(args)

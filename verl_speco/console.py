@@ -33,14 +33,16 @@ import os
 import sys
 import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 BAR_FORMAT = "{desc:<16} {percentage:3.0f}%|{bar:24}| {n_fmt}/{total_fmt} [{elapsed}]{postfix}"
 OPEN_FORMAT = "{desc:<16} {n_fmt} [{elapsed}]{postfix}"  # a stage of unknown length
 
+
+T = TypeVar("T")
 
 def _flush_all(*streams: Any) -> None:
     """Python's and C's buffered output written out before a descriptor changes."""
@@ -175,6 +177,17 @@ class Console:
             stream.flush()
             stream.close()
         self._term = None
+
+    def run(self, fn: Callable[[Console], T]) -> T | None:
+        """`fn(self)` inside the console. A failure with the logs captured has been shown (the error
+        and the log's last lines) and gives None; with the logs on the terminal it propagates."""
+        try:
+            with self:
+                return fn(self)
+        except Exception:
+            if self.quiet:
+                return None
+            raise
 
     def tail(self, n: int) -> list[str]:
         """The log's last `n` lines (carriage-return progress updates reduced to their last state)."""

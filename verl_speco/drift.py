@@ -41,6 +41,7 @@ from typing import Any, cast
 import torch
 
 from drafters.common.tokens import cut_at_end
+from verl_speco.cpu_port.env import use_in_process_vllm_env
 from verl_speco.engines.spec_metrics import SpecCounters, acceptance_summary
 from verl_speco.online.capture import CapturedRows, OnlineCapture
 from verl_speco.online.config import CAPTURE_PASSES, SCHEDULES, CaptureCaps, DrafterRunConfig
@@ -371,7 +372,6 @@ def plot_acceptance(records: list[dict[str, Any]], summary: dict[str, Any], path
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    import os
 
     from verl_speco.quickstart import quickstart_families
 
@@ -405,9 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("steps", "finetune_steps", "rollout_prompts", "eval_prompts", "max_new_tokens", "train_steps"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    use_in_process_vllm_env()
     drafter = dataclasses.replace(d.drafter, family=args.family,
                                   settings=dict(DRIFT_SETTINGS.get(args.family, {})),
                                   train_steps_per_round=args.train_steps, schedule=args.schedule,

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import shutil
 import sys
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_speco.console import Console
+from verl_speco.cpu_port.env import use_in_process_vllm_env
 from verl_speco.evaluation import (
     EvalPrompts,
     export_untrained_like,
@@ -239,19 +239,13 @@ def plot_positions(summary: dict[str, Any], path: Path) -> Path | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    use_in_process_vllm_env()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     console = Console(out / LOG, verbose=args.verbose, name="verl-speco-quickstart")
-    try:
-        with console:
-            report = run(args, console)
-    except Exception:
-        if console.quiet:
-            return 1  # the console showed the error and the log's last lines
-        raise
+    report = console.run(lambda c: run(args, c))
+    if report is None:
+        return 1  # the console showed the error and the log's last lines
     summary = summarize(report)
     chart = plot_positions(summary, out / CHART)
     summary["files"] = {"chart": None if chart is None else str(chart), "report": str(out / REPORT),

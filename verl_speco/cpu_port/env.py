@@ -58,6 +58,16 @@ def vllm_alias_dir(root: str | Path | None = None) -> Path:
     return base
 
 
+IN_PROCESS_VLLM_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def use_in_process_vllm_env() -> None:
+    """This process's vLLM engines in-process (no engine-core child), offline, with a 1 GiB KV cache;
+    variables the user already set are kept. Call before vLLM is imported."""
+    for key, value in IN_PROCESS_VLLM_ENV.items():
+        os.environ.setdefault(key, value)
+
+
 def cpu_environment(base: Mapping[str, str] | None = None, alias_root: str | Path | None = None) -> dict[str, str]:
     """`base` (default `os.environ`) with the CPU platform's variables (see the module docstring)."""
     env = dict(os.environ if base is None else base)
