@@ -68,13 +68,16 @@ class EngineMethod:
 class CatalogEntry:
     """import_path: "module:attribute" of the family object. draft_depth: the config field that
     fixes how many tokens one round drafts, and its offset: k drafts per round need `field = k +
-    offset` (a block drafter's block_size, P-EAGLE's num_depths); None: k is a decoding choice."""
+    offset` (a block drafter's block_size, P-EAGLE's num_depths); None: k is a decoding choice.
+    trains_as: the family whose weights and training step this one uses (EAGLE-2 is EAGLE-1's weights
+    drafted as a tree); None: its own."""
 
     name: str
     summary: str
     import_path: str
     engine_methods: tuple[EngineMethod, ...]
     draft_depth: tuple[str, int] | None = None
+    trains_as: str | None = None
 
 
 def _m(engine: str, method: str, note: str = "", serves_as: str = "", **extra: Any) -> EngineMethod:
@@ -90,7 +93,8 @@ BUILTIN: Mapping[str, CatalogEntry] = MappingProxyType({e.name: e for e in (
                  (_m("vllm", "eagle", note="vLLM 0.32 has no tree: it serves the EAGLE-1 chain; the dynamic "
                                            "tree is not realised", serves_as="EAGLE-1 chain"),
                   _m("sglang", "EAGLE", note="dynamic tree: --speculative-eagle-topk = top_k > 1, --speculative-"
-                                             "num-steps = depth, --speculative-num-draft-tokens = total_tokens + 1"))),
+                                             "num-steps = depth, --speculative-num-draft-tokens = total_tokens + 1")),
+                 trains_as="eagle1"),
     CatalogEntry("eagle3", "EAGLE-3: fused multi-layer target features, training-time test, draft vocab",
                  "drafters.eagle3.family:FAMILY",
                  (_m("vllm", "eagle3"), _m("sglang", "EAGLE3"))),
@@ -141,6 +145,9 @@ def register_family(entry: CatalogEntry) -> None:
     engines = [m.engine for m in entry.engine_methods if m.engine not in ENGINES]
     if engines:
         raise ValueError(f"register_family {entry.name!r}: engines {engines}, expected some of {ENGINES}")
+    if entry.trains_as is not None and (entry.trains_as not in _ENTRIES or _ENTRIES[entry.trains_as].trains_as):
+        raise ValueError(f"register_family {entry.name!r}: trains_as {entry.trains_as!r}, expected a known family "
+                         "with a training step of its own, or None")
     have = _ENTRIES.get(entry.name)
     if have is not None and have != entry:
         where = "a built-in family" if entry.name in BUILTIN else f"registered from {have.import_path}"
@@ -184,6 +191,11 @@ def _catalog() -> Mapping[str, CatalogEntry]:
     if not _discovered:
         discover_families()
     return CATALOG
+
+
+def training_families() -> tuple[str, ...]:
+    """The known families with a training step of their own (`CatalogEntry.trains_as` is None)."""
+    return tuple(n for n, e in _catalog().items() if e.trains_as is None)
 
 
 def known_families() -> tuple[str, ...]:

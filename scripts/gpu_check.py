@@ -40,8 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import attention_checks as checks  # noqa: E402
 from benchmarks.train_step_adapters import ADAPTERS  # noqa: E402
 from benchmarks.train_step_common import make_data  # noqa: E402
+from drafters.registry import training_families  # noqa: E402
 
-FAMILIES = ("eagle1", "eagle3", "dflash", "dspark", "domino", "peagle")
+FAMILIES = training_families()  # the catalog's families with their own training step (eagle2 trains as eagle1)
 TINY = dict(hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=2048, draft_vocab=512, seq_len=128,
             layers=1, peagle_layers=2, num_anchors=8, context_layers=3, markov_rank=32, gru_hidden=64, emb_dim=64)
 PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100", 989.4), ("H200", 989.4))  # dense, per NVIDIA's datasheets

@@ -43,7 +43,9 @@ from drafters.registry import (
     UnknownFamilyError,
     available_families,
     get_family,
+    known_families,
     register_family,
+    training_families,
     unregister_family,
 )
 
@@ -453,6 +455,9 @@ def test_register_family_refuses_what_it_cannot_serve() -> None:
         register_family(CatalogEntry("Toy-X", "x", "toyfam_x.family:FAMILY", ()))
     with pytest.raises(ValueError, match=r"import_path 'toyfam_x\.family', expected 'package\.module:ATTRIBUTE'"):
         register_family(CatalogEntry("toy_x", "x", "toyfam_x.family", ()))
+    for trains_as in ("nope", "eagle2"):  # unknown; itself trained as another
+        with pytest.raises(ValueError, match=f"trains_as '{trains_as}', expected a known family with a training"):
+            register_family(CatalogEntry("toy_x", "x", "toyfam_x.family:FAMILY", (), trains_as=trains_as))
     with pytest.raises(ValueError, match="'eagle3' is a built-in family"):
         unregister_family("eagle3")
     register_family(entry)
@@ -464,3 +469,14 @@ def test_register_family_refuses_what_it_cannot_serve() -> None:
         unregister_family("toy_x")
     with pytest.raises(UnknownFamilyError, match="'toy_x' is not registered"):
         unregister_family("toy_x")
+
+
+def test_training_families_leave_out_those_trained_as_another() -> None:
+    """What the GPU check steps (scripts/gpu_check.py reads it): every family but EAGLE-2 (EAGLE-1's
+    weights); a registered family trained as EAGLE-1 is known but not stepped."""
+    assert training_families() == tuple(f for f in known_families() if f != "eagle2")
+    register_family(CatalogEntry("toy_tree", "x", "toyfam_tree.family:FAMILY", (), trains_as="eagle1"))
+    try:
+        assert "toy_tree" in known_families() and "toy_tree" not in training_families()
+    finally:
+        unregister_family("toy_tree")
