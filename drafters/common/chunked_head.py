@@ -22,6 +22,12 @@ the rows per rank differ. The trainer runs objectives inside `chunk_count_sync(s
 `chunked_rows` / `chunked_argmax` call then runs sync(local count) chunks (the max over ranks), the
 extra ones empty (0 rows).
 
+A frozen head whose loss is a per-row hard CE (DFlash: the target lm_head) takes the fused path
+`frozen_head_ce_rows` instead: each chunk's logits are used once, in the forward, which also keeps
+d CE_i / d row_i [N, H]; the backward only scales it (no recompute). `head_weight` gives a frozen
+head in the dtype its matmul runs in (under autocast: autocast's dtype, so a bf16 head is not
+copied to float32).
+
 The per-row terms (`soft_ce_rows`, `hard_ce_rows`, `l1_rows`, `topk_ids`) are the one place the
 families' logit numerics live. They compute in float32 (float64 inputs stay float64).
 """
