@@ -22,6 +22,12 @@ the rows per rank differ. The trainer runs objectives inside `chunk_count_sync(s
 `chunked_rows` / `chunked_argmax` call then runs sync(local count) chunks (the max over ranks), the
 extra ones empty (0 rows).
 
+A frozen head whose loss is a per-row hard CE (DFlash: the target lm_head) takes the fused path
+`frozen_head_ce_rows` instead: each chunk's logits are used once, in the forward, which also keeps
+d CE_i / d row_i [N, H]; the backward only scales it (no recompute). `head_weight` gives a frozen
+head in the dtype its matmul runs in (under autocast: autocast's dtype, so a bf16 head is not
+copied to float32).
+
 The per-row terms (`soft_ce_rows`, `hard_ce_rows`, `l1_rows`, `topk_ids`) are the one place the
 families' logit numerics live. They compute in float32 (float64 inputs stay float64).
 """
@@ -106,6 +112,25 @@ def chunked_rows(fn: RowFn, rows: Sequence[Tensor], chunk_rows: int) -> tuple[Te
     return tuple(torch.cat(parts, dim=0) for parts in zip(*pieces, strict=True))
 
 
+def head_weight(weight: Tensor, like: Tensor) -> Tensor:
+    """A frozen head weight [V, H] (no grad) in the dtype its matmul with the float rows `like` computes
+    in: autocast's dtype when autocast is on for like's device and like is float32 or that dtype (autocast
+    would cast the weight to it anyway, per call), else like's dtype. Cast once per loss, not per chunk.
+
+    The logits are those of `like @ weight.to(like.dtype).T` under the same autocast (a float32 copy of
+    a bfloat16 weight holds the same values, and autocast casts it back per chunk), without the copy:
+    at Qwen3-8B's 151936 x 4096 head that float32 copy alone is 2.5 GB and its per-chunk cast back to
+    bfloat16 a further 1.25 GB and 0.6 G element copies per chunk, forward and recompute (issue 21).
+    Worked example: bf16 weight, float32 rows under cpu bf16 autocast -> the weight itself (no copy);
+    float64 rows without autocast -> a float64 copy.
+    """
+    dtype = like.dtype
+    device = like.device.type
+    if torch.is_autocast_enabled(device) and like.dtype in (torch.float32, torch.get_autocast_dtype(device)):
+        dtype = torch.get_autocast_dtype(device)
+    return weight.detach().to(dtype)
+
+
 def wide_float(x: Tensor) -> Tensor:
     """float32 for half / bfloat16 / float32, float64 stays float64."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
@@ -141,3 +166,69 @@ def chunked_argmax(head: Callable[[Tensor], Tensor], hidden: Tensor, chunk_rows:
     with torch.no_grad():
         (out,) = chunked_rows(lambda h: (head(h).argmax(-1),), [hidden], chunk_rows)
     return out
+
+
+def hard_ce_grad_rows(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """[n, V], int64 [n] in 0..V-1 -> (CE [n] as `hard_ce_rows`, d CE_i / d logits_i [n, V] =
+    softmax(logits_i) - onehot(label_i)), in float32 (float64 stays float64); no grad."""
+    z = wide_float(logits.detach())
+    lse = torch.logsumexp(z, dim=-1)  # [n]
+    ce = lse - z.gather(-1, labels[:, None]).squeeze(-1)
+    grad = (z - lse[:, None]).exp_()  # softmax
+    grad.scatter_add_(-1, labels[:, None], torch.full_like(ce[:, None], -1.0))
+    return ce, grad
+
+
+class _FrozenHeadCE(torch.autograd.Function):
+    """`frozen_head_ce_rows`: forward runs the chunks and keeps d CE_i / d hidden_i [N, H]; backward
+    scales it by the incoming per-row gradient (CE_i depends on row i only; the head is frozen)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, hidden: Tensor, weight: Tensor, labels: Tensor,
+                chunk_rows: int, top_k: int) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        ces, tops, grads = [], [], []
+        for start, stop in chunk_bounds(int(hidden.shape[0]), chunk_rows):
+            h = hidden[start:stop]
+            logits = h @ weight.T  # [n, V], under the caller's autocast as the unfused path
+            ce, dlogits = hard_ce_grad_rows(logits, labels[start:stop])
+            tops.append(topk_ids(logits, top_k))
+            logits_dtype = logits.dtype
+            del logits
+            # as the unfused backward: d logits cast to the logits' dtype, times the head, to hidden's dtype
+            grads.append((dlogits.to(logits_dtype) @ weight).to(hidden.dtype))  # [n, H]
+            ces.append(ce)
+            del dlogits
+        ce_all, top_all, grad_all = torch.cat(ces), torch.cat(tops), torch.cat(grads)
+        ctx.save_for_backward(grad_all)
+        ctx.mark_non_differentiable(top_all)
+        return ce_all, top_all
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_ce: Tensor,  # type: ignore[override]
+                 grad_top: Tensor | None) -> tuple[Tensor | None, ...]:
+        (grad_all,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        if grad_ce is None:
+            return None, None, None, None, None
+        return (grad_ce[:, None].to(grad_all.dtype) * grad_all), None, None, None, None
+
+
+def frozen_head_ce_rows(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_rows: int,
+                        top_k: int) -> tuple[Tensor, Tensor]:
+    """hidden [N, H] (float, may need grad), a FROZEN head weight [V, H] (`head_weight`: no grad taken),
+    labels int64 [N] in 0..V-1 -> (CE [N] = hard_ce_rows(hidden @ weight.T, labels), top-`top_k` ids
+    [N, min(top_k, V)]), `chunk_rows` rows at a time.
+
+    Fused head + loss (Liger-style): each chunk's [n, V] logits are used once, in the forward, to get
+    CE, the top ids and d CE_i / d hidden_i = (softmax - onehot) @ weight, kept as one [N, H] tensor;
+    the backward multiplies it by the per-row incoming gradient. Valid because the weight is frozen
+    and each CE_i depends on row i only: equal to `chunked_rows` over the same terms (loss and row
+    gradient, up to float summation order; under autocast the d logits are rounded to the logits'
+    dtype before, not after, the incoming scale), without its backward recompute of the logits (one
+    head matmul per chunk fewer). No module is called, so no chunk-count sync is needed."""
+    check_chunk_rows(chunk_rows)
+    if int(labels.shape[0]) != int(hidden.shape[0]):
+        raise ValueError(f"rows: hidden {int(hidden.shape[0])} vs labels {int(labels.shape[0])}")
+    if weight.requires_grad:
+        raise ValueError("frozen_head_ce_rows: the head weight must not require grad (frozen head only)")
+    ce, top = _FrozenHeadCE.apply(hidden, weight, labels, chunk_rows, top_k)
+    return ce, top

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from drafters.common.attention import attend
 from drafters.common.blocks import block_attention_mask, block_position_ids, context_position_ids
+from drafters.common.chunked_head import head_weight
 from drafters.common.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
 from drafters.common.masks import AttentionMask
 from drafters.common.target import TargetHead, TargetSpec
@@ -142,6 +143,6 @@ class DFlashDraft(nn.Module):
 
     def logits(self, hidden: Tensor, head: Tensor | None = None) -> Tensor:
         """[..., H] post-norm draft hidden -> [..., V] logits through the frozen target lm_head. head: that
-        lm_head [V, H] already in hidden's dtype (`target_lm_head.to(dtype)`), when the caller casts it
-        once for many calls (the chunked loss); None casts it here."""
-        return hidden @ (self.target_lm_head.to(hidden.dtype) if head is None else head).T
+        lm_head [V, H] already in the matmul's dtype (`chunked_head.head_weight`), when the caller casts
+        it once for many calls (the chunked loss); None casts it here."""
+        return hidden @ (head_weight(self.target_lm_head, hidden) if head is None else head).T

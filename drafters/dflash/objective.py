@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from drafters.common.blocks import block_input_ids, block_labels, block_position_ids, sample_anchors
-from drafters.common.chunked_head import chunked_rows, hard_ce_rows, topk_ids
+from drafters.common.chunked_head import frozen_head_ce_rows, head_weight
 from drafters.common.losses import ObjectiveOutput
 from drafters.common.metrics import TOP_K, block_row_metrics
 from drafters.dflash.model import DFlashDraft
@@ -69,16 +69,11 @@ def dflash_loss(ce: Tensor, top: Tensor, labels: Tensor, slot: Tensor, gamma: fl
 
 def head_rows(model: DFlashDraft, hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
     """hidden [N, H] post-norm rows, labels int64 [N] -> (CE [N], top-5 ids [N, 5]) through the frozen
-    target lm_head, `cfg.loss_chunk_rows` rows at a time (common/chunked_head.py)."""
-
-    head = model.target_lm_head.to(hidden.dtype)  # [V, H], cast once, not per chunk
-
-    def terms(h: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
-        logits = model.logits(h, head)  # [n, V]
-        return hard_ce_rows(logits, y), topk_ids(logits, TOP_K)
-
-    ce, top = chunked_rows(terms, [hidden, labels], model.cfg.loss_chunk_rows)
-    return ce, top
+    target lm_head (`model.logits`), `cfg.loss_chunk_rows` rows at a time, fused: the head is frozen and
+    CE is per row, so each chunk's logits are used once, in the forward (common/chunked_head.py,
+    `frozen_head_ce_rows`: no logits recompute in the backward)."""
+    head = head_weight(model.target_lm_head, hidden)  # [V, H], cast once (if at all), not per chunk
+    return frozen_head_ce_rows(hidden, head, labels, model.cfg.loss_chunk_rows, TOP_K)
 
 
 def check_batch(batch: dict[str, Tensor], required: tuple[str, ...] = REQUIRED_FIELDS, label: str = "DFlash") -> None:

@@ -28,7 +28,7 @@ from drafters.common.blocks import (
     next_token_slot_weights,
     sample_anchors,
 )
-from drafters.common.chunked_head import chunked_rows, hard_ce_rows, topk_ids
+from drafters.common.chunked_head import chunked_rows, hard_ce_rows, head_weight, topk_ids
 from drafters.common.losses import ObjectiveOutput
 from drafters.common.metrics import TOP_K, block_row_metrics
 from drafters.dflash.objective import check_batch
@@ -44,7 +44,7 @@ def head_rows(model: DominoDraft, hidden: Tensor, gru: Tensor, labels: Tensor,
     the base logits [N], base argmax [N], final top-5 ids [N, 5]), `cfg.loss_chunk_rows` rows at a
     time (common/chunked_head.py)."""
 
-    head = model.target_lm_head.to(hidden.dtype)  # [V, H], cast once, not per chunk
+    head = head_weight(model.target_lm_head, hidden)  # [V, H], cast once (if at all), not per chunk
 
     def terms(h: Tensor, g: Tensor, y: Tensor, k: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         base, final = model.row_logits(h, g, k, head)  # [n, V] each

@@ -34,7 +34,14 @@ from drafters.common.blocks import (
     next_token_slot_weights,
     sample_anchors,
 )
-from drafters.common.chunked_head import chunked_rows, hard_ce_rows, l1_rows, topk_ids, wide_float
+from drafters.common.chunked_head import (
+    chunked_rows,
+    hard_ce_rows,
+    head_weight,
+    l1_rows,
+    topk_ids,
+    wide_float,
+)
 from drafters.common.losses import ObjectiveOutput
 from drafters.common.metrics import TOP_K, block_row_metrics
 from drafters.dflash.objective import check_batch
@@ -92,8 +99,8 @@ def head_rows(model: DSparkDraft, rows: DSparkRows, labels: Tensor, target_hidde
     post-norm last hidden at a + k: p_t is rebuilt per chunk) -> (ce [N], ce candidate count [N],
     l1 [N], top-5 ids [N, 5])."""
     cfg = model.cfg
-    head = model.target_lm_head.to(rows.hidden.dtype)  # [V, H], cast once, not per chunk
-    target_head = model.target_lm_head.to(target_hidden.dtype)
+    head = head_weight(model.target_lm_head, rows.hidden)  # [V, H], cast once (if at all), not per chunk
+    target_head = head if target_hidden.dtype == rows.hidden.dtype else head_weight(model.target_lm_head, target_hidden)
 
     def terms(h: Tensor, y: Tensor, lh: Tensor, *markov: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         logits = model.draft_logits(h, markov[0] if markov else None, head)  # [n, V]

@@ -24,6 +24,11 @@ def _unchunked(fn: Callable[..., tuple[Tensor, ...]], rows: list[Tensor], chunk:
     return tuple(fn(*rows))
 
 
+def _unfused_frozen_head_ce(hidden: Tensor, weight: Tensor, labels: Tensor, chunk: int, top_k: int) -> tuple[Tensor, Tensor]:
+    logits = hidden @ weight.T  # [N, V], autograd through the matmul, no chunks
+    return ch.hard_ce_rows(logits, labels), ch.topk_ids(logits, top_k)
+
+
 def _run(name: str, model: torch.nn.Module, batch: dict[str, Tensor]) -> tuple[Any, dict[str, Tensor]]:
     family = get_family(name)
     model.zero_grad()
@@ -52,9 +57,13 @@ def test_objective_chunked_equals_unchunked(name: str, settings: dict[str, Any],
         results[chunk] = _run(name, family.with_settings(model, loss_chunk_rows=chunk), batch)
     users = [m for name_, m in list(sys.modules.items())   # ours only: a lazy third-party module raises on getattr
              if name_.startswith("drafters.") and getattr(m, "chunked_rows", None) is ch.chunked_rows]
-    assert any(m.__name__ == f"drafters.{name}.objective" for m in users) or name in ("eagle2", "peagle")
+    fused_users = [m for name_, m in list(sys.modules.items())
+                   if name_.startswith("drafters.") and getattr(m, "frozen_head_ce_rows", None) is ch.frozen_head_ce_rows]
+    assert any(m.__name__ == f"drafters.{name}.objective" for m in users + fused_users) or name in ("eagle2", "peagle")
     for module in users:
         monkeypatch.setattr(module, "chunked_rows", _unchunked)
+    for module in fused_users:  # the fused frozen-head CE against plain autograd over all rows at once
+        monkeypatch.setattr(module, "frozen_head_ce_rows", _unfused_frozen_head_ce)
     ref, ref_grads = _run(name, model, batch)
     assert ref_grads and float(ref.denominators.sum()) > 0
     for chunk, (out, grads) in results.items():
