@@ -106,3 +106,20 @@ def test_tiny_qwen3_preset_path_runs(capsys: pytest.CaptureFixture[str]) -> None
     assert result["check_ok"] is True and result["stats"]["name"] == "ours"
     assert len(result["stats"]["losses"]) == 1 and result["stats"]["peak_mb"] is not None
     assert "frozen target tensors cast to bfloat16" in out
+
+
+def test_domino_step_alone_runs_and_reports(tmp_path: Path) -> None:
+    """scripts/bench_domino_step.py (Domino has no speculators counterpart): the bench's step, data and
+    step-peak machinery on our side alone, one result line with finite step times."""
+    import json
+    import math
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_domino_step.py"), *TINY, "--layers", "1",
+                           "--steps", "1", "--warmup", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    bench = _bench()
+    (line,) = [ln for ln in proc.stdout.splitlines() if ln.startswith(bench.RESULT_TAG)]
+    stats = json.loads(line[len(bench.RESULT_TAG):])["stats"]
+    assert stats["name"] == "ours" and stats["trainable"] > 0 and all(math.isfinite(x) for x in stats["losses"])
+    assert stats["times"]["step"] and all(t > 0 for t in stats["times"]["step"])
