@@ -114,6 +114,11 @@ class SpecoTrainerMixin:
     actor_rollout_wg: Any
     checkpoint_manager: Any
     llm_server_manager: Any
+    # set by `_setup` when in use (class defaults: a trainer built without them behaves as before)
+    _speco_rollout: Any = None  # a RolloutCapture when capture_source resolved to the rollout
+    _speco_sink: Any = None  # collect_only from the rollout: the driver writes the store
+    _speco_pending: tuple[Any, Any] | None = None  # this step's rollout rows and head snapshot
+    _speco_baseline: tuple[str, int] | None = None  # (path, version) of the kept initial draft
 
     def __init__(self, config: Any):
         self.speco: DrafterRunConfig = extract_drafter(config)
@@ -129,10 +134,6 @@ class SpecoTrainerMixin:
         self._speco_sync_metrics: dict[str, float] = {}
         self._speco_warned: set[str] = set()
         self._speco_counters = SpecCounters()  # the rollout servers' cumulative counters at the last step
-        self._speco_rollout: Any = None  # a RolloutCapture when capture_source resolved to the rollout
-        self._speco_sink: Any = None  # collect_only from the rollout: the driver writes the store
-        self._speco_pending: tuple[Any, Any] | None = None  # this step's rollout rows and head snapshot
-        self._speco_baseline: tuple[str, int] | None = None  # (path, version) of the kept initial draft
         if self.speco_active and self.speco.capture_pass == "old_logprob":
             rc = config.algorithm.get("rollout_correction", None)
             if rc is not None and rc.get("bypass_mode", False):
