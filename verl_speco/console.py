@@ -44,6 +44,7 @@ OPEN_FORMAT = "{desc:<16} {n_fmt} [{elapsed}]{postfix}"  # a stage of unknown le
 
 T = TypeVar("T")
 
+
 def _flush_all(*streams: Any) -> None:
     """Python's and C's buffered output written out before a descriptor changes."""
     for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__, *streams):

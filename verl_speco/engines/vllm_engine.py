@@ -348,6 +348,15 @@ class DraftReloadMixin:
                 _refresh_parallel_drafting_hidden(self._speco_drafter())
         _rebuild_dflash_buffers(model, buckets)
 
+    def _speco_verified(self, path: str, version: int) -> list[list[tuple[str, torch.Tensor]]]:
+        """The buckets of version `version` at `path`, verified completely (`publish.verify_version`,
+        nothing the target owns) before anything reaches the model; `PublishRejected` otherwise."""
+        from verl_speco.online.publish import verified_buckets, verify_version
+
+        manifest = verify_version(path, int(version), self._speco_expected())
+        self._speco_check_not_target_owned([n for b in manifest["buckets"] for n in b["names"]])
+        return list(verified_buckets(path, manifest))
+
     def _speco_apply(self, buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
         """Reload from verified `buckets`; on any failure, reload what served before, then re-raise."""
         try:
@@ -366,7 +375,7 @@ class DraftReloadMixin:
 
     def speco_load_draft(self, path: str, version: int) -> dict[str, Any]:
         """Load version `version` from `path` when it is newer and verifies (class docstring)."""
-        from verl_speco.online.publish import PublishRejected, stale_reason, verified_buckets, verify_version
+        from verl_speco.online.publish import PublishRejected, stale_reason
 
         state = self._speco_state()
         refused = _reload_refusal()
@@ -378,9 +387,7 @@ class DraftReloadMixin:
             state["dropped"] += 1
             return self._speco_answer("stale", stale)
         try:
-            manifest = verify_version(path, int(version), self._speco_expected())
-            self._speco_check_not_target_owned([n for b in manifest["buckets"] for n in b["names"]])
-            buckets = list(verified_buckets(path, manifest))
+            buckets = self._speco_verified(path, version)
         except PublishRejected as e:
             state["rejected"] += 1
             return self._speco_answer("rejected", f"{e.reason}: {e}")
@@ -406,15 +413,13 @@ class DraftReloadMixin:
         publish but outside the version order: the held version and its host copy are untouched, and
         `speco_restore_draft` brings them back. Answers like `speco_load_draft`; "loaded" here means
         the baseline serves."""
-        from verl_speco.online.publish import PublishRejected, verified_buckets, verify_version
+        from verl_speco.online.publish import PublishRejected
 
         refused = _reload_refusal()
         if refused is not None:
             return self._speco_answer("rejected", f"vllm_version: {refused}")
         try:
-            manifest = verify_version(path, int(version), self._speco_expected())
-            self._speco_check_not_target_owned([n for b in manifest["buckets"] for n in b["names"]])
-            buckets = list(verified_buckets(path, manifest))
+            buckets = self._speco_verified(path, version)
         except PublishRejected as e:
             return self._speco_answer("rejected", f"{e.reason}: {e}")
         try:

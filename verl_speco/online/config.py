@@ -36,6 +36,18 @@ class DrafterConfigError(ValueError):
     """A drafter setting of the RL run has a value we cannot use."""
 
 
+def floating_dtype(name: Any, key: str) -> Any:
+    """The torch dtype named `name` ('bfloat16', 'float32', ...); `DrafterConfigError` naming `key` and the
+    value when it is not a floating dtype."""
+    import torch
+
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise DrafterConfigError(f"{key}: got {name!r}, expected a floating torch dtype name such as 'bfloat16' "
+                                 "or 'float32'")
+    return dtype
+
+
 @dataclass
 class CaptureCaps:
     """Per-RL-step limits on what the old-logprob capture keeps (rows sampled, never silently)."""

@@ -11,13 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from feature_store import StoreWriter
 from feature_store.schema import ENCODINGS
 from verl_speco.capture.records import build_schema, capture_layout
 from verl_speco.online.capture import CapturedRows
-from verl_speco.online.config import FeatureStoreSink
+from verl_speco.online.config import FeatureStoreSink, floating_dtype
 
 
 class StoreSink:
@@ -30,10 +28,7 @@ class StoreSink:
         if not cfg.path:
             raise ValueError("actor_rollout_ref.rollout.drafter.feature_store.path: got None, expected a store "
                              "directory for collect_only mode")
-        dtype = getattr(torch, cfg.hidden_dtype, None)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise ValueError(f"actor_rollout_ref.rollout.drafter.feature_store.hidden_dtype: got {cfg.hidden_dtype!r}, "
-                             "expected a floating torch dtype name such as 'bfloat16' or 'float32'")
+        dtype = floating_dtype(cfg.hidden_dtype, "actor_rollout_ref.rollout.drafter.feature_store.hidden_dtype")
         if cfg.hidden_encoding not in ENCODINGS:
             raise ValueError(f"actor_rollout_ref.rollout.drafter.feature_store.hidden_encoding: got "
                              f"{cfg.hidden_encoding!r}, expected one of {list(ENCODINGS)}")

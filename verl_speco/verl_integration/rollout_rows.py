@@ -18,11 +18,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import OmegaConf, open_dict
 
 from verl_speco.engines.sglang_capture import RolloutCapturePlan
-from verl_speco.online.config import DrafterConfigError, DrafterRunConfig
+from verl_speco.online.config import DrafterConfigError, DrafterRunConfig, floating_dtype
 from verl_speco.online.rollout_capture import RolloutCapture
 from verl_speco.verl_integration.sglang_agent_loop import (
     AGENT_LOOP_NAME,
@@ -43,10 +42,7 @@ def arm_rollout_capture(config: Any, drafter: DrafterRunConfig, plan: RolloutCap
     require_verl_release(verl.__version__)
     rollout = config.actor_rollout_ref.rollout
     dtype_name = drafter.feature_store.hidden_dtype if drafter.mode == "collect_only" else "bfloat16"
-    dtype = getattr(torch, dtype_name, None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise DrafterConfigError(f"actor_rollout_ref.rollout.drafter.feature_store.hidden_dtype: got {dtype_name!r}, "
-                                 "expected a floating torch dtype name such as 'bfloat16'")
+    dtype = floating_dtype(dtype_name, "actor_rollout_ref.rollout.drafter.feature_store.hidden_dtype")
     where = Path(drafter.publish_dir) if drafter.publish_dir else Path(tempfile.mkdtemp(prefix="verl_speco_agent_"))
     where.mkdir(parents=True, exist_ok=True)
     path = where / "speco_agent_loops.yaml"

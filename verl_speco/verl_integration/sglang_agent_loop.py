@@ -26,14 +26,13 @@ import asyncio
 import re
 from typing import Any, cast
 
-import torch
 import verl
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 from verl.workers.rollout.replica import TokenOutput
 
 from verl_speco.engines.sglang_capture import RolloutCapturePlan
 from verl_speco.engines.sglang_http import SGLangHTTPClient
-from verl_speco.online.config import CaptureCaps, DrafterConfigError
+from verl_speco.online.config import CaptureCaps, DrafterConfigError, floating_dtype
 from verl_speco.online.rollout_capture import RolloutCapture, RolloutResponse
 
 VERL_RELEASES = ("0.9.1",)  # releases whose LLMServerClient / router internals were read for this
@@ -143,12 +142,8 @@ class SpecoSGLangCaptureAgentLoop(SingleTurnAgentLoop):
     def __init__(self, *args: Any, capture_plan: Any, capture_hidden_size: int, capture_hidden_dtype: str,
                  capture_timeout_s: float = 600.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        dtype = getattr(torch, str(capture_hidden_dtype), None)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise DrafterConfigError(f"capture_hidden_dtype: got {capture_hidden_dtype!r}, expected a floating "
-                                     "torch dtype name")
         capture = RolloutCapture(plan_from_dict(capture_plan), int(capture_hidden_size), CaptureCaps(),
-                                 hidden_dtype=dtype)
+                                 hidden_dtype=floating_dtype(capture_hidden_dtype, "capture_hidden_dtype"))
         self.speco_client = SGLangCaptureClient(self.server_manager, self.rollout_config, capture, capture_timeout_s)
         self.server_manager = cast(Any, self.speco_client)  # what SingleTurnAgentLoop.run calls generate on
 
