@@ -14,9 +14,14 @@ with the last rank's batch altered), after checking that the error filter catche
 
 from __future__ import annotations
 
+import faulthandler
+import gc
+import os
 import sys
+import traceback
 import warnings
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +38,7 @@ FAMILIES = available_families()
 LENGTHS = (11, 7, 5, 11)  # the global batch: 4 samples; every rank pads to 11 as 1 rank does (the norms
 # compute in float32: a float64 summation-order difference (another padded length) can flip a float32 ulp)
 CHUNK_ROWS = 5  # loss_chunk_rows: several chunks per micro-batch, so FSDP meets the checkpoint recompute
+GROUP_TIMEOUT_S = 120  # a rank lost mid-step fails its peers in 2 minutes, not gloo's default 30
 VIEW_WARNING = r"FSDP2-wrapped module .* returned a view tensor"  # torch's text (fsdp/_fully_shard/_fsdp_state.py)
 
 
@@ -104,23 +110,42 @@ def main(rank: int, world_size: int, init_file: str, out: str) -> None:
 
     torch._C.set_num_threads(1)
     warnings.filterwarnings("error", message=VIEW_WARNING)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    _planted_view_is_an_error()
+    results: dict[str, dict[str, dict[str, Tensor]]] = {}
+    for name in FAMILIES:
+        family, model, samples = family_case(name)
+        apply_fsdp(model, torch.device("cpu"), mixed_precision=None, reshard_after_forward=True)
+        results[name] = {"grads": family_step(family, model, samples, rank, world_size)}
+        if world_size > 1:
+            planted = list(samples)
+            planted[world_size - 1] = samples[0]  # the last rank's first sample replaced by rank 0's
+            results[name]["planted"] = family_step(family, model, planted, rank, world_size)
+        del model  # the sharded draft holds the group (its mesh): none may outlive destroy_process_group
+    if rank == 0:
+        torch.save(results, out)
+    dist.barrier()  # no rank tears its group down while another still uses it
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def run(argv: list[str]) -> int:
+    """`main` as a process: 0 when it returned, 1 (with the traceback) when it raised. The caller
+    ends the process with `os._exit`: a gloo group's threads met in interpreter teardown abort the
+    process at random ("terminate called without an active exception", seen on CI on the rank that
+    finished first) although every step passed."""
     try:
-        _planted_view_is_an_error()
-        results: dict[str, dict[str, dict[str, Tensor]]] = {}
-        for name in FAMILIES:
-            family, model, samples = family_case(name)
-            apply_fsdp(model, torch.device("cpu"), mixed_precision=None, reshard_after_forward=True)
-            results[name] = {"grads": family_step(family, model, samples, rank, world_size)}
-            if world_size > 1:
-                planted = list(samples)
-                planted[world_size - 1] = samples[0]  # the last rank's first sample replaced by rank 0's
-                results[name]["planted"] = family_step(family, model, planted, rank, world_size)
-        if rank == 0:
-            torch.save(results, out)
-    finally:
-        dist.destroy_process_group()
+        main(int(argv[0]), int(argv[1]), argv[2], argv[3])
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    faulthandler.enable()  # a crash in native code still names the Python line it was on
+    code = run(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

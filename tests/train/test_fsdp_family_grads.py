@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,13 +33,32 @@ REPO = Path(__file__).resolve().parents[2]
 TOL = 1e-5
 
 
-def _launch(world_size: int, tmp: Path) -> tuple[list[subprocess.Popen[str]], Path]:
+def _launch(world_size: int, tmp: Path) -> tuple[list[subprocess.Popen[bytes]], list[Path], Path]:
+    """The group's ranks, each logging to a file (a full pipe would block a rank the test does not read)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     init, out = tmp / f"pg{world_size}", tmp / f"grads{world_size}.pt"
-    procs = [subprocess.Popen([sys.executable, worker.__file__, str(r), str(world_size), str(init), str(out)],
-                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world_size)]
-    return procs, out
+    logs = [tmp / f"world{world_size}_rank{r}.log" for r in range(world_size)]
+    procs = []
+    for r, log in enumerate(logs):
+        with log.open("wb") as sink:
+            procs.append(subprocess.Popen([sys.executable, worker.__file__, str(r), str(world_size), str(init), str(out)],
+                                          cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT))
+    return procs, logs, out
+
+
+def _wait(procs: list[subprocess.Popen[bytes]], deadline_s: float) -> None:
+    """Until every rank has exited; a rank that failed stops its peers 30 s later (they would wait in
+    a collective until the group's timeout), and all are killed at `deadline_s`."""
+    start, failed_at = time.monotonic(), None
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if failed_at is None and any(p.returncode not in (None, 0) for p in procs):
+            failed_at = now
+        if now - start > deadline_s or (failed_at is not None and now - failed_at > 30):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +67,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, dict[s
     tmp = tmp_path_factory.mktemp("fsdp_grads")
     launched = {w: _launch(w, tmp) for w in (1, 2)}
     results = {}
-    for w, (procs, out) in launched.items():
-        logs = []
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=300)[0])
-            except subprocess.TimeoutExpired:
-                p.kill()
-                logs.append(p.communicate()[0])
-        assert all(p.returncode == 0 for p in procs), f"world {w}:\n" + "\n---\n".join(x[-5000:] for x in logs)
+    for w, (procs, logs, out) in launched.items():
+        _wait(procs, deadline_s=300)
+        report = "\n---\n".join(f"rank {r} exit {p.returncode}:\n{log.read_text(errors='replace')[-5000:]}"
+                                 for r, (p, log) in enumerate(zip(procs, logs, strict=True)))
+        assert all(p.returncode == 0 for p in procs), f"world {w}:\n{report}"
         results[w] = torch.load(out)
     return results
 
