@@ -25,7 +25,8 @@ def _run(target: Path, prompts: list[list[int]], max_new_tokens: int, eos: int, 
     from drafters.common.tokens import cut_at_end
     from verl_speco.engines import vllm_engine
 
-    longest = max(len(p) for p in prompts) + max_new_tokens + k + 1
+    # every engine the same context, long enough for the drafter on every step (see context_length)
+    longest = vllm_engine.context_length(max(len(p) for p in prompts), max_new_tokens, k)
     if spec is None:
         llm = vllm_engine.build_llm(target, None, max_model_len=longest, max_num_seqs=max_num_seqs)
     else:

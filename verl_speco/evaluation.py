@@ -156,9 +156,11 @@ def vllm_acceptance(target_dir: str | Path, drafts: dict[str, Path], prompts: Ev
     def _cut(seqs: list[list[int]]) -> list[list[int]]:
         return [cut_at_end(s, (prompts.eos_token_id,))[0] for s in seqs]
 
+    # long enough for the drafter on every step of every request (vllm_engine.context_length)
+    context = vllm_engine.context_length(max(len(p) for p in prompts.token_ids), max_new_tokens, k)
     plain: list[list[int]] | None = None
     if temperature == 0.0:
-        llm = vllm_engine.build_llm(target_dir, None)
+        llm = vllm_engine.build_llm(target_dir, None, max_model_len=context)
         try:
             plain = _cut(vllm_engine.generate(llm, prompts.token_ids, max_new_tokens, ignore_eos=False))
         finally:
@@ -171,7 +173,8 @@ def vllm_acceptance(target_dir: str | Path, drafts: dict[str, Path], prompts: Ev
         spec = engine_format_of(draft_dir, head).vllm_speculative_config(draft_dir, k)
         llm = vllm_engine.build_llm(target_dir, draft_dir, method=spec.pop("method"),
                                     num_speculative_tokens=spec.pop("num_speculative_tokens"),
-                                    speculative_extra={k_: v for k_, v in spec.items() if k_ != "model"})
+                                    speculative_extra={k_: v for k_, v in spec.items() if k_ != "model"},
+                                    max_model_len=context)
         try:
             out, metrics = vllm_engine.generate_with_metrics(llm, prompts.token_ids, max_new_tokens, temperature,
                                                              ignore_eos=False, seed=seed if temperature else None)

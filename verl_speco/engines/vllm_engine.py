@@ -65,6 +65,32 @@ def speculative_config(draft_dir: str | Path | None, method: str, num_speculativ
     return spec
 
 
+def context_length(longest_prompt: int, max_new_tokens: int, num_speculative_tokens: int) -> int:
+    """The `max_model_len` an engine needs so that its drafter runs on EVERY step of a generation of
+    up to `max_new_tokens` tokens after prompts of at most `longest_prompt` tokens, k =
+    `num_speculative_tokens` drafts per step (any method; plain decoding needs less).
+
+    vLLM 0.32 (`GPUModelRunner._input_fits_in_drafter`, used by the CPU runner too) drafts only when
+    `max_seq_len + k (+ 1 for DFlash's bonus query) <= max_model_len`, with `max_seq_len` the
+    longest sequence of the whole batch in that verification step. When it does not fit, the drafter
+    is skipped for EVERY request of the batch and each gets k drafts of token id 0, which are
+    scheduled, verified and counted (k draft tokens, almost never accepted). A request that has
+    generated g tokens verifies a sequence of P + g + k tokens, and its last verification has
+    g = max_new_tokens - 1, so the drafter needs P + max_new_tokens - 1 + 2k tokens of context, one
+    more for DFlash: P + max_new_tokens + 2k covers every method. Sized as P + max_new_tokens + k + 1
+    (enough for the target alone; too short for k >= 2), the drafter was skipped for the whole batch
+    on the last one or two steps of the longest-prompt request, and every other request still
+    running lost a round of drafts there: vLLM's acceptance fell below the reference decoder's
+    (docs/results/smollm2/README.md).
+
+    Worked example: prompts of at most 131 tokens, 64 new tokens, k = 3 -> 131 + 64 + 6 = 201.
+    """
+    if longest_prompt < 1 or max_new_tokens < 1 or num_speculative_tokens < 0:
+        raise ValueError(f"context_length: got longest_prompt={longest_prompt}, max_new_tokens={max_new_tokens}, "
+                         f"num_speculative_tokens={num_speculative_tokens}; expected >= 1, >= 1 and >= 0")
+    return longest_prompt + max_new_tokens + 2 * num_speculative_tokens
+
+
 def build_llm(target_dir: str | Path, draft_dir: str | Path | None = None, method: str = "eagle3",
               num_speculative_tokens: int = 3, *, dtype: str = "float32", max_model_len: int = 512,
               max_num_seqs: int = 8, seed: int = 0, speculative_extra: dict[str, Any] | None = None,
