@@ -110,6 +110,27 @@ def _eagle3_format() -> Any:
     return family.engine_format(family.resolve(family.config_cls(), spec), spec)
 
 
+def test_rollout_context_leaves_the_drafter_room(caplog: pytest.LogCaptureFixture) -> None:
+    """A user max_model_len of prompt + response would make vLLM skip the drafter batch-wide on the
+    last steps of every capped response: raised to prompt + response + 2k; verl's default (None) and
+    a roomy value are left alone."""
+    fmt = _eagle3_format()
+    base = ["actor_rollout_ref.rollout.drafter.enable=true", "actor_rollout_ref.rollout.drafter.num_speculative_tokens=3",
+            "data.max_prompt_length=100", "data.max_response_length=60"]
+    tight = compose([*base, "actor_rollout_ref.rollout.max_model_len=160"])
+    apply_speculative_config(tight, extract_drafter(tight), "/drafts/v0", fmt)
+    assert tight.actor_rollout_ref.rollout.max_model_len == 100 + 60 + 2 * 3
+    assert "max_model_len: 160 raised to 166" in caplog.text
+    roomy = compose([*base, "actor_rollout_ref.rollout.max_model_len=4096"])
+    apply_speculative_config(roomy, extract_drafter(roomy), "/drafts/v0", fmt)
+    assert roomy.actor_rollout_ref.rollout.max_model_len == 4096
+    default = compose(base)
+    apply_speculative_config(default, extract_drafter(default), "/drafts/v0", fmt)
+    assert default.actor_rollout_ref.rollout.max_model_len is None
+    off = compose(["data.max_prompt_length=100", "data.max_response_length=60", "actor_rollout_ref.rollout.max_model_len=160"])
+    assert off.actor_rollout_ref.rollout.max_model_len == 160  # no drafter: nothing applied
+
+
 def test_speculative_config_from_drafter_and_conflicts() -> None:
     fmt = _eagle3_format()  # the family's engine format decides the speculative arguments
     cfg = compose(["actor_rollout_ref.rollout.drafter.enable=true",

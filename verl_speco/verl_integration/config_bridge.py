@@ -11,6 +11,7 @@ instantiate), which rejects any key it does not know, so the user-facing section
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -18,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from drafters.common.contract import EngineFormat
 from verl_speco.online.config import DrafterConfigError, DrafterRunConfig
 
+logger = logging.getLogger(__name__)
 USER_KEY = "actor_rollout_ref.rollout.drafter"
 INTERNAL_KEY = "actor_rollout_ref.speco_drafter"
 ENGINES = ("vllm", "sglang")
@@ -111,6 +113,7 @@ def apply_speculative_config(config: DictConfig, drafter: DrafterRunConfig, draf
                     current[key] = {**value, **have_c}
     if engine == "vllm":
         draft_gets_own_head(config)
+        drafter_gets_context_room(config, int(drafter.num_speculative_tokens))
     out = OmegaConf.to_container(config.actor_rollout_ref.rollout.engine_kwargs[engine], resolve=True)
     assert isinstance(out, dict)
     return {str(k): v for k, v in out.items()}
@@ -126,6 +129,30 @@ def draft_gets_own_head(config: DictConfig) -> None:
     if str(rollout.get("load_format", "dummy")) == "dummy":
         with open_dict(rollout):
             rollout.load_format = "auto"
+
+
+def drafter_gets_context_room(config: DictConfig, k: int) -> None:
+    """`actor_rollout_ref.rollout.max_model_len`, when the user set it, raised to prompt + response
+    + 2k (`vllm_engine.context_length`), with one log line naming both values. vLLM 0.32
+    skips the drafter for EVERY request of a batch whose longest sequence plus k draft queries does
+    not fit, and verifies k token-0 drafts instead: at prompt + response exactly, each sequence that
+    reaches the response cap would cost its whole batch the drafts of its last one or two steps.
+    Responses stay capped by `rollout.response_length` (verl 0.9.1 sizes `max_tokens` from it), so
+    the raise only adds 2k tokens of room. None (verl's default: the model's
+    max_position_embeddings) is left alone."""
+    from verl_speco.engines.vllm_engine import context_length
+
+    rollout = config.actor_rollout_ref.rollout
+    have = rollout.get("max_model_len")
+    if have is None:
+        return
+    need = context_length(int(rollout.prompt_length), int(rollout.response_length), k)
+    if int(have) >= need:
+        return
+    with open_dict(rollout):
+        rollout.max_model_len = need
+    logger.warning("actor_rollout_ref.rollout.max_model_len: %s raised to %s (prompt + response + 2 x %s "
+                   "speculative tokens): vLLM drafts only when a step's draft queries fit", have, need, k)
 
 
 def _check_consistent(engine: str, key: str, have: Any, want: Any) -> None:
