@@ -19,7 +19,7 @@ Under FSDP2 over several ranks a module that `fn` calls is a sharded unit (a tra
 `lm_head`, Domino's `embed_proj`, DSpark's Markov head): each call gathers its parameters, and its
 backward gathers and reduce-scatters them, so every rank must make the same number of calls, while
 the rows per rank differ. The trainer runs objectives inside `chunk_count_sync(sync)`: every
-`chunked_rows` / `chunked_argmax` call then runs sync(local count) chunks (the max over ranks), the
+`chunked_rows` call then runs sync(local count) chunks (the max over ranks), the
 extra ones empty (0 rows).
 
 A frozen head whose loss is a per-row hard CE (DFlash: the target lm_head) takes the fused path
@@ -28,8 +28,8 @@ d CE_i / d row_i [N, H]; the backward only scales it (no recompute). `head_weigh
 head in the dtype its matmul runs in (under autocast: autocast's dtype, so a bf16 head is not
 copied to float32).
 
-The per-row terms (`soft_ce_rows`, `hard_ce_rows`, `l1_rows`, `topk_ids`) are the one place the
-families' logit numerics live. They compute in float32 (float64 inputs stay float64).
+The per-row terms (`target_probs`, `soft_ce_prob_rows`, `soft_ce_rows`, `hard_ce_rows`, `l1_rows`,
+`topk_ids`) are the one place the families' logit numerics live. They compute in float32 (float64 inputs stay float64).
 """
 
 from __future__ import annotations
@@ -136,12 +136,22 @@ def wide_float(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def target_probs(target_logits: Tensor) -> Tensor:
+    """[n, V] target logits -> softmax [n, V] in float32 (float64 stays float64), no grad."""
+    return torch.softmax(wide_float(target_logits.detach()), dim=-1)
+
+
+def soft_ce_prob_rows(draft_logits: Tensor, probs: Tensor) -> Tensor:
+    """[n, V] draft logits, [n, V] target probabilities (`target_probs`, no grad) -> [n]:
+    -sum_v probs_v * log_softmax(draft)_v."""
+    if draft_logits.shape != probs.shape:
+        raise ValueError(f"draft_logits {tuple(draft_logits.shape)} vs target {tuple(probs.shape)}")
+    return -(probs.detach() * torch.log_softmax(wide_float(draft_logits), dim=-1)).sum(-1)
+
+
 def soft_ce_rows(draft_logits: Tensor, target_logits: Tensor) -> Tensor:
     """[n, V], [n, V] (target: no grad) -> [n]: -sum_v softmax(target)_v * log_softmax(draft)_v."""
-    if draft_logits.shape != target_logits.shape:
-        raise ValueError(f"draft_logits {tuple(draft_logits.shape)} vs target_logits {tuple(target_logits.shape)}")
-    probs = torch.softmax(wide_float(target_logits.detach()), dim=-1)  # [n, V]
-    return -(probs * torch.log_softmax(wide_float(draft_logits), dim=-1)).sum(-1)
+    return soft_ce_prob_rows(draft_logits, target_probs(target_logits))
 
 
 def hard_ce_rows(logits: Tensor, labels: Tensor) -> Tensor:
@@ -151,8 +161,7 @@ def hard_ce_rows(logits: Tensor, labels: Tensor) -> Tensor:
 
 def l1_rows(draft_logits: Tensor, target_logits: Tensor) -> Tensor:
     """[n, V], [n, V] (target: no grad) -> [n]: sum_v |softmax(draft) - softmax(target)| (= 2 TV)."""
-    probs = torch.softmax(wide_float(target_logits.detach()), dim=-1)  # [n, V]
-    return (torch.softmax(wide_float(draft_logits), dim=-1) - probs).abs().sum(-1)
+    return (torch.softmax(wide_float(draft_logits), dim=-1) - target_probs(target_logits)).abs().sum(-1)
 
 
 def topk_ids(logits: Tensor, k: int) -> Tensor:
@@ -160,12 +169,23 @@ def topk_ids(logits: Tensor, k: int) -> Tensor:
     return logits.detach().topk(min(k, logits.shape[-1]), dim=-1).indices
 
 
-def chunked_argmax(head: Callable[[Tensor], Tensor], hidden: Tensor, chunk_rows: int) -> Tensor:
-    """argmax over the vocab of head(hidden) [N, V], chunk by chunk, without grad: hidden [N, H] ->
-    int64 [N] (the target argmax that EAGLE-3 / P-EAGLE's masks need before the loss)."""
+def draft_vocab_targets(head: Callable[[Tensor], Tensor], hidden: Tensor, t2d: Tensor,
+                        chunk_rows: int) -> tuple[Tensor, Tensor]:
+    """The frozen target head's outputs that EAGLE-3 / P-EAGLE need, one head matmul per row (no grad):
+    hidden [N, H] (target last hidden), t2d bool [V] (the draft vocab) -> (argmax over all V, int64 [N];
+    `target_probs` of the draft-vocab logits head(hidden)[:, t2d] for the rows whose argmax is in the
+    draft vocab, [count(t2d[argmax]), Vd], in row order). Chunk by chunk: one [chunk, V] logits alive.
+    The loss reads those rows as its targets, so no loss chunk (or its backward) rebuilds them."""
+    check_chunk_rows(chunk_rows)
+    args, probs = [], []
     with torch.no_grad():
-        (out,) = chunked_rows(lambda h: (head(h).argmax(-1),), [hidden], chunk_rows)
-    return out
+        for start, stop in chunk_bounds(int(hidden.shape[0]), chunk_rows):  # no module call: no count sync
+            logits = head(hidden[start:stop])  # [n, V]
+            arg = logits.argmax(-1)
+            args.append(arg)
+            probs.append(target_probs(logits[:, t2d][t2d[arg]]))  # [kept, Vd]
+            del logits
+    return torch.cat(args), torch.cat(probs)
 
 
 def hard_ce_grad_rows(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:

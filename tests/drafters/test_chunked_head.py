@@ -15,11 +15,13 @@ from torch import Tensor
 import drafters.common.chunked_head as ch
 from drafters.common.chunked_head import (
     chunk_bounds,
-    chunked_argmax,
     chunked_rows,
+    draft_vocab_targets,
     hard_ce_rows,
     l1_rows,
+    soft_ce_prob_rows,
     soft_ce_rows,
+    target_probs,
     topk_ids,
 )
 
@@ -39,6 +41,7 @@ def test_row_terms_vs_loops() -> None:
         assert float(soft[i]) == pytest.approx(-sum(pv * (zv - lse_z) for pv, zv in zip(p, z)), rel=1e-12)
         assert float(hard[i]) == pytest.approx(lse_z - z[int(labels[i])], rel=1e-12)
         assert float(l1[i]) == pytest.approx(sum(abs(a - b) for a, b in zip(q, p)), rel=1e-12)
+    assert torch.equal(soft, soft_ce_prob_rows(draft, target_probs(target)))  # the same numerics, probs given
     assert soft.dtype == torch.float64  # float64 stays float64; half precision is widened to float32
     assert soft_ce_rows(draft.bfloat16(), target.bfloat16()).dtype == torch.float32
     assert topk_ids(draft, 2).tolist() == draft.topk(2, -1).indices.tolist() and topk_ids(draft, 99).shape == (4, 5)
@@ -135,7 +138,7 @@ def test_no_rows_by_vocab_tensor_is_saved_for_backward() -> None:
     assert widest_vocab_tensor(chunked_rows) == 0
 
 
-def test_empty_rows_and_argmax() -> None:
+def test_empty_rows() -> None:
     p = _problem()
     empty = {**p, "hidden": p["hidden"][:0].detach().requires_grad_(), "markov": p["markov"][:0].detach(),
              "last_hidden": p["last_hidden"][:0], "labels": p["labels"][:0], "w": p["w"][:0], "conf": p["conf"][:0]}
@@ -143,9 +146,29 @@ def test_empty_rows_and_argmax() -> None:
                              [empty["hidden"], empty["labels"]], 4)
     assert soft.shape == (0,) and top.shape == (0, 5) and top.dtype == torch.int64
     soft.sum().backward()
-    head = lambda h: h @ p["Wt"].T  # noqa: E731
-    assert torch.equal(chunked_argmax(head, p["last_hidden"], 3), head(p["last_hidden"]).argmax(-1))
-    assert chunked_argmax(head, p["last_hidden"][:0], 3).shape == (0,)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, N, N + 5])
+def test_draft_vocab_targets_equal_the_full_head(chunk: int) -> None:
+    """One head matmul per row gives the full-vocab argmax and, for the rows whose argmax is in the draft
+    vocab (t2d), softmax of the draft-vocab logits, in row order; chunking changes nothing."""
+    p = _problem()
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[[0, 2, 3, 5, 8, 9, 12]] = True
+    logits = p["last_hidden"] @ p["Wt"].T  # [N, V]
+    calls: list[int] = []
+
+    def head(h: Tensor) -> Tensor:
+        calls.append(int(h.shape[0]))
+        return h @ p["Wt"].T
+
+    arg, probs = draft_vocab_targets(head, p["last_hidden"], t2d, chunk)
+    keep = t2d[logits.argmax(-1)]
+    assert 0 < int(keep.sum()) < N  # some rows are dropped, some kept
+    assert torch.equal(arg, logits.argmax(-1)) and sum(calls) == N  # each row through the head once
+    torch.testing.assert_close(probs, torch.softmax(logits[keep][:, t2d], -1), rtol=1e-14, atol=0.0)
+    arg0, probs0 = draft_vocab_targets(head, p["last_hidden"][:0], t2d, chunk)
+    assert arg0.shape == (0,) and probs0.shape == (0, int(t2d.sum()))
 
 
 def test_chunk_count_sync_pads_with_empty_chunks_and_keeps_values() -> None:
