@@ -28,9 +28,9 @@ from unittest import mock
 import torch
 from torch import Tensor, nn
 
+import drafters.common.fused_head as fused_head_module
 import drafters.dflash.objective as dflash_objective_module
 import drafters.dspark.objective as dspark_objective_module
-import drafters.eagle3.objective as eagle3_objective_module
 import drafters.peagle.objective as peagle_objective_module
 from benchmarks.train_step_common import (
     LOSS_REDUCTION_EPS,
@@ -48,7 +48,7 @@ from benchmarks.train_step_common import (
     tolerance,
     verifier_config,
 )
-from drafters.common.chunked_head import soft_ce_prob_rows
+from drafters.common.chunked_head import soft_ce_grad_rows
 from drafters.common.contract import StoreStats
 from drafters.common.losses import ObjectiveOutput
 from drafters.common.target import TargetSpec
@@ -692,10 +692,10 @@ class PEagleAdapter(Adapter):
         seen: dict[str, Tensor] = {}
         chunks: dict[str, list[Tensor]] = {"probs": [], "logits": []}
 
-        def ours_ce(draft_logits: Tensor, probs: Tensor) -> Tensor:  # one chunk of rows (no grad here)
+        def ours_ce(draft_logits: Tensor, probs: Tensor) -> tuple[Tensor, Tensor]:  # one chunk of rows
             chunks["logits"].append(draft_logits.detach())
             chunks["probs"].append(probs.detach())
-            return soft_ce_prob_rows(draft_logits, probs)
+            return soft_ce_grad_rows(draft_logits, probs)
 
         def their_kl(logits: Tensor, targets: Tensor) -> Tensor:
             out: Tensor = kl_div_loss(logits, targets)
@@ -705,7 +705,7 @@ class PEagleAdapter(Adapter):
         check_kwargs = {**kwargs, "loss_config": {"kl_div": (their_kl, 1.0)}}
         with torch.no_grad(), autocast(args.dtype), \
                 mock.patch.object(peagle_objective_module, "cod_sample", lambda *a, **k: layout), \
-                mock.patch.object(eagle3_objective_module, "soft_ce_prob_rows", ours_ce), \
+                mock.patch.object(fused_head_module, "soft_ce_grad_rows", ours_ce), \
                 mock.patch.object(their_core, "generate_cod_sample_indices", lambda *a, **k: (anchor_pos, depth)):
             out = PEAGLE.objective(ours, batch)
             _, spec_loss, metrics = theirs(**spec_batch, **check_kwargs)

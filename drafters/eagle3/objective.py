@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from drafters.common.chunked_head import chunked_rows, draft_vocab_targets, soft_ce_prob_rows
+from drafters.common.chunked_head import draft_vocab_targets
+from drafters.common.fused_head import soft_ce_head_rows
 from drafters.common.losses import ObjectiveOutput, geometric_weights, masked_match_count
 from drafters.common.masks import shift_left
 from drafters.common.metrics import simulated_acceptance_length
@@ -95,15 +96,10 @@ def prepare_targets(model: Eagle3Backbone[Any], batch: dict[str, Tensor]) -> Eag
 
 def soft_ce_head(model: Eagle3Backbone[Any], hidden: Tensor, probs: Tensor, prob_rows: Tensor) -> tuple[Tensor, Tensor]:
     """Soft CE of the draft head against the target distribution over N rows, chunked
-    (common/chunked_head.py): hidden [N, H] post-norm draft rows, probs [P, Vd] the target distributions
-    (`Eagle3Targets.probs`), prob_rows int64 [N] each row's target in probs -> (per-row soft CE [N],
-    draft argmax [N] as target ids). Each chunk gathers its targets (no [N, Vd] copy, no head matmul)."""
-
-    def terms(h: Tensor, row: Tensor) -> tuple[Tensor, Tensor]:
-        draft = model.lm_head(h)  # [n, Vd]
-        return soft_ce_prob_rows(draft, probs[row]), draft.detach().argmax(-1)
-
-    ce, draft_argmax = chunked_rows(terms, [hidden, prob_rows], model.cfg.loss_chunk_rows)
+    (common/fused_head.py `soft_ce_head_rows`): hidden [N, H] post-norm draft rows, probs [P, Vd] the target
+    distributions (`Eagle3Targets.probs`), prob_rows int64 [N] each row's target in probs -> (per-row soft
+    CE [N], draft argmax [N] as target ids). Each chunk gathers its targets (no head matmul of the target)."""
+    ce, draft_argmax = soft_ce_head_rows(model.lm_head, hidden, probs, prob_rows, model.cfg.loss_chunk_rows)
     return ce, model.draft_vocab.draft_to_target(draft_argmax)
 
 

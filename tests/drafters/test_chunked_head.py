@@ -19,6 +19,7 @@ from drafters.common.chunked_head import (
     draft_vocab_targets,
     hard_ce_rows,
     l1_rows,
+    row_argmax,
     soft_ce_prob_rows,
     soft_ce_rows,
     target_probs,
@@ -44,6 +45,9 @@ def test_row_terms_vs_loops() -> None:
     assert torch.equal(soft, soft_ce_prob_rows(draft, target_probs(target)))  # the same numerics, probs given
     assert soft.dtype == torch.float64  # float64 stays float64; half precision is widened to float32
     assert soft_ce_rows(draft.bfloat16(), target.bfloat16()).dtype == torch.float32
+    tied = torch.tensor([[1.0, 3.0, 3.0, 0.0], [float("nan"), 9.0, 1.0, 2.0], [0.0, 0.0, 0.0, 0.0]]).bfloat16()
+    assert torch.equal(row_argmax(tied), tied.argmax(-1)) and row_argmax(tied).tolist() == [1, 0, 0]
+    assert torch.equal(row_argmax(draft), draft.argmax(-1))
     assert topk_ids(draft, 2).tolist() == draft.topk(2, -1).indices.tolist() and topk_ids(draft, 99).shape == (4, 5)
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 import drafters.common.fused_head as fh
-from drafters.common.chunked_head import hard_ce_rows, l1_rows, topk_ids
+from drafters.common.chunked_head import hard_ce_rows, l1_rows, soft_ce_prob_rows, topk_ids
 
 N, H, R, V = 11, 6, 3, 13
 
@@ -110,3 +110,80 @@ def test_no_rows_by_vocab_tensor_is_saved_and_bad_inputs_are_refused() -> None:
         nograd, _ = fh.fused_head_loss(p["hidden"], p["target_hidden"], p["Wt"], p["Wt"], p["markov"], p["W2"].T,
                                        _row_loss(p), 4)
     torch.testing.assert_close(nograd, _run(p, None)[0].detach(), rtol=1e-12, atol=0.0)
+
+
+# -- the soft-CE head (`soft_ce_head_rows`: EAGLE-3 / P-EAGLE, a trainable draft head, targets given)
+
+def _soft_problem(seed: int = 1) -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    probs = torch.softmax(torch.randn(5, V, generator=g, dtype=torch.float64), -1)  # P = 5 target positions
+    return {"x": torch.randn(N, H, generator=g, dtype=torch.float64).requires_grad_(),
+            "W": torch.randn(V, H, generator=g, dtype=torch.float64).requires_grad_(), "probs": probs,
+            "rows": torch.randint(0, 5, (N,), generator=g), "w": _problem()["w"]}
+
+
+def _soft_run(p: dict[str, Tensor], chunk: int | None) -> tuple[Tensor, Tensor, list[Tensor]]:
+    head = lambda h: h @ p["W"].T  # noqa: E731
+    h = 1.5 * p["x"]  # rows that are not leaves
+    if chunk is None:
+        logits = head(h)
+        ce, arg = soft_ce_prob_rows(logits, p["probs"][p["rows"]]), logits.detach().argmax(-1)
+    else:
+        ce, arg = fh.soft_ce_head_rows(head, h, p["probs"], p["rows"], chunk)
+    loss = (p["w"] * ce).sum() + 0.25 * ce[0]  # per-row weights, masked rows, one row twice
+    return loss, arg, list(torch.autograd.grad(loss, [p["x"], p["W"]]))
+
+
+def _assert_soft_equal(chunk: int) -> None:
+    p = _soft_problem()
+    ref_loss, ref_arg, ref_grads = _soft_run(p, None)
+    loss, arg, grads = _soft_run(p, chunk)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-12, atol=0.0)
+    assert torch.equal(arg, ref_arg)
+    for got, want in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-14)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 4, N, N + 5])
+def test_soft_ce_head_rows_equals_plain_autograd_float64(chunk: int) -> None:
+    _assert_soft_equal(chunk)
+
+
+@pytest.mark.parametrize("fault", ["scaled_backward", "grad_without_target", "off_by_one_start"])
+def test_soft_ce_head_planted_faults_are_caught(fault: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if fault == "scaled_backward":
+        good = fh._SoftCE.backward
+        monkeypatch.setattr(fh._SoftCE, "backward", staticmethod(lambda ctx, g: good(ctx, 1.001 * g)))
+    elif fault == "grad_without_target":
+        good_rows = fh.soft_ce_grad_rows
+        monkeypatch.setattr(fh, "soft_ce_grad_rows", lambda z, q: (good_rows(z, q)[0], torch.softmax(z.detach(), -1)))
+    else:
+        monkeypatch.setattr(fh, "synced_chunk_bounds",
+                            lambda n, c: [(s + (1 if s else 0), min(s + c, n)) for s in range(0, max(n, 1), c)])
+    with pytest.raises((AssertionError, RuntimeError, ValueError)):
+        _assert_soft_equal(4)
+
+
+def test_soft_ce_head_calls_the_head_once_per_chunk_and_keeps_only_the_logit_gradient() -> None:
+    p = _soft_problem()
+    calls: list[int] = []
+    saved: list[tuple[int, ...]] = []
+
+    def head(h: Tensor) -> Tensor:
+        calls.append(int(h.shape[0]))
+        return h @ p["W"].T
+
+    def pack(t: Tensor) -> Tensor:
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ce, _ = fh.soft_ce_head_rows(head, p["x"], p["probs"], p["rows"], 4)
+    ce.sum().backward()
+    assert calls == [4, 4, 3]  # no recompute in the backward
+    assert sorted(s for s in saved if len(s) == 2 and s[1] == V and s[0] != H) == [(3, V), (4, V), (4, V)]  # d CE / d z
+    with pytest.raises(ValueError, match="rows: hidden"):
+        fh.soft_ce_head_rows(head, p["x"], p["probs"], p["rows"][:3], 4)
+    with torch.no_grad():
+        nograd, _ = fh.soft_ce_head_rows(head, p["x"], p["probs"], p["rows"], 4)
+    torch.testing.assert_close(nograd, ce.detach(), rtol=1e-14, atol=0.0)
