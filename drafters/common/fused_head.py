@@ -39,6 +39,7 @@ from drafters.common.chunked_head import (
     row_argmax,
     soft_ce_grad_rows,
     synced_chunk_bounds,
+    wide_float,
 )
 
 RowLoss = Callable[[Tensor, Tensor, int, int], tuple[Tensor, tuple[Tensor, ...]]]
@@ -95,8 +96,8 @@ class _FusedHeadLoss(torch.autograd.Function):
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_total: Tensor,  # type: ignore[override]
                  *grad_rows: Tensor | None) -> tuple[Tensor | None, ...]:
         saved = ctx.saved_tensors  # type: ignore[attr-defined]  # d hidden[, d markov, d bias]
-        scale = grad_total.to(saved[0].dtype)
-        grads = [scale.to(g.dtype) * g for g in saved] + [None, None]
+        scale = wide_float(grad_total)  # scaled in float32 at least: the scale is not rounded to bf16
+        grads = [(scale * wide_float(g)).to(g.dtype) for g in saved] + [None, None]
         return (grads[0], None, None, None, grads[1], grads[2], None, None, None)
 
 
@@ -138,7 +139,7 @@ class _SoftCE(torch.autograd.Function):
     def backward(ctx: torch.autograd.function.FunctionCtx,  # type: ignore[override]
                  grad_ce: Tensor) -> tuple[Tensor | None, None]:
         (grad,) = ctx.saved_tensors  # type: ignore[attr-defined]
-        return grad_ce[:, None].to(grad.dtype) * grad, None
+        return (wide_float(grad_ce)[:, None] * wide_float(grad)).to(grad.dtype), None  # no bf16 rounding of the scale
 
 
 def soft_ce_head_rows(head: Callable[[Tensor], Tensor], hidden: Tensor, probs: Tensor, prob_rows: Tensor,
