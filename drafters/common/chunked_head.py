@@ -22,14 +22,15 @@ the rows per rank differ. The trainer runs objectives inside `chunk_count_sync(s
 `chunked_rows` call then runs sync(local count) chunks (the max over ranks), the
 extra ones empty (0 rows).
 
-A frozen head whose loss is a per-row hard CE (DFlash: the target lm_head) takes the fused path
-`frozen_head_ce_rows` instead: each chunk's logits are used once, in the forward, which also keeps
-d CE_i / d row_i [N, H]; the backward only scales it (no recompute). `head_weight` gives a frozen
-head in the dtype its matmul runs in (under autocast: autocast's dtype, so a bf16 head is not
-copied to float32).
+Fused paths (common/fused_head.py: DFlash's frozen-head CE, DSpark's head loss, EAGLE-3 / P-EAGLE's
+soft-CE head) use each chunk's logits once, in the forward, keep the gradient they need and only scale
+it in the backward (no recompute). `head_weight` gives a frozen head in the dtype its matmul runs in
+(under autocast: autocast's dtype, so a bf16 head is not copied to float32). `draft_vocab_targets`
+computes EAGLE-3 / P-EAGLE's targets once per position.
 
 The per-row terms (`target_probs`, `soft_ce_prob_rows`, `soft_ce_rows`, `hard_ce_rows`, `l1_rows`,
-`topk_ids`) are the one place the families' logit numerics live. They compute in float32 (float64 inputs stay float64).
+`topk_ids`, `row_argmax`) and their gradients (`hard_ce_grad_rows`, `soft_ce_grad_rows`) are the one
+place the families' logit numerics live. They compute in float32 (float64 inputs stay float64).
 """
 
 from __future__ import annotations
@@ -216,58 +217,3 @@ def soft_ce_grad_rows(draft_logits: Tensor, probs: Tensor) -> tuple[Tensor, Tens
     log_q = torch.log_softmax(wide_float(draft_logits.detach()), dim=-1)  # [n, V]
     ce = -(p * log_q).sum(-1)
     return ce, log_q.exp_().mul_(p.sum(-1, keepdim=True)).sub_(p)
-
-
-class _FrozenHeadCE(torch.autograd.Function):
-    """`frozen_head_ce_rows`: forward runs the chunks and keeps d CE_i / d hidden_i [N, H]; backward
-    scales it by the incoming per-row gradient (CE_i depends on row i only; the head is frozen)."""
-
-    @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, hidden: Tensor, weight: Tensor, labels: Tensor,
-                chunk_rows: int, top_k: int) -> tuple[Tensor, Tensor]:  # type: ignore[override]
-        ces, tops, grads = [], [], []
-        for start, stop in chunk_bounds(int(hidden.shape[0]), chunk_rows):
-            h = hidden[start:stop]
-            logits = h @ weight.T  # [n, V], under the caller's autocast as the unfused path
-            ce, dlogits = hard_ce_grad_rows(logits, labels[start:stop])
-            tops.append(topk_ids(logits, top_k))
-            logits_dtype = logits.dtype
-            del logits
-            # as the unfused backward: d logits cast to the logits' dtype, times the head, to hidden's dtype
-            grads.append((dlogits.to(logits_dtype) @ weight).to(hidden.dtype))  # [n, H]
-            ces.append(ce)
-            del dlogits
-        ce_all, top_all, grad_all = torch.cat(ces), torch.cat(tops), torch.cat(grads)
-        ctx.save_for_backward(grad_all)
-        ctx.mark_non_differentiable(top_all)
-        return ce_all, top_all
-
-    @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad_ce: Tensor,  # type: ignore[override]
-                 grad_top: Tensor | None) -> tuple[Tensor | None, ...]:
-        (grad_all,) = ctx.saved_tensors  # type: ignore[attr-defined]
-        if grad_ce is None:
-            return None, None, None, None, None
-        return (grad_ce[:, None].to(grad_all.dtype) * grad_all), None, None, None, None
-
-
-def frozen_head_ce_rows(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_rows: int,
-                        top_k: int) -> tuple[Tensor, Tensor]:
-    """hidden [N, H] (float, may need grad), a FROZEN head weight [V, H] (`head_weight`: no grad taken),
-    labels int64 [N] in 0..V-1 -> (CE [N] = hard_ce_rows(hidden @ weight.T, labels), top-`top_k` ids
-    [N, min(top_k, V)]), `chunk_rows` rows at a time.
-
-    Fused head + loss (Liger-style): each chunk's [n, V] logits are used once, in the forward, to get
-    CE, the top ids and d CE_i / d hidden_i = (softmax - onehot) @ weight, kept as one [N, H] tensor;
-    the backward multiplies it by the per-row incoming gradient. Valid because the weight is frozen
-    and each CE_i depends on row i only: equal to `chunked_rows` over the same terms (loss and row
-    gradient, up to float summation order; under autocast the d logits are rounded to the logits'
-    dtype before, not after, the incoming scale), without its backward recompute of the logits (one
-    head matmul per chunk fewer). No module is called, so no chunk-count sync is needed."""
-    check_chunk_rows(chunk_rows)
-    if int(labels.shape[0]) != int(hidden.shape[0]):
-        raise ValueError(f"rows: hidden {int(hidden.shape[0])} vs labels {int(labels.shape[0])}")
-    if weight.requires_grad:
-        raise ValueError("frozen_head_ce_rows: the head weight must not require grad (frozen head only)")
-    ce, top = _FrozenHeadCE.apply(hidden, weight, labels, chunk_rows, top_k)
-    return ce, top

@@ -1,4 +1,10 @@
-"""A frozen head's logits plus a trainable low-rank bias, and a weighted loss over them, fused chunk by
+"""Fused head + loss paths (issue 21): each chunk's [n, V] logits are used once, in the forward, which keeps
+the gradient the backward needs; the backward only scales it by the incoming gradient (no recompute).
+
+`frozen_head_ce_rows` (DFlash): a FROZEN head with a per-row hard CE; the forward keeps d CE_i / d row_i
+[N, H] (Liger-style).
+
+`fused_head_loss` (DSpark): a frozen head's logits plus a trainable low-rank bias, and a weighted loss over them, fused chunk by
 chunk with the frozen target head's logits (DSpark's loss, issue 21).
 
 Rows i = 0..N-1: draft logits z_i = W h_i + B^T e_i ([V]: W the FROZEN head [V, H], e_i [r] and B [r, V]
@@ -36,9 +42,11 @@ from torch import Tensor, nn
 from drafters.common.chunked_head import (
     check_chunk_rows,
     chunk_bounds,
+    hard_ce_grad_rows,
     row_argmax,
     soft_ce_grad_rows,
     synced_chunk_bounds,
+    topk_ids,
     wide_float,
 )
 
@@ -159,3 +167,58 @@ def soft_ce_head_rows(head: Callable[[Tensor], Tensor], hidden: Tensor, probs: T
         args.append(row_argmax(logits))
         del logits
     return torch.cat(ces), torch.cat(args)
+
+
+class _FrozenHeadCE(torch.autograd.Function):
+    """`frozen_head_ce_rows`: forward runs the chunks and keeps d CE_i / d hidden_i [N, H]; backward
+    scales it by the incoming per-row gradient (CE_i depends on row i only; the head is frozen)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, hidden: Tensor, weight: Tensor, labels: Tensor,
+                chunk_rows: int, top_k: int) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        ces, tops, grads = [], [], []
+        for start, stop in chunk_bounds(int(hidden.shape[0]), chunk_rows):
+            h = hidden[start:stop]
+            logits = h @ weight.T  # [n, V], under the caller's autocast as the unfused path
+            ce, dlogits = hard_ce_grad_rows(logits, labels[start:stop])
+            tops.append(topk_ids(logits, top_k))
+            logits_dtype = logits.dtype
+            del logits
+            # as the unfused backward: d logits cast to the logits' dtype, times the head, to hidden's dtype
+            grads.append((dlogits.to(logits_dtype) @ weight).to(hidden.dtype))  # [n, H]
+            ces.append(ce)
+            del dlogits
+        ce_all, top_all, grad_all = torch.cat(ces), torch.cat(tops), torch.cat(grads)
+        ctx.save_for_backward(grad_all)
+        ctx.mark_non_differentiable(top_all)
+        return ce_all, top_all
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad_ce: Tensor,  # type: ignore[override]
+                 grad_top: Tensor | None) -> tuple[Tensor | None, ...]:
+        (grad_all,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        if grad_ce is None:
+            return None, None, None, None, None
+        return (grad_ce[:, None].to(grad_all.dtype) * grad_all), None, None, None, None
+
+
+def frozen_head_ce_rows(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_rows: int,
+                        top_k: int) -> tuple[Tensor, Tensor]:
+    """hidden [N, H] (float, may need grad), a FROZEN head weight [V, H] (`head_weight`: no grad taken),
+    labels int64 [N] in 0..V-1 -> (CE [N] = hard_ce_rows(hidden @ weight.T, labels), top-`top_k` ids
+    [N, min(top_k, V)]), `chunk_rows` rows at a time.
+
+    Fused head + loss (Liger-style): each chunk's [n, V] logits are used once, in the forward, to get
+    CE, the top ids and d CE_i / d hidden_i = (softmax - onehot) @ weight, kept as one [N, H] tensor;
+    the backward multiplies it by the per-row incoming gradient. Valid because the weight is frozen
+    and each CE_i depends on row i only: equal to `chunked_rows` over the same terms (loss and row
+    gradient, up to float summation order; under autocast the d logits are rounded to the logits'
+    dtype before, not after, the incoming scale), without its backward recompute of the logits (one
+    head matmul per chunk fewer). No module is called, so no chunk-count sync is needed."""
+    check_chunk_rows(chunk_rows)
+    if int(labels.shape[0]) != int(hidden.shape[0]):
+        raise ValueError(f"rows: hidden {int(hidden.shape[0])} vs labels {int(labels.shape[0])}")
+    if weight.requires_grad:
+        raise ValueError("frozen_head_ce_rows: the head weight must not require grad (frozen head only)")
+    ce, top = _FrozenHeadCE.apply(hidden, weight, labels, chunk_rows, top_k)
+    return ce, top

@@ -74,7 +74,7 @@ def test_objective_chunked_equals_unchunked(name: str, settings: dict[str, Any],
     users = [m for name_, m in list(sys.modules.items())   # ours only: a lazy third-party module raises on getattr
              if name_.startswith("drafters.") and getattr(m, "chunked_rows", None) is ch.chunked_rows]
     fused_users = [m for name_, m in list(sys.modules.items())
-                   if name_.startswith("drafters.") and getattr(m, "frozen_head_ce_rows", None) is ch.frozen_head_ce_rows]
+                   if name_.startswith("drafters.") and getattr(m, "frozen_head_ce_rows", None) is fh.frozen_head_ce_rows]
     head_users = [m for name_, m in list(sys.modules.items())
                   if name_.startswith("drafters.") and getattr(m, "fused_head_loss", None) is fh.fused_head_loss]
     soft_users = [m for name_, m in list(sys.modules.items())
