@@ -77,8 +77,9 @@ class _FusedHeadLoss(torch.autograd.Function):
             if markov is not None and bias is not None:
                 z = z + markov[start:stop] @ bias
             target = target_hidden[start:stop] @ target_weight.T  # [n, V]
+            z_dtype = z.dtype
             with torch.enable_grad():
-                leaf = z.detach().requires_grad_(needs_grad)
+                leaf = wide_float(z.detach()).requires_grad_(needs_grad)  # one float32 copy for all row terms
                 loss, out = row_loss(leaf, target, start, stop)
             del target, z
             total = total + loss.detach()
@@ -86,6 +87,7 @@ class _FusedHeadLoss(torch.autograd.Function):
             if not needs_grad:
                 continue
             (dz,) = torch.autograd.grad(loss, [leaf], allow_unused=True, materialize_grads=True)
+            dz = dz.to(z_dtype)  # as autograd through z: d z in z's dtype (bf16 under autocast) for the matmuls
             del loss
             d_hidden[start:stop] = (dz @ weight).to(hidden.dtype)  # [n, H]
             if d_markov is not None and d_bias is not None and markov is not None and bias is not None:
@@ -116,7 +118,8 @@ def fused_head_loss(hidden: Tensor, target_hidden: Tensor, weight: Tensor, targe
     over the chunks, without grad), module docstring. hidden [N, H] and markov e [N, r] (may need grad),
     target_hidden [N, H] (no grad taken), weight [V, H] the FROZEN head (`chunked_head.head_weight`) and
     target_weight the same head in target_hidden's matmul dtype (often the same tensor), bias
-    B [r, V] (`bias_matrix`; may need grad) or None with markov None. row_loss gets z [n, V] (a leaf that
+    B [r, V] (`bias_matrix`; may need grad) or None with markov None. row_loss gets z [n, V] (widened to float32,
+    float64 stays; a leaf that
     requires grad), t [n, V] and the chunk's [start, stop): its loss must depend on z row-wise only.
     Differentiable in hidden, markov and bias; N = 0 runs row_loss once on empty rows."""
     check_chunk_rows(chunk_rows)
