@@ -28,9 +28,9 @@ from unittest import mock
 import torch
 from torch import Tensor, nn
 
+import drafters.common.fused_head as fused_head_module
 import drafters.dflash.objective as dflash_objective_module
 import drafters.dspark.objective as dspark_objective_module
-import drafters.eagle3.objective as eagle3_objective_module
 import drafters.peagle.objective as peagle_objective_module
 from benchmarks.train_step_common import (
     LOSS_REDUCTION_EPS,
@@ -48,7 +48,7 @@ from benchmarks.train_step_common import (
     tolerance,
     verifier_config,
 )
-from drafters.common.chunked_head import soft_ce_rows
+from drafters.common.chunked_head import soft_ce_grad_rows
 from drafters.common.contract import StoreStats
 from drafters.common.losses import ObjectiveOutput
 from drafters.common.target import TargetSpec
@@ -60,7 +60,7 @@ from drafters.dspark import FAMILY as DSPARK
 from drafters.dspark import DSparkConfig
 from drafters.eagle3 import FAMILY as EAGLE3
 from drafters.eagle3 import Eagle3Config, Eagle3Model
-from drafters.eagle3.objective import prepare_targets, target_draft_logits
+from drafters.eagle3.objective import prepare_targets
 from drafters.peagle import FAMILY as PEAGLE
 from drafters.peagle import PEagleConfig, PEagleModel
 from drafters.peagle.cod import CODLayout, cod_sample, document_ids
@@ -197,8 +197,8 @@ class Eagle3Adapter(Adapter):
               f"{'diff':>9}")
         ok, weighted_entropy = True, 0.0
         for j in range(args.ttt_steps):
-            b_j, _, last_hidden_j, _ = targets.rows_at_step(j)
-            probs = torch.softmax(target_draft_logits(ours, last_hidden_j).float(), -1)  # [N_j, Vd]
+            b_j, _, prob_rows_j, _ = targets.rows_at_step(j)
+            probs = targets.probs[prob_rows_j].float()  # [N_j, Vd]
             ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1)
             rows = float(b_j.numel())
             h_j = float(ent.sum()) / max(rows, 1.0)
@@ -690,12 +690,12 @@ class PEagleAdapter(Adapter):
                             torch.Generator().manual_seed(args.seed + 1))
         anchor_pos, depth = self._their_elements(layout)
         seen: dict[str, Tensor] = {}
-        chunks: dict[str, list[Tensor]] = {"target": [], "logits": []}
+        chunks: dict[str, list[Tensor]] = {"probs": [], "logits": []}
 
-        def ours_ce(draft_logits: Tensor, target_logits: Tensor) -> Tensor:  # one chunk of rows (no grad here)
+        def ours_ce(draft_logits: Tensor, probs: Tensor) -> tuple[Tensor, Tensor]:  # one chunk of rows
             chunks["logits"].append(draft_logits.detach())
-            chunks["target"].append(target_logits.detach())
-            return soft_ce_rows(draft_logits, target_logits)
+            chunks["probs"].append(probs.detach())
+            return soft_ce_grad_rows(draft_logits, probs)
 
         def their_kl(logits: Tensor, targets: Tensor) -> Tensor:
             out: Tensor = kl_div_loss(logits, targets)
@@ -705,7 +705,7 @@ class PEagleAdapter(Adapter):
         check_kwargs = {**kwargs, "loss_config": {"kl_div": (their_kl, 1.0)}}
         with torch.no_grad(), autocast(args.dtype), \
                 mock.patch.object(peagle_objective_module, "cod_sample", lambda *a, **k: layout), \
-                mock.patch.object(eagle3_objective_module, "soft_ce_rows", ours_ce), \
+                mock.patch.object(fused_head_module, "soft_ce_grad_rows", ours_ce), \
                 mock.patch.object(their_core, "generate_cod_sample_indices", lambda *a, **k: (anchor_pos, depth)):
             out = PEAGLE.objective(ours, batch)
             _, spec_loss, metrics = theirs(**spec_batch, **check_kwargs)
@@ -715,7 +715,7 @@ class PEagleAdapter(Adapter):
         beyond = layout.anchor + 1 + layout.depth >= layout.seq_len
         scored = layout.exists & ~beyond & torch.gather(targets.position_mask, 1, target_pos)
         ours_depth = layout.depth[scored.nonzero(as_tuple=True)]
-        probs = torch.softmax(torch.cat(chunks["target"]).float(), -1)  # [M, Vd]
+        probs = torch.cat(chunks["probs"]).float()  # [M, Vd]
         logits = torch.cat(chunks["logits"]).float()
         ce = -(probs * torch.log_softmax(logits, -1)).sum(-1)
         ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1)

@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from drafters.common.blocks import block_input_ids, block_labels, block_position_ids, sample_anchors
-from drafters.common.chunked_head import frozen_head_ce_rows, head_weight
+from drafters.common.chunked_head import head_weight
+from drafters.common.fused_head import frozen_head_ce_rows
 from drafters.common.losses import ObjectiveOutput
 from drafters.common.metrics import TOP_K, block_row_metrics
 from drafters.dflash.model import DFlashDraft

@@ -35,13 +35,13 @@ from drafters.common.blocks import (
     sample_anchors,
 )
 from drafters.common.chunked_head import (
-    chunked_rows,
     hard_ce_rows,
     head_weight,
     l1_rows,
     topk_ids,
     wide_float,
 )
+from drafters.common.fused_head import bias_matrix, fused_head_loss
 from drafters.common.losses import ObjectiveOutput
 from drafters.common.metrics import TOP_K, block_row_metrics
 from drafters.dflash.objective import check_batch
@@ -92,26 +92,33 @@ def ce_rows(logits: Tensor, labels: Tensor, target_logits: Tensor, cfg: DSparkCo
     return lse - zy, 1.0 + keep.sum(-1).float()
 
 
-def head_rows(model: DSparkDraft, rows: DSparkRows, labels: Tensor, target_hidden: Tensor,
-              negatives: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The vocab-wide terms of the N rows, `cfg.loss_chunk_rows` rows at a time (common/chunked_head.py):
-    rows (hidden [N, H], markov [N, r] or None), labels int64 [N], target_hidden [N, H] (the target's
-    post-norm last hidden at a + k: p_t is rebuilt per chunk) -> (ce [N], ce candidate count [N],
-    l1 [N], top-5 ids [N, 5])."""
+def head_loss(model: DSparkDraft, rows: DSparkRows, labels: Tensor, target_hidden: Tensor, negatives: Tensor | None,
+              slot_w: Tensor, conf_ok: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The vocab-wide terms of the N rows, fused chunk by chunk (common/fused_head.py, `cfg.loss_chunk_rows`
+    rows): rows (hidden [N, H], markov [N, r] or None), labels int64 [N], target_hidden [N, H] (the target's
+    post-norm last hidden at a + k), slot_w [N] the rows' slot weights, conf_ok bool [N] (the confidence
+    term is finite) -> (sum of slot_w * (ce_weight * ce + l1_weight * l1) over the rows where that and
+    conf_ok are finite (differentiable), ce [N], ce candidate count [N], l1 [N], top-5 ids [N, 5], that
+    finiteness bool [N]). The draft and target logits of a chunk are computed once, in the forward."""
     cfg = model.cfg
     head = head_weight(model.target_lm_head, rows.hidden)  # [V, H], cast once (if at all), not per chunk
     target_head = head if target_hidden.dtype == rows.hidden.dtype else head_weight(model.target_lm_head, target_hidden)
+    bias = None
+    if rows.markov is not None:
+        assert model.markov_head is not None
+        bias = bias_matrix(model.markov_head.markov_w2, cfg.markov_rank, rows.markov)  # [r, V]
 
-    def terms(h: Tensor, y: Tensor, lh: Tensor, *markov: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        logits = model.draft_logits(h, markov[0] if markov else None, head)  # [n, V]
-        with torch.no_grad():
-            target = model.logits(lh, target_head)  # [n, V]
-        ce, size = ce_rows(logits, y, target, cfg, negatives)
-        return ce, size, l1_rows(logits, target), topk_ids(logits, TOP_K)
+    def row_loss(z: Tensor, t: Tensor, start: int, stop: int) -> tuple[Tensor, tuple[Tensor, ...]]:
+        ce, size = ce_rows(z, labels[start:stop], t, cfg, negatives)
+        l1 = l1_rows(z, t)
+        term = cfg.ce_weight * ce + cfg.l1_weight * l1  # [n]
+        ok = torch.isfinite(term) & conf_ok[start:stop]
+        loss = (slot_w[start:stop] * torch.where(ok, term, torch.zeros_like(term))).sum()
+        return loss, (ce, size, l1, topk_ids(z, TOP_K), ok)
 
-    extra = [] if rows.markov is None else [rows.markov]
-    ce, size, l1, top = chunked_rows(terms, [rows.hidden, labels, target_hidden.detach(), *extra], cfg.loss_chunk_rows)
-    return ce, size, l1, top
+    num, (ce, size, l1, top, ok) = fused_head_loss(rows.hidden, target_hidden, head, target_head, rows.markov, bias,
+                                                   row_loss, cfg.loss_chunk_rows)
+    return num, ce, size, l1, top, ok
 
 
 def dspark_objective(model: DSparkDraft, batch: dict[str, Tensor],
@@ -133,20 +140,23 @@ def dspark_objective(model: DSparkDraft, batch: dict[str, Tensor],
     b, j, k = select.nonzero(as_tuple=True)
     pos = (anchors[b, j] + k).clamp(max=ids.shape[1] - 1)  # [N]: p_t from the last hidden at a + k
     negatives = sampled_negatives(model.target_lm_head.shape[0], cfg, rows.hidden.device, generator)
-    ce, ce_size, l1, top = head_rows(model, rows, labels, batch["last_hidden"][b, pos], negatives)
+    slot_w = next_token_slot_weights(bs, cfg.loss_gamma).to(rows.hidden.device)[k]  # [N]
+    # the confidence BCE is finite iff the confidence is (its target is clamped to [0, 1], the log to >= -100)
+    conf_ok = torch.ones_like(labels, dtype=torch.bool) if rows.confidence is None else torch.isfinite(rows.confidence)
+    head_num, ce, ce_size, l1, top, finite = head_loss(model, rows, labels, batch["last_hidden"][b, pos], negatives,
+                                                       slot_w, conf_ok.detach())
     conf_target = torch.nan_to_num((1.0 - 0.5 * l1).detach(), nan=0.0).clamp(0.0, 1.0)  # a NaN row is dropped below
     if rows.confidence is not None:
         conf = F.binary_cross_entropy(rows.confidence.clamp(1e-6, 1 - 1e-6), conf_target, reduction="none")
     else:
         conf = torch.zeros_like(l1)
-    per_row = cfg.ce_weight * ce + cfg.l1_weight * l1 + cfg.conf_weight * conf  # [N]
-    finite = torch.isfinite(per_row)
-    w = next_token_slot_weights(bs, cfg.loss_gamma).to(per_row.device)[k] * finite.float()  # [N]
-    safe = torch.where(finite, per_row, torch.zeros_like(per_row))
-    num = (w * safe).sum()
+    w = slot_w * finite.float()  # [N]: non-finite rows are dropped
+    num = head_num + cfg.conf_weight * (w * torch.where(finite, conf, torch.zeros_like(conf))).sum()
     den = w.sum().detach()
+    safe = torch.where(finite, cfg.ce_weight * ce + cfg.l1_weight * l1 + cfg.conf_weight * conf.detach(),
+                       torch.zeros_like(ce))  # [N]: the row loss (metrics)
     return ObjectiveOutput(num.view(1), den.view(1), torch.ones(1, device=num.device),
-                           _metrics(top, labels, k, w, finite, ce, l1, conf, safe, ce_size, bs))
+                           _metrics(top, labels, k, w, finite, ce, l1, conf.detach(), safe, ce_size, bs))
 
 
 def _metrics(top: Tensor, labels: Tensor, slot: Tensor, w: Tensor, finite: Tensor, ce: Tensor, l1: Tensor,

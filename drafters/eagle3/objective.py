@@ -27,7 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from drafters.common.chunked_head import chunked_argmax, chunked_rows, soft_ce_rows
+from drafters.common.chunked_head import draft_vocab_targets
+from drafters.common.fused_head import soft_ce_head_rows
 from drafters.common.losses import ObjectiveOutput, geometric_weights, masked_match_count
 from drafters.common.masks import shift_left
 from drafters.common.metrics import simulated_acceptance_length
@@ -39,21 +40,24 @@ REQUIRED_FIELDS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
 
 @dataclass
 class Eagle3Targets:
-    """Position-level (unshifted) targets. last_hidden [B, T, H]: the target head's input (each loss
-    chunk rebuilds its target logits from it, `target_draft_logits`; the [rows, vocab] target
-    distribution is never stored); target_argmax [B, T] int64 target ids (0 where loss_mask &
-    attention_mask is False: those rows never carry loss); position_mask [B, T] bool."""
+    """Position-level (unshifted) targets. target_argmax [B, T] int64 target ids (0 where loss_mask &
+    attention_mask is False: those rows never carry loss); position_mask [B, T] bool; probs [P, Vd]
+    float32: the target distribution over the draft vocab at the P positions where position_mask holds
+    (row order of `position_mask.nonzero()`), computed once (`draft_vocab_targets`) and read by every
+    loss row scored against that position; prob_row [B, T] int64: that position's row of probs (-1
+    where position_mask is False)."""
 
-    last_hidden: Tensor
     target_argmax: Tensor
     position_mask: Tensor
+    probs: Tensor
+    prob_row: Tensor
 
     def rows_at_step(self, step: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The loss rows of TTT step `step`: (batch index [N], row index t [N], target last hidden
-        [N, H], target_argmax [N]) for the rows with at_step(step)'s mask set (position t+1+step)."""
+        """The loss rows of TTT step `step`: (batch index [N], row index t [N], the rows of `probs` of
+        their targets [N], target_argmax [N]) for the rows with at_step(step)'s mask set (position t+1+step)."""
         n = step + 1
         b, p = self.position_mask[:, n:].nonzero(as_tuple=True)
-        return b, p, self.last_hidden[b, p + n], self.target_argmax[b, p + n]
+        return b, p, self.prob_row[b, p + n], self.target_argmax[b, p + n]
 
     def at_step(self, step: int) -> tuple[Tensor, Tensor]:
         """(target_argmax, mask) [B, T] for TTT step `step`: shifted left by step + 1."""
@@ -73,30 +77,29 @@ def target_draft_logits(model: Eagle3Backbone[Any], last_hidden: Tensor) -> Tens
 
 
 def prepare_targets(model: Eagle3Backbone[Any], batch: dict[str, Tensor]) -> Eagle3Targets:
-    """Target argmax and masks from `last_hidden` [B, T, H] with the frozen target head (run chunk
-    by chunk on the loss rows only)."""
+    """Target argmax, masks and draft-vocab target distributions from `last_hidden` [B, T, H] with the
+    frozen target head: one head matmul per loss-masked position, chunk by chunk."""
     last_hidden = batch["last_hidden"]
     b, t = last_hidden.shape[:2]
     candidate = batch["loss_mask"].to(torch.bool) & batch["attention_mask"].to(torch.bool)  # [B, T]
     rows = candidate.nonzero(as_tuple=True)
-    argmax_rows = chunked_argmax(model.target_logits, last_hidden[rows], model.cfg.loss_chunk_rows)  # [N]
+    argmax_rows, probs = draft_vocab_targets(model.target_logits, last_hidden[rows], model.t2d,
+                                             model.cfg.loss_chunk_rows)  # [N], [P, Vd]
     argmax = torch.zeros(b, t, dtype=torch.long, device=last_hidden.device)
     argmax[rows] = argmax_rows
     mask = torch.zeros(b, t, dtype=torch.bool, device=last_hidden.device)
     mask[rows] = model.t2d[argmax_rows]
-    return Eagle3Targets(last_hidden, argmax, mask)
+    prob_row = torch.full((b, t), -1, dtype=torch.long, device=last_hidden.device)
+    prob_row[mask] = torch.arange(probs.shape[0], device=last_hidden.device)  # row-major: the kept rows' order
+    return Eagle3Targets(argmax, mask, probs, prob_row)
 
 
-def soft_ce_head(model: Eagle3Backbone[Any], hidden: Tensor, last_hidden: Tensor) -> tuple[Tensor, Tensor]:
+def soft_ce_head(model: Eagle3Backbone[Any], hidden: Tensor, probs: Tensor, prob_rows: Tensor) -> tuple[Tensor, Tensor]:
     """Soft CE of the draft head against the target distribution over N rows, chunked
-    (common/chunked_head.py): hidden [N, H] post-norm draft rows, last_hidden [N, H] the target's
-    rows -> (per-row soft CE [N], draft argmax [N] as target ids)."""
-
-    def terms(h: Tensor, lh: Tensor) -> tuple[Tensor, Tensor]:
-        draft = model.lm_head(h)  # [n, Vd]
-        return soft_ce_rows(draft, target_draft_logits(model, lh)), draft.detach().argmax(-1)
-
-    ce, draft_argmax = chunked_rows(terms, [hidden, last_hidden], model.cfg.loss_chunk_rows)
+    (common/fused_head.py `soft_ce_head_rows`): hidden [N, H] post-norm draft rows, probs [P, Vd] the target
+    distributions (`Eagle3Targets.probs`), prob_rows int64 [N] each row's target in probs -> (per-row soft
+    CE [N], draft argmax [N] as target ids). Each chunk gathers its targets (no head matmul of the target)."""
+    ce, draft_argmax = soft_ce_head_rows(model.lm_head, hidden, probs, prob_rows, model.cfg.loss_chunk_rows)
     return ce, model.draft_vocab.draft_to_target(draft_argmax)
 
 
@@ -147,8 +150,8 @@ def eagle3_objective(model: Eagle3Model, batch: dict[str, Tensor]) -> ObjectiveO
     nums, dens, correct, valid = [], [], [], []
     metrics: dict[str, tuple[Tensor, Tensor]] = {}
     for j, step_hidden in enumerate(hidden):
-        b, t, last_hidden, argmax = targets.rows_at_step(j)  # lm_head + loss on the N loss rows only
-        ce, draft_pred = soft_ce_head(model, step_hidden[b, t - starts[j]], last_hidden)  # [N], [N]
+        b, t, prob_rows, argmax = targets.rows_at_step(j)  # lm_head + loss on the N loss rows only
+        ce, draft_pred = soft_ce_head(model, step_hidden[b, t - starts[j]], targets.probs, prob_rows)  # [N], [N]
         rows = torch.ones(b.shape[0], dtype=torch.bool, device=ce.device)
         nums.append(ce.sum())
         dens.append(rows.sum().to(ce.dtype))

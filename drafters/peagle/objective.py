@@ -60,7 +60,7 @@ def peagle_objective(model: PEagleModel, batch: dict[str, Tensor],
     scored = layout.exists & ~beyond & torch.gather(targets.position_mask, 1, target_pos)  # [B, N]
     b, n = scored.nonzero(as_tuple=True)
     p = target_pos[b, n]
-    ce, draft_pred = soft_ce_head(model, hidden[b, n], targets.last_hidden[b, p])  # [M], [M]: lm_head + loss, chunked
+    ce, draft_pred = soft_ce_head(model, hidden[b, n], targets.probs, targets.prob_row[b, p])  # [M]: lm_head + loss
     rows = torch.ones(b.shape[0], dtype=torch.bool, device=ce.device)
     num, den = ce.sum(), rows.sum().to(ce.dtype)
     target_argmax = targets.target_argmax[b, p]

@@ -15,6 +15,7 @@ from test_family_contract import SPEC, _build, _config, _random_samples, _target
 from torch import Tensor
 
 import drafters.common.chunked_head as ch
+import drafters.common.fused_head as fh
 from drafters.registry import get_family
 
 FAMILIES = ("eagle1", "eagle2", "eagle3", "dflash", "dspark", "domino", "peagle")
@@ -27,6 +28,21 @@ def _unchunked(fn: Callable[..., tuple[Tensor, ...]], rows: list[Tensor], chunk:
 def _unfused_frozen_head_ce(hidden: Tensor, weight: Tensor, labels: Tensor, chunk: int, top_k: int) -> tuple[Tensor, Tensor]:
     logits = hidden @ weight.T  # [N, V], autograd through the matmul, no chunks
     return ch.hard_ce_rows(logits, labels), ch.topk_ids(logits, top_k)
+
+
+def _unfused_head_loss(hidden: Tensor, target_hidden: Tensor, weight: Tensor, target_weight: Tensor,
+                       markov: Tensor | None, bias: Tensor | None, row_loss: fh.RowLoss,
+                       chunk: int) -> tuple[Tensor, tuple[Tensor, ...]]:
+    z = hidden @ weight.T  # [N, V], autograd through the matmuls, no chunks
+    if markov is not None and bias is not None:
+        z = z + markov @ bias
+    return row_loss(z, target_hidden @ target_weight.T, 0, int(hidden.shape[0]))
+
+
+def _unfused_soft_ce_head(head: Callable[[Tensor], Tensor], hidden: Tensor, probs: Tensor, rows: Tensor,
+                          chunk: int) -> tuple[Tensor, Tensor]:
+    logits = head(hidden)  # [N, Vd], autograd through the head and the soft CE, no chunks
+    return ch.soft_ce_prob_rows(logits, probs[rows]), logits.detach().argmax(-1)
 
 
 def _run(name: str, model: torch.nn.Module, batch: dict[str, Tensor]) -> tuple[Any, dict[str, Tensor]]:
@@ -58,12 +74,21 @@ def test_objective_chunked_equals_unchunked(name: str, settings: dict[str, Any],
     users = [m for name_, m in list(sys.modules.items())   # ours only: a lazy third-party module raises on getattr
              if name_.startswith("drafters.") and getattr(m, "chunked_rows", None) is ch.chunked_rows]
     fused_users = [m for name_, m in list(sys.modules.items())
-                   if name_.startswith("drafters.") and getattr(m, "frozen_head_ce_rows", None) is ch.frozen_head_ce_rows]
-    assert any(m.__name__ == f"drafters.{name}.objective" for m in users + fused_users) or name in ("eagle2", "peagle")
+                   if name_.startswith("drafters.") and getattr(m, "frozen_head_ce_rows", None) is fh.frozen_head_ce_rows]
+    head_users = [m for name_, m in list(sys.modules.items())
+                  if name_.startswith("drafters.") and getattr(m, "fused_head_loss", None) is fh.fused_head_loss]
+    soft_users = [m for name_, m in list(sys.modules.items())
+                  if name_.startswith("drafters.") and getattr(m, "soft_ce_head_rows", None) is fh.soft_ce_head_rows]
+    assert any(m.__name__ == f"drafters.{name}.objective" for m in users + fused_users + head_users + soft_users) or (
+        name in ("eagle2", "peagle"))
     for module in users:
         monkeypatch.setattr(module, "chunked_rows", _unchunked)
     for module in fused_users:  # the fused frozen-head CE against plain autograd over all rows at once
         monkeypatch.setattr(module, "frozen_head_ce_rows", _unfused_frozen_head_ce)
+    for module in head_users:  # the fused head loss (DSpark) against plain autograd over all rows at once
+        monkeypatch.setattr(module, "fused_head_loss", _unfused_head_loss)
+    for module in soft_users:  # the soft-CE head (EAGLE-3 / P-EAGLE) against plain autograd over all rows
+        monkeypatch.setattr(module, "soft_ce_head_rows", _unfused_soft_ce_head)
     ref, ref_grads = _run(name, model, batch)
     assert ref_grads and float(ref.denominators.sum()) > 0
     for chunk, (out, grads) in results.items():

@@ -85,9 +85,10 @@ def test_shift_alignment_golden() -> None:
         am, mask = targets.at_step(j)
         assert mask.int().tolist() == expected_masks[j]
         assert am.tolist() == expected_argmax[j]
-    b, t, last_hidden, _ = targets.rows_at_step(0)
+    b, t, prob_rows, _ = targets.rows_at_step(0)
     assert (int(b[0]), int(t[0])) == (0, 0)
-    probs0 = torch.softmax(target_draft_logits(model, last_hidden), -1)  # the target the loss rebuilds per chunk
+    probs0 = targets.probs[prob_rows]  # the targets the loss reads, computed once per position
+    torch.testing.assert_close(probs0, torch.softmax(target_draft_logits(model, batch["last_hidden"][b, t + 1]), -1))
     row = torch.tensor([0.0, 0.0, 0.0, 4.0, 0.0, 0.0, 0.0])  # b0 step 0 row 0 = position 1 (argmax 3), no token 7
     torch.testing.assert_close(probs0[0], torch.softmax(row, -1))
 

@@ -162,14 +162,21 @@ def _slow_element_logits(model: PEagleModel, batch: dict[str, torch.Tensor], b: 
     return model.lm_head(model.norm(out[0, -1]))
 
 
-def test_loss_matches_a_slow_per_element_implementation() -> None:
-    _, model, batch = _trained_parts()
+@pytest.mark.parametrize("chunk", [3, 10_000])  # 3: ragged chunks of loss rows; 10_000: one chunk
+def test_loss_and_gradients_match_a_slow_per_element_implementation(chunk: int) -> None:
+    """float64: the loss (target distributions computed once per position, `prepare_targets`) and every
+    parameter gradient equal a slow per-element reference that rebuilds each element's target from the
+    last hidden through the full target head."""
+    _, model, batch = _trained_parts(dtype=torch.float64)
+    model = FAMILY.with_settings(model, loss_chunk_rows=chunk)
+    params = [p for p in model.parameters() if p.requires_grad]
     out = peagle_objective(model, batch, torch.Generator().manual_seed(5))
+    grads = torch.autograd.grad(out.loss(), params)
     layout = cod_sample(batch["loss_mask"].bool() & batch["attention_mask"].bool(),
                         document_ids(batch["attention_mask"]), 4, 0.7, 0.2, torch.Generator().manual_seed(5))
     head, t2d = model.target_lm_head, model.t2d
-    num = den = 0.0
-    hits = 0
+    num = torch.zeros((), dtype=torch.float64)
+    den = hits = 0
     per_depth = [0] * 4
     doc = document_ids(batch["attention_mask"])
     for b in range(layout.anchor.shape[0]):
@@ -183,12 +190,19 @@ def test_loss_matches_a_slow_per_element_implementation() -> None:
                 continue  # the target's argmax is outside the draft vocab: masked
             probs = torch.softmax(target_logits[t2d], -1)
             logits = _slow_element_logits(model, batch, b, a, d, doc)
-            num += float(-(probs * torch.log_softmax(logits, -1)).sum().detach())
+            num = num - (probs * torch.log_softmax(logits, -1)).sum()
             den += 1
             per_depth[d] += 1
             hits += int(int(model.d2t[int(logits.argmax())]) + int(logits.argmax()) == int(target_logits.argmax()))
     assert den > 20 and all(per_depth)  # every depth is scored
-    assert abs(float(out.numerators[0]) - num) < 1e-3 * den and float(out.denominators[0]) == den
+    torch.testing.assert_close(out.numerators[0], num, rtol=1e-12, atol=0.0)
+    assert float(out.denominators[0]) == den
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    for name, got, want in zip(names, grads, torch.autograd.grad(num / den, params), strict=True):
+        # the fused first layer and below: 2e-8, the same before the targets were computed once (the slow
+        # per-element forward of that layer, not the loss); the loss side (lm_head, norm, layers): 1e-16
+        tol = 1e-6 if name.split(".")[0] in ("mask_hidden", "fc", "midlayer") else 1e-12
+        assert float((got - want).norm() / want.norm()) < tol, name
     assert float(out.metrics["acc"][0]) == hits and float(out.metrics["acc"][1]) == den
     assert [float(out.metrics[f"acc_pos{d}"][1]) for d in range(4)] == per_depth
     assert float(out.weights[0]) == 1.0 and out.numerators.shape == (1,)  # one count-normalised term
