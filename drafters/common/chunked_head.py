@@ -44,6 +44,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from drafters.common.vocab import target_logits_to_draft
+
 # Rows per chunk (every family's `loss_chunk_rows` default). scripts/bench_chunked_loss.py, rows 4096,
 # vocab 32000, hidden 1024, EAGLE-3's soft CE against the rebuilt target with a trainable head, forward +
 # backward, CPU float32: peak memory vs unchunked 0.16 at 256 and 512 rows (the floor: the head's weight
@@ -186,13 +188,12 @@ def draft_vocab_targets(head: Callable[[Tensor], Tensor], hidden: Tensor, t2d: T
     The loss reads those rows as its targets, so no loss chunk (or its backward) rebuilds them."""
     check_chunk_rows(chunk_rows)
     args, probs = [], []
-    columns = t2d.nonzero().squeeze(1)  # [Vd] the draft-vocab ids, ascending (draft-id order)
     with torch.no_grad():
         for start, stop in chunk_bounds(int(hidden.shape[0]), chunk_rows):  # no module call: no count sync
             logits = head(hidden[start:stop])  # [n, V]
             arg = row_argmax(logits)
             args.append(arg)
-            probs.append(target_probs(logits.index_select(1, columns)[t2d[arg]]))  # [kept, Vd]
+            probs.append(target_probs(target_logits_to_draft(logits[t2d[arg]], t2d)))  # [kept, Vd]
             del logits
     return torch.cat(args), torch.cat(probs)
 

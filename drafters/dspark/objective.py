@@ -93,13 +93,13 @@ def ce_rows(logits: Tensor, labels: Tensor, target_logits: Tensor, cfg: DSparkCo
 
 
 def head_loss(model: DSparkDraft, rows: DSparkRows, labels: Tensor, target_hidden: Tensor, negatives: Tensor | None,
-              slot_w: Tensor, conf_ok: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+              slot_w: Tensor, conf_ok: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The vocab-wide terms of the N rows, fused chunk by chunk (common/fused_head.py, `cfg.loss_chunk_rows`
     rows): rows (hidden [N, H], markov [N, r] or None), labels int64 [N], target_hidden [N, H] (the target's
     post-norm last hidden at a + k), slot_w [N] the rows' slot weights, conf_ok bool [N] (the confidence
     term is finite) -> (sum of slot_w * (ce_weight * ce + l1_weight * l1) over the rows where that and
-    conf_ok are finite (differentiable), ce [N], ce candidate count [N], l1 [N], top-5 ids [N, 5], that
-    finiteness bool [N]). The draft and target logits of a chunk are computed once, in the forward."""
+    conf_ok are finite (differentiable), ce [N], ce candidate count [N], l1 [N], that weighted term
+    ce_weight * ce + l1_weight * l1 [N] (no grad), top-5 ids [N, 5], that finiteness bool [N]). The draft and target logits of a chunk are computed once, in the forward."""
     cfg = model.cfg
     head = head_weight(model.target_lm_head, rows.hidden)  # [V, H], cast once (if at all), not per chunk
     target_head = head if target_hidden.dtype == rows.hidden.dtype else head_weight(model.target_lm_head, target_hidden)
@@ -114,11 +114,11 @@ def head_loss(model: DSparkDraft, rows: DSparkRows, labels: Tensor, target_hidde
         term = cfg.ce_weight * ce + cfg.l1_weight * l1  # [n]
         ok = torch.isfinite(term) & conf_ok[start:stop]
         loss = (slot_w[start:stop] * torch.where(ok, term, torch.zeros_like(term))).sum()
-        return loss, (ce, size, l1, topk_ids(z, TOP_K), ok)
+        return loss, (ce, size, l1, term, topk_ids(z, TOP_K), ok)
 
-    num, (ce, size, l1, top, ok) = fused_head_loss(rows.hidden, target_hidden, head, target_head, rows.markov, bias,
-                                                   row_loss, cfg.loss_chunk_rows)
-    return num, ce, size, l1, top, ok
+    num, (ce, size, l1, term, top, ok) = fused_head_loss(rows.hidden, target_hidden, head, target_head, rows.markov,
+                                                         bias, row_loss, cfg.loss_chunk_rows)
+    return num, ce, size, l1, term, top, ok
 
 
 def dspark_objective(model: DSparkDraft, batch: dict[str, Tensor],
@@ -143,7 +143,7 @@ def dspark_objective(model: DSparkDraft, batch: dict[str, Tensor],
     slot_w = next_token_slot_weights(bs, cfg.loss_gamma).to(rows.hidden.device)[k]  # [N]
     # the confidence BCE is finite iff the confidence is (its target is clamped to [0, 1], the log to >= -100)
     conf_ok = torch.ones_like(labels, dtype=torch.bool) if rows.confidence is None else torch.isfinite(rows.confidence)
-    head_num, ce, ce_size, l1, top, finite = head_loss(model, rows, labels, batch["last_hidden"][b, pos], negatives,
+    head_num, ce, ce_size, l1, head_term, top, finite = head_loss(model, rows, labels, batch["last_hidden"][b, pos], negatives,
                                                        slot_w, conf_ok.detach())
     conf_target = torch.nan_to_num((1.0 - 0.5 * l1).detach(), nan=0.0).clamp(0.0, 1.0)  # a NaN row is dropped below
     if rows.confidence is not None:
@@ -153,8 +153,7 @@ def dspark_objective(model: DSparkDraft, batch: dict[str, Tensor],
     w = slot_w * finite.float()  # [N]: non-finite rows are dropped
     num = head_num + cfg.conf_weight * (w * torch.where(finite, conf, torch.zeros_like(conf))).sum()
     den = w.sum().detach()
-    safe = torch.where(finite, cfg.ce_weight * ce + cfg.l1_weight * l1 + cfg.conf_weight * conf.detach(),
-                       torch.zeros_like(ce))  # [N]: the row loss (metrics)
+    safe = torch.where(finite, head_term + cfg.conf_weight * conf.detach(), torch.zeros_like(ce))  # [N]: row loss (metrics)
     return ObjectiveOutput(num.view(1), den.view(1), torch.ones(1, device=num.device),
                            _metrics(top, labels, k, w, finite, ce, l1, conf.detach(), safe, ce_size, bs))
 

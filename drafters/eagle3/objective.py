@@ -32,7 +32,6 @@ from drafters.common.fused_head import soft_ce_head_rows
 from drafters.common.losses import ObjectiveOutput, geometric_weights, masked_match_count
 from drafters.common.masks import shift_left
 from drafters.common.metrics import simulated_acceptance_length
-from drafters.common.vocab import target_logits_to_draft
 from drafters.eagle3.model import Eagle3Backbone, Eagle3Model
 
 REQUIRED_FIELDS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
@@ -68,12 +67,6 @@ class Eagle3Targets:
 def step_input_ids(input_ids: Tensor, steps: int) -> Tensor:
     """[B, T] -> [S, B, T]: step j row t holds x_{t+1+j} (0 past the end)."""
     return torch.stack([shift_left(input_ids.long(), j + 1) for j in range(steps)])
-
-
-def target_draft_logits(model: Eagle3Backbone[Any], last_hidden: Tensor) -> Tensor:
-    """[n, H] post-norm target hidden -> [n, Vd] target logits of the draft-vocab tokens (no grad);
-    softmax of it is the training target distribution (EAGLE-3, P-EAGLE)."""
-    return target_logits_to_draft(model.target_logits(last_hidden), model.t2d)
 
 
 def prepare_targets(model: Eagle3Backbone[Any], batch: dict[str, Tensor]) -> Eagle3Targets:

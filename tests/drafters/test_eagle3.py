@@ -12,9 +12,9 @@ from drafter_targets import TinyTarget, tiny_spec
 
 from drafters.common.contract import StoreStats
 from drafters.common.target import TargetHead
-from drafters.common.vocab import DraftVocab, token_counts
+from drafters.common.vocab import DraftVocab, target_logits_to_draft, token_counts
 from drafters.eagle3 import FAMILY, Eagle3Config, Eagle3Model
-from drafters.eagle3.objective import prepare_targets, step_input_ids, target_draft_logits
+from drafters.eagle3.objective import prepare_targets, step_input_ids
 from feature_store import Layout
 
 AUX = (1, 2, 3)
@@ -88,7 +88,8 @@ def test_shift_alignment_golden() -> None:
     b, t, prob_rows, _ = targets.rows_at_step(0)
     assert (int(b[0]), int(t[0])) == (0, 0)
     probs0 = targets.probs[prob_rows]  # the targets the loss reads, computed once per position
-    torch.testing.assert_close(probs0, torch.softmax(target_draft_logits(model, batch["last_hidden"][b, t + 1]), -1))
+    want = target_logits_to_draft(model.target_logits(batch["last_hidden"][b, t + 1]), model.t2d)  # [N, Vd]
+    torch.testing.assert_close(probs0, torch.softmax(want, -1))
     row = torch.tensor([0.0, 0.0, 0.0, 4.0, 0.0, 0.0, 0.0])  # b0 step 0 row 0 = position 1 (argmax 3), no token 7
     torch.testing.assert_close(probs0[0], torch.softmax(row, -1))
 
