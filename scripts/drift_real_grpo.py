@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Drift study on the real loop: verl GRPO on CPU (scripts/run_cpu_grpo.sh's launcher), three arms.
 
-Every arm is one real run of `python -m verl_speco.cpu_port.launch` from the same trained
-initial drafter (`--drafter trained`: train_small_drafter, shared by the arms), the same seed, data and
+Every arm is one real run of `python -m verl_speco.cpu_port.launch --target T` from the same trained
+initial drafter (`--drafter trained`: `initial_drafter`, trained on the target's own answers to the
+run's task, shared by the arms; or the export given as `--drafter`), the same seed, data and
 actor learning rate, with verl's validation after every step (`trainer.test_freq=1`,
 `val_before_train=true`: step 0 is the initial policy and draft). Validation generates the held-out
 problems of `val.parquet` (the corpus's test split) greedily through the rollout servers, right after
@@ -13,10 +14,12 @@ the step's weight sync, and the trainer reads the servers' own spec-decode count
     cotrained    a training round every step, published to the rollout servers
     publish_off  a training round every step, never published (publish_interval > steps)
 
-`--paired` also turns on `drafter.heldout_baseline` in the cotrained arm: every validation then decodes
-the held-out problems a second time with the initial draft on the SAME policy
-(`drafter/heldout_baseline/*`, `drafter/heldout/gain`), so co-trained over frozen is measured per step
-without the between-arm noise of separate policy trajectories (the frozen arm is then optional).
+`--paired` also turns on `drafter.heldout_baseline` in every arm: every validation then decodes the
+held-out problems a second time with the initial draft on the SAME policy (`drafter/heldout_baseline/*`,
+`drafter/heldout/gain`), so co-trained over frozen is measured per step without the between-arm noise of
+separate policy trajectories. In the frozen and publish_off arms the served draft IS the initial one, so
+their gain measures the paired comparison's own noise (two decodes of one draft through the async
+rollout servers, whose batching depends on timing).
 
 Writes into --results: `metrics.jsonl` (one line per arm per step), `acceptance.png` (held-out mean
 acceptance length per step, one line per arm) and `summary.json` (commands, last-step figures, ratios).
@@ -44,7 +47,6 @@ KEYS = {  # metrics.jsonl field -> verl / trainer metric
     "drafter_version": "drafter/version",
     "drafter_loss": "drafter/loss",
     "score_mean": "critic/score/mean",
-    "val_reward": "val-core/verl_speco/embedded/acc/mean@1",
     "pg_loss": "actor/pg_loss",
     "ppo_kl": "actor/ppo_kl",
     "entropy": "actor/entropy",
@@ -56,22 +58,36 @@ KEYS = {  # metrics.jsonl field -> verl / trainer metric
 }
 
 
+def val_reward_key(target: str) -> str:
+    """verl's validation reward metric of the target's rule-reward task (named by its data source)."""
+    from verl_speco.cpu_port.launch import rl_task
+    from verl_speco.target.rl_data import DATA_SOURCE, PLAIN_SOURCE
+
+    source = DATA_SOURCE if rl_task(target, None) == "corpus" else PLAIN_SOURCE
+    return f"val-core/{source}/acc/mean@1"
+
+
 def arm_overrides(arm: str, args: argparse.Namespace) -> list[str]:
     common = [f"trainer.total_training_steps={args.steps}", "trainer.test_freq=1", "trainer.val_before_train=true",
               f"actor_rollout_ref.actor.optim.lr={args.lr}", f"data.train_batch_size={args.batch}",
               f"actor_rollout_ref.rollout.n={args.n}"]
     never = args.steps + 1
     extra = {"frozen": [f"actor_rollout_ref.rollout.drafter.train_interval={never}"],
-             "cotrained": ["actor_rollout_ref.rollout.drafter.heldout_baseline=true"] if args.paired else [],
+             "cotrained": [],
              "publish_off": [f"actor_rollout_ref.rollout.drafter.publish_interval={never}"]}[arm]
-    return common + extra
+    paired = ["actor_rollout_ref.rollout.drafter.heldout_baseline=true"] if args.paired else []
+    return common + extra + paired
+
+
+def arm_command(arm: str, work: Path, drafter: Path, args: argparse.Namespace) -> list[str]:
+    return [sys.executable, "-m", "verl_speco.cpu_port.launch", "--target", args.target, "--out", str(work / arm),
+            "--drafter", str(drafter), "--val-prompts", str(args.val_prompts), "--seed", str(args.seed),
+            *arm_overrides(arm, args), *args.overrides]
 
 
 def run_arm(arm: str, work: Path, drafter: Path, args: argparse.Namespace) -> dict[str, Any]:
     out = work / arm
-    cmd = [sys.executable, "-m", "verl_speco.cpu_port.launch", "--out", str(out), "--drafter",
-           str(drafter), "--val-prompts", str(args.val_prompts), "--seed", str(args.seed),
-           *arm_overrides(arm, args), *args.overrides]
+    cmd = arm_command(arm, work, drafter, args)
     (out / "metrics.jsonl").unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -84,8 +100,9 @@ def run_arm(arm: str, work: Path, drafter: Path, args: argparse.Namespace) -> di
     return {"command": cmd, "wall_seconds": round(wall, 1)}
 
 
-def arm_records(arm: str, work: Path) -> list[dict[str, Any]]:
+def arm_records(arm: str, work: Path, target: str = "embedded") -> list[dict[str, Any]]:
     """One record per logged step (step 0: the validation before training)."""
+    keys = {**KEYS, "val_reward": val_reward_key(target)}
     by_step: dict[int, dict[str, Any]] = {}
     for line in (work / arm / "metrics.jsonl").read_text().splitlines():
         if line.strip():
@@ -94,7 +111,7 @@ def arm_records(arm: str, work: Path) -> list[dict[str, Any]]:
     records = []
     for step, data in sorted(by_step.items()):
         rec: dict[str, Any] = {"arm": arm, "step": step}
-        rec.update({name: float(data[key]) for name, key in KEYS.items() if key in data})
+        rec.update({name: float(data[key]) for name, key in keys.items() if key in data})
         records.append(rec)
     return records
 
@@ -118,7 +135,8 @@ def plot(records: list[dict[str, Any]], path: Path, title: str) -> None:
     ax.set_ylabel("held-out mean acceptance length (vLLM)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -137,12 +155,16 @@ def summarize(records: list[dict[str, Any]], runs: dict[str, Any], args: argpars
                          "heldout_acceptance_step0": first["heldout_acceptance"],
                          "served_version": end.get("heldout_served_version"),
                          "val_reward_step0": first.get("val_reward"), "val_reward_last": end.get("val_reward")}
-    summary: dict[str, Any] = {"steps": args.steps, "actor_lr": args.lr, "batch": args.batch, "n": args.n,
+    summary: dict[str, Any] = {"target": args.target, "steps": args.steps, "actor_lr": args.lr, "batch": args.batch, "n": args.n,
                                "val_prompts": args.val_prompts,
                                "seed": args.seed, "initial_drafter": str(drafter), "runs": runs, "last_step": last}
-    paired = [r for r in records if r["arm"] == "cotrained" and "heldout_gain" in r]
-    if paired:
-        summary["paired_gain"] = {str(r["step"]): round(r["heldout_gain"], 4) for r in paired}
+    gains = {arm: {str(r["step"]): round(r["heldout_gain"], 4) for r in records
+                   if r["arm"] == arm and "heldout_gain" in r} for arm in ARMS}
+    if gains["cotrained"]:
+        summary["paired_gain"] = gains["cotrained"]
+    same = {arm: g for arm, g in gains.items() if arm != "cotrained" and g}
+    if same:  # the served draft is the initial one: the paired comparison's own noise
+        summary["same_draft_gain"] = same
     if "frozen" in last:
         base = last["frozen"]["heldout_acceptance"]
         for arm in ("cotrained", "publish_off"):
@@ -156,6 +178,8 @@ def summarize(records: list[dict[str, Any]], runs: dict[str, Any], args: argpars
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="drift_real_grpo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="embedded",
+                   help="named target (embedded, smollm2-135m) or an HF model directory (default: %(default)s)")
     p.add_argument("--work", default="runs/drift_grpo", help="run directories (default: %(default)s)")
     p.add_argument("--results", default="docs/results/drift_grpo", help="outputs (default: %(default)s)")
     p.add_argument("--steps", type=int, default=20, help="GRPO steps per arm (default: %(default)s)")
@@ -181,19 +205,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.drafter:
         drafter = Path(args.drafter).resolve()
     else:
-        from verl_speco.cpu_port.launch import train_small_drafter
+        from verl_speco.cpu_port.initial_drafter import initial_drafter
+        from verl_speco.cpu_port.launch import rl_task
 
-        drafter = train_small_drafter(work / "drafter", seed=args.seed)
+        drafter = initial_drafter(work / "drafter", args.target, rl_task(args.target, None), seed=args.seed)
     if not args.report_only:
         for arm in arms:
             runs[arm] = run_arm(arm, work, drafter, args)
             runs_file.write_text(json.dumps(runs, indent=1))
-    records = [r for arm in ARMS if (work / arm / "metrics.jsonl").is_file() for r in arm_records(arm, work)]
+    records = [r for arm in ARMS if (work / arm / "metrics.jsonl").is_file()
+               for r in arm_records(arm, work, args.target)]
     with open(results / "metrics.jsonl", "w") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in records)
     summary = summarize(records, runs, args, drafter)
     (results / "summary.json").write_text(json.dumps(summary, indent=1))
-    plot(records, results / "acceptance.png", f"EAGLE-3 under real GRPO drift (actor lr {args.lr:g}, k=3, greedy)")
+    plot(records, results / "acceptance.png", f"EAGLE-3 under GRPO drift ({args.target}, actor lr {args.lr:g}, k=3)")
     print(json.dumps(summary["last_step"], indent=1))
     return 0
 

@@ -241,7 +241,7 @@ def test_the_real_target_results_commands_parse() -> None:
     blocks = [b.split("```", 1)[0].replace("\\\n", " ").strip() for b in text.split("```bash\n")[1:]]
     bench_line = next(b for b in blocks if "bench_family_acceptance.py" in b)
     args = _bench_family_module()._parser().parse_args(shlex.split(bench_line)[2:])
-    assert (args.target, args.k, args.steps, args.eval_sets, args.speed) == ("smollm2-135m", 3, 80, "sharegpt", True)
+    assert (args.target, args.k, args.steps, args.eval_sets, args.speed) == ("smollm2-135m", 3, 80, "sharegpt,humaneval", True)
     grpo_line = next(b for b in blocks if "run_cpu_grpo.sh" in b)
     launch = build_parser().parse_args(shlex.split(grpo_line)[2:])
     assert launch.target == "smollm2-135m" and "trainer.test_freq=1" in launch.overrides

@@ -62,3 +62,31 @@ def test_data_is_checked_before_the_target_is_loaded(target_dir: Path, tmp_path:
     data.write_text(f"{GOOD}\n{{not json\n")
     line = collect_failing(broken, data, tmp_path / "store")
     assert f"{data}:2: " in line and "JSON" in line
+
+
+def test_vllm_generation_reserves_a_small_cpu_kv_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM CPU sizes its KV cache from VLLM_CPU_KVCACHE_SPACE; unset, it reserves 92% of the machine's
+    memory and refuses to start when another process holds some (`verl-speco-collect --engine vllm`
+    beside a running benchmark did). The engine is built with 1 GiB unless the user chose a size."""
+    from verl_speco.capture import generate
+    from verl_speco.engines import vllm_engine
+
+    seen: list[tuple[str | None, str | None]] = []
+
+    class Built(Exception):
+        pass
+
+    def build_llm(*args: object, **kwargs: object) -> None:
+        seen.append((os.environ.get("VLLM_CPU_KVCACHE_SPACE"), os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")))
+        raise Built
+
+    monkeypatch.setattr(vllm_engine, "build_llm", build_llm)
+    for user in (None, "6"):
+        monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+        if user is None:
+            monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+        else:
+            monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", user)
+        with pytest.raises(Built):
+            generate.generate_responses_vllm("unused", [[1, 2, 3]], end_ids=[0], max_new_tokens=4)
+    assert seen == [("1", "0"), ("6", "0")]

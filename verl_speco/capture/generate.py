@@ -75,15 +75,16 @@ def generate_responses_vllm(target_dir: str, prompts: Sequence[Sequence[int]], *
     with the engine users deploy (self-distillation as the EAGLE papers do; much faster than HF
     generate at real model sizes). Greedy by default; with `temperature > 0` each request is seeded
     from `seed` and its index. The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0
-    unless the caller set it) and is shut down before returning."""
-    import os
-
+    unless the caller set it) with a 1 GiB CPU KV cache (`use_in_process_vllm_env`: without it vLLM CPU
+    reserves 92% of the machine's memory and refuses to start when another process holds some) and is
+    shut down before returning."""
+    from verl_speco.cpu_port.env import use_in_process_vllm_env
     from verl_speco.engines import vllm_engine
 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1")
     ends = {int(i) for i in end_ids}
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    use_in_process_vllm_env()
     longest = max(len(p) for p in prompts) + max_new_tokens
     llm = vllm_engine.build_llm(target_dir, None, max_model_len=longest, max_num_seqs=max_num_seqs, seed=seed)
     try:

@@ -4,8 +4,8 @@
 
 1. builds (or reuses) the target, `--target embedded` (default) or `smollm2-135m` (`verl_speco.target.named`);
 2. writes the rule-reward dataset (`verl_speco.target.rl_data`) under `<out>/data`;
-3. picks the initial drafter: `--drafter DIR`; `--drafter trained` trains a small one first
-   (`train_small_drafter`: the quickstart's collect + train, fewer prompts and steps); by default the quickstart's trained export
+3. picks the initial drafter: `--drafter DIR`; `--drafter trained` trains a small one first on the
+   target's own answers to the task (`initial_drafter`); by default the quickstart's trained export
    (`runs/quickstart/train/**/export`, the newest) when it exists, else a freshly exported initial
    drafter (`drafter.model_path=null`); the choice is printed and written to `<out>/launch.json`;
 4. runs `python -m verl_speco.main +speco_cpu=grpo_embedded ...` (configs/speco_cpu/grpo_embedded.yaml)
@@ -50,28 +50,6 @@ def quickstart_drafter(train_dir: Path = QUICKSTART_TRAIN) -> Path | None:
     return max(exports, key=lambda p: p.stat().st_mtime) if exports else None
 
 
-def train_small_drafter(out: Path, train_prompts: int = 128, steps: int = 120, seed: int = 0) -> Path:
-    """A drafter trained offline on the target's own greedy answers (`verl-speco-quickstart --skip-vllm`
-    with fewer prompts and steps) under `out`; reused when `out` already holds its export."""
-    done = out / "drafter.json"
-    if done.is_file():
-        export = Path(json.loads(done.read_text())["export"])
-        if (export / "config.json").is_file():
-            return export
-    cmd = [sys.executable, "-m", "verl_speco.quickstart", "--out", str(out), "--train-prompts", str(train_prompts),
-           "--eval-prompts", "8", "--serve-prompts", "4", "--steps", str(steps), "--seed", str(seed),
-           "--skip-vllm", "--json"]
-    out.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    (out / "drafter.log").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"training the initial drafter failed (rc {proc.returncode}); log {out / 'drafter.log'}")
-    report = json.loads((out / "report.json").read_text())
-    done.write_text(json.dumps({"export": report["export"], "reference": report["reference"],
-                                "train_prompts": train_prompts, "steps": steps}, indent=1))
-    return Path(report["export"])
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="run_cpu_grpo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,8 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/cpu_grpo", help="working directory (default: %(default)s)")
     p.add_argument("--drafter", default=None,
                    help="initial drafter export; 'fresh' for a freshly exported one; 'trained' to train a small "
-                        "one first under <out>/drafter (train_small_drafter; reused) (default: the quickstart's "
-                        "trained drafter if present, else fresh)")
+                        "one first on the target's answers to the task, under <out>/drafter (reused) (default: the "
+                        "quickstart's trained drafter if present, else fresh)")
     p.add_argument("--train-prompts", type=int, default=64, help="rows of train.parquet (default: %(default)s)")
     p.add_argument("--val-prompts", type=int, default=8,
                    help="rows of val.parquet, held-out problems (verl's validation; default: %(default)s)")
@@ -217,11 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     out = Path(args.out).resolve()  # created once the drafter choice is valid
     drafter: Path | None
-    if args.target != "embedded" and args.drafter in (None, "trained"):
-        if args.drafter == "trained":
-            print(f"run_cpu_grpo: --drafter trained trains on the embedded target only; with --target {args.target} "
-                  "pass a drafter export directory or 'fresh'", file=sys.stderr)
-            return 2
+    if args.target != "embedded" and args.drafter is None:
         drafter, source = None, f"fresh (the quickstart drafter belongs to the embedded target, not {args.target})"
     elif args.drafter in ("fresh", "trained"):
         drafter, source = None, args.drafter
@@ -270,8 +244,11 @@ def _launch(args: argparse.Namespace, out: Path, drafter: Path | None, source: s
         data = write_rl_dataset(out / "data", n_train=args.train_prompts, n_val=args.val_prompts, seed=args.seed,
                                 task=task)
     if source == "trained":
+        from verl_speco.cpu_port.initial_drafter import initial_drafter
+
         with console.stage("initial drafter", total=1):
-            drafter, source = train_small_drafter(out / "drafter", seed=args.seed), "trained (train_small_drafter)"
+            drafter = initial_drafter(out / "drafter", args.target, task, args.train_prompts, args.seed)
+            source = f"trained on the target's answers to the {task} task"
     console.print(f"[run_cpu_grpo] target {target}; initial drafter: {drafter or 'freshly exported'} ({source})")
     cmd = launch_command(target, data, out, drafter, args.overrides)
     env = cpu_environment()

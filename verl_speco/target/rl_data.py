@@ -98,13 +98,19 @@ def write_rl_dataset(out_dir: str | Path, n_train: int = 64, n_val: int = 8, see
         raise ValueError(f"n_train={n_train}, n_val={n_val}: expected both >= 1")
     if task not in TASKS:
         raise ValueError(f"task: got {task!r}, expected one of {TASKS}")
-    rows = rl_rows if task == "corpus" else plain_rows
     if task == "plain" and n_train + n_val > PLAIN_POOL:
         raise ValueError(f"n_train + n_val: got {n_train} + {n_val}, expected <= {PLAIN_POOL} for task 'plain' "
                          "(disjoint splits of its distinct problems)")
     out = Path(out_dir)
-    return {"train": write_parquet(out / "train.parquet", rows(n_train, "train", seed)),
-            "val": write_parquet(out / "val.parquet", rows(n_val, "test", seed))}
+    return {"train": write_parquet(out / "train.parquet", task_rows(task, n_train, "train", seed)),
+            "val": write_parquet(out / "val.parquet", task_rows(task, n_val, "test", seed))}
+
+
+def task_rows(task: str, n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
+    """The rows of `n` problems of `task`'s `split`: what write_rl_dataset writes, in the same order."""
+    if task not in TASKS:
+        raise ValueError(f"task: got {task!r}, expected one of {TASKS}")
+    return rl_rows(n, split, seed) if task == "corpus" else plain_rows(n, split, seed)
 
 
 def _states_answer(text: str, answer: str) -> bool:
