@@ -61,10 +61,10 @@ KEYS = {  # metrics.jsonl field -> verl / trainer metric
 def val_reward_key(target: str) -> str:
     """verl's validation reward metric of the target's rule-reward task (named by its data source)."""
     from verl_speco.cpu_port.launch import rl_task
-    from verl_speco.target.rl_data import DATA_SOURCE, PLAIN_SOURCE
+    from verl_speco.target.rl_data import task_rows
 
-    source = DATA_SOURCE if rl_task(target, None) == "corpus" else PLAIN_SOURCE
-    return f"val-core/{source}/acc/mean@1"
+    [row] = task_rows(rl_task(target, None), 1)  # the rows written to val.parquet carry the source
+    return f"val-core/{row['data_source']}/acc/mean@1"
 
 
 def arm_overrides(arm: str, args: argparse.Namespace) -> list[str]:
