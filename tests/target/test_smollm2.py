@@ -92,11 +92,22 @@ def test_build_target_cli_takes_the_name(smollm2: Path, capsys: pytest.CaptureFi
     assert "converted, not trained" in capsys.readouterr().err
 
 
-def test_cpu_grpo_launcher_takes_the_name_and_refuses_the_embedded_drafter(smollm2: Path, tmp_path: Path,
-                                                                             capsys: pytest.CaptureFixture[str]) -> None:
-    """`run_cpu_grpo.sh --target smollm2-135m`: the embedded target's trained drafter cannot serve it."""
-    from verl_speco.cpu_port.launch import main
+def test_cpu_grpo_launcher_refuses_a_drafter_built_for_another_target(smollm2: Path, tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """`run_cpu_grpo.sh --target smollm2-135m --drafter DIR`: an export of the embedded target (vocab 505,
+    hidden 128) is refused by name before anything is written; one with SmolLM2's sizes passes the check."""
+    from verl_speco.cpu_port.launch import DrafterMismatch, check_drafter_fits, main
 
-    assert main(["--target", "smollm2-135m", "--drafter", "trained", "--out", str(tmp_path / "run")]) == 2
-    assert "trains on the embedded target only" in capsys.readouterr().err
+    embedded_export = tmp_path / "embedded_export"
+    embedded_export.mkdir()
+    (embedded_export / "config.json").write_text(json.dumps({"vocab_size": 505, "hidden_size": 128}))
+    assert main(["--target", "smollm2-135m", "--drafter", str(embedded_export), "--out", str(tmp_path / "run")]) == 2
+    assert "config.json vocab_size=505, expected 49152" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+    fitting = {"vocab_size": 49152, "hidden_size": 576, "target_hidden_size": 576, "draft_vocab_size": 8192}
+    (embedded_export / "config.json").write_text(json.dumps(fitting))
+    check_drafter_fits(embedded_export, smollm2)
+    (embedded_export / "config.json").write_text(json.dumps({**fitting, "target_hidden_size": 128}))
+    with pytest.raises(DrafterMismatch, match="target_hidden_size=128, expected 576"):
+        check_drafter_fits(embedded_export, smollm2)

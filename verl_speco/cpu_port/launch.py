@@ -191,6 +191,26 @@ def _run_verl(cmd: list[str], env: dict[str, str], metrics: Path, console: Conso
             raise RunFailed(rc)
 
 
+class DrafterMismatch(ValueError):
+    """A given drafter export was built for another target."""
+
+
+def check_drafter_fits(drafter: Path, target: Path) -> None:
+    """Refuse a drafter export whose sizes name another target (say, the embedded target's drafter given
+    with `--target smollm2-135m`): its `vocab_size`, and its `target_hidden_size` where the family
+    records one, must equal the target's `vocab_size` and `hidden_size`."""
+    draft_cfg = json.loads((drafter / "config.json").read_text())
+    target_cfg = json.loads((target / "config.json").read_text())
+    checks = [("vocab_size", draft_cfg.get("vocab_size"), target_cfg["vocab_size"])]
+    if draft_cfg.get("target_hidden_size") is not None:
+        checks.append(("target_hidden_size", draft_cfg["target_hidden_size"], target_cfg["hidden_size"]))
+    for field, got, want in checks:
+        if got != want:
+            raise DrafterMismatch(f"--drafter {drafter}: config.json {field}={got!r}, expected {want} to match the "
+                                  f"target {target.name} (this export was built for another target; give one "
+                                  "trained on this target, or 'trained' or 'fresh')")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     out = Path(args.out).resolve()  # created once the drafter choice is valid
@@ -204,6 +224,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not (drafter / "config.json").is_file():
             print(f"run_cpu_grpo: --drafter {args.drafter!r}: no config.json there (expected a drafter export "
                   "directory, or 'fresh')", file=sys.stderr)
+            return 2
+        from verl_speco.target.named import resolve_target
+
+        try:  # before anything is written: the target is built (or found in the cache) first
+            check_drafter_fits(drafter, resolve_target(args.target, log=print))
+        except DrafterMismatch as mismatch:
+            print(f"run_cpu_grpo: {mismatch}", file=sys.stderr)
             return 2
     else:
         drafter = quickstart_drafter()
