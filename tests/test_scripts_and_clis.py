@@ -3,7 +3,6 @@ training-step benchmark also runs end to end at its --quick shapes."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import subprocess
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from file_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 PY_SCRIPTS = sorted((ROOT / "scripts").glob("*.py"))
@@ -82,11 +82,7 @@ def test_bench_train_step_quick_every_family() -> None:
 
 
 def _bench_family_module() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_family_acceptance", ROOT / "scripts" / "bench_family_acceptance.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_family_acceptance")
 
 
 def test_bench_family_acceptance_table_and_chart(tmp_path: Path) -> None:

@@ -8,10 +8,11 @@ rollout) is loaded here from its file, unchanged, under a private name.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
+
+from file_modules import load_file_module
 
 ROOT = Path(sys.prefix) / "sglang_ref" / "sglang"
 VERSION = "0.5.23"
@@ -27,8 +28,4 @@ def load_module(relpath: str) -> ModuleType:
     if version_file.is_file() and VERSION not in version_file.read_text():
         raise RuntimeError(f"{version_file}: expected SGLang {VERSION}")
     name = "_sglang_ref_" + relpath.removesuffix(".py").replace("/", "_")
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file_module(name, path)

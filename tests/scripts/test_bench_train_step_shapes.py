@@ -4,13 +4,13 @@ reduction, and its code path (frozen bf16 target tensors, one-side child argumen
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from file_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
@@ -25,12 +25,7 @@ TINY = ["--hidden", "64", "--heads", "4", "--kv-heads", "2", "--intermediate", "
 
 
 def _bench() -> Any:
-    spec = importlib.util.spec_from_file_location("bench_train_step", ROOT / "scripts" / "bench_train_step.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_train_step")
 
 
 def test_preset_reads_the_catalog(monkeypatch: pytest.MonkeyPatch) -> None:

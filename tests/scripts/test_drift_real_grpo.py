@@ -5,22 +5,18 @@ trained on the target's answers to the run's own task."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
+from file_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _script() -> Any:
-    spec = importlib.util.spec_from_file_location("drift_real_grpo", ROOT / "scripts" / "drift_real_grpo.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("drift_real_grpo")
 
 
 def _args(**kw: Any) -> argparse.Namespace:
