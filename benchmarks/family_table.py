@@ -169,6 +169,13 @@ def footnotes(report: dict[str, Any]) -> list[str]:
     return notes
 
 
+def chart_series(report: dict[str, Any]) -> list[tuple[str, str]]:
+    """(legend label, report key) of the chart's bar series that have a figure for some family: a
+    --greedy-only report gets one series, centred on its tick, and no empty legend entries."""
+    every = [("greedy", "greedy"), ("T=1, greedy drafts", "t1"), ("T=1, sampled drafts", "t1_sampled_drafts")]
+    return [(label, key) for label, key in every if any(key in fam for fam in report["families"].values())]
+
+
 def plot(report: dict[str, Any], path: Path) -> Path:
     """Bar chart of the reference decoder's mean acceptance length per family: greedy, T=1 (greedy
     drafts), T=1 (sampled drafts, chains and blocks)."""
@@ -178,7 +185,7 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     rows = list(report["families"])
-    series = [("greedy", "greedy"), ("T=1, greedy drafts", "t1"), ("T=1, sampled drafts", "t1_sampled_drafts")]
+    series = chart_series(report)
     width = 0.8 / len(series)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(rows) + 2), 4.2))
     for i, (label, key) in enumerate(series):
@@ -190,9 +197,8 @@ def plot(report: dict[str, Any], path: Path) -> Path:
     ax.set_ylabel("mean acceptance length (1 + accepted / drafts)")
     ax.set_ylim(1.0, None)
     where = report.get("target_name", "embedded")
-    where += f", {report['eval_set']}" if report.get("eval_set", "heldout") != "heldout" else ""
-    ax.set_title(f"Drafter families on the {where} target: k={report['k']}, {report['steps']} steps each "
-                 "(reference decoder)", fontsize=9)
+    where += f", held-out {report['eval_set']}" if report.get("eval_set", "heldout") != "heldout" else ""
+    ax.set_title(f"{where}: k={report['k']}, {report['steps']} steps per family (reference decoder)", fontsize=9)
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()

@@ -137,6 +137,12 @@ def test_bench_family_acceptance_table_and_chart(tmp_path: Path) -> None:
     assert "Trainable params" in text and "Train step" in text
     png = bench.plot(report, tmp_path / "chart.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from benchmarks.family_table import chart_series  # importable once the script put the root on sys.path
+
+    assert [key for _, key in chart_series(report)] == ["greedy", "t1", "t1_sampled_drafts"]
+    greedy_only = {**report, "families": {name: {"greedy": fam["greedy"]} for name, fam in families.items()}}
+    assert [key for _, key in chart_series(greedy_only)] == ["greedy"]
+    assert bench.plot(greedy_only, tmp_path / "greedy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_family_acceptance_decode_cache_is_keyed_by_export_bytes(tmp_path: Path) -> None:
