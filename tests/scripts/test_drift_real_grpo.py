@@ -12,8 +12,6 @@ from typing import Any
 import pytest
 from file_modules import load_script
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _script() -> Any:
     return load_script("drift_real_grpo")
