@@ -51,7 +51,10 @@ Outputs: <out>/report_k<k>.json, <out>/table_k<k>.md (markdown, footnotes under 
 <out>/acceptance_k<k>.png (bar chart of the reference decoder's mean acceptance length); runs with
 another --k in the same --out reuse the store and the runs that do not depend on k (training,
 timing and every decoding run are cached keyed by their settings and the exports' contents, so a
-stopped run resumes; --retime measures the step time again). The terminal gets one progress bar
+stopped run resumes; --retime measures the step time again). The store is named by its collection
+recipe (`collection_recipe`: the prompts' bytes, the response cap --collect-new-tokens, which
+defaults to --max-new-tokens, the sequence cap, seed, layout and engine), so another recipe in the
+same --out collects a new store beside the old one instead of reusing it. The terminal gets one progress bar
 per stage, then the tables and the paths; vLLM's, the trainer's and the libraries' output goes to
 <out>/bench.log (appended; `verl_speco.console`), on the terminal with --verbose.
 """
@@ -60,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import json
 import os
 import shutil
@@ -116,7 +120,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--train-prompts", type=int, default=512)
     p.add_argument("--max-length", type=int, default=None, help="cut collected sequences to this many tokens")
     p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts decoded by every drafter")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="response cap for collection and decoding")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="response cap for decoding, and for collection "
+                   "unless --collect-new-tokens is given")
+    p.add_argument("--collect-new-tokens", type=int, default=None,
+                   help="response cap for the self-distilled collection (default: --max-new-tokens); longer answers "
+                        "put more of the store's tokens under the loss")
     p.add_argument("--steps", type=int, default=120, help="training steps, the same for every family "
                                                           "(default: %(default)s, the README tables' budget)")
     p.add_argument("--k", type=int, default=4, help="tokens drafted per target forward: chain length, EAGLE-2 "
@@ -167,6 +175,18 @@ def _trained_families(families: list[str]) -> list[str]:
     return names + (["eagle1"] if "eagle2" in families and "eagle1" not in names else [])
 
 
+def collection_recipe(args: argparse.Namespace, jsonl: Path, layout_of: str, engine: str) -> dict[str, Any]:
+    """What a collected store depends on (the prompts' bytes, the response cap, the sequence cap, the
+    seed, the layout, the engine) and its digest, which names the store: a rerun with another
+    --train-prompts or --collect-new-tokens collects a new store instead of reusing a stale one."""
+    recipe: dict[str, Any] = {
+        "prompts_sha256": hashlib.sha256(Path(jsonl).read_bytes()).hexdigest(),
+        "max_new_tokens": args.max_new_tokens if args.collect_new_tokens is None else args.collect_new_tokens,
+        "max_length": args.max_length, "seed": args.seed, "layout_of": layout_of, "engine": engine}
+    recipe["digest"] = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:12]
+    return recipe
+
+
 def _collect(args: argparse.Namespace, families: list[str], target: Path, out: Path,
              console: Console) -> dict[str, Path]:
     """One union-layout train store (and a small held-out store the trainer validates on) of the
@@ -178,17 +198,21 @@ def _collect(args: argparse.Namespace, families: list[str], target: Path, out: P
 
     data = write_target_prompts(args.target, out / "data", args.train_prompts, args.eval_prompts, args.seed)
     embedded = args.target == DEFAULT_TARGET
+    layout_of = ",".join(sorted(_trained_families(_collect_for(args, families))))
     stores: dict[str, Path] = {}
     with console.stage("collect", total=len(data)) as bar:
         for name, jsonl in data.items():
-            layout_of = ",".join(sorted(_trained_families(_collect_for(args, families))))
-            store = out / "stores" / target.name / layout_of.replace(",", "+") / name
-            if not (store.parent / f"{name}.done").exists():
+            recipe = collection_recipe(args, jsonl, layout_of, "hf" if embedded else "vllm")
+            store = out / "stores" / target.name / layout_of.replace(",", "+") / f"{name}-{recipe['digest']}"
+            done = store.parent / f"{store.name}.done"
+            if not done.exists():
+                if store.exists():
+                    shutil.rmtree(store)  # a collection stopped part way: never marked done
                 collect_features(target, jsonl, store, families=layout_of, generate=True,
-                                 max_new_tokens=args.max_new_tokens, seed=args.seed,
-                                 batch_size=128 if embedded else 16, engine="hf" if embedded else "vllm",
+                                 max_new_tokens=recipe["max_new_tokens"], seed=args.seed,
+                                 batch_size=128 if embedded else 16, engine=recipe["engine"],
                                  max_length=args.max_length)
-                (store.parent / f"{name}.done").write_text("")
+                done.write_text(json.dumps(recipe, indent=1))
             stores[name] = store
             bar.update()
     if embedded:
@@ -209,7 +233,7 @@ def _train(args: argparse.Namespace, family: str, target: Path, stores: dict[str
     from verl_speco.train.loop import run as train_run
 
     extra = _depth_settings(family, args.k) + _target_settings(family, args.target)
-    key = [args.steps, args.seed, args.train_prompts, *extra] + ([args.encoding] if args.encoding != "raw" else [])
+    key = [args.steps, args.seed, stores["train"].name, *extra] + ([args.encoding] if args.encoding != "raw" else [])
     run_dir = out / "train" / ((family if not extra else f"{family}_k{args.k}") + _suffix(args))
     done = run_dir.parent / f"{run_dir.name}.bench.json"  # reused by a rerun with the same settings
     if done.is_file() and json.loads(done.read_text())["key"] == key:
@@ -341,6 +365,8 @@ def _evaluate(args: argparse.Namespace, families: list[str], trained: dict[str, 
                               "k": args.k, "steps": args.steps, "encoding": args.encoding,
                               "eval_prompts": len(prompts.token_ids), "train_prompts": args.train_prompts,
                               "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+                              "collect_new_tokens": (args.max_new_tokens if args.collect_new_tokens is None
+                                                     else args.collect_new_tokens),
                               "timing": {"warmup_steps": args.time_warmup, "timed_steps": args.time_steps,
                                          "batch_sequences": first.get("timing", {}).get("batch_sequences"),
                                          "torch_threads": first.get("timing", {}).get("torch_threads"),

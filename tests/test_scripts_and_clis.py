@@ -175,6 +175,48 @@ def test_bench_family_acceptance_decode_cache_is_keyed_by_export_bytes(tmp_path:
 
 
 
+def test_bench_family_acceptance_store_is_named_by_its_collection_recipe(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The collected store is reused only for the same recipe: another response cap
+    (--collect-new-tokens, which defaults to --max-new-tokens) or another prompt set collects a new
+    store beside it; a store left part way (no done marker) is removed and collected again; the
+    marker records the recipe."""
+    import json
+
+    from verl_speco.capture import collect as collect_module
+    from verl_speco.console import Console
+
+    bench = _bench_family_module()
+    calls: list[tuple[Path, int]] = []
+
+    def fake_collect(target: Path, jsonl: Path, store: Path, **kw: Any) -> None:
+        assert not store.exists(), "a part-way store must be removed before collecting again"
+        store.mkdir(parents=True)
+        calls.append((store, kw["max_new_tokens"]))
+
+    monkeypatch.setattr(collect_module, "collect_features", fake_collect)
+
+    def collect(*argv: str) -> dict[str, Path]:
+        args = bench._parser().parse_args(["--train-prompts", "4", "--eval-prompts", "2", "--out", str(tmp_path),
+                                           *argv])
+        return bench._collect(args, ["eagle1"], tmp_path / "target", tmp_path, Console(None, bars=False))
+
+    first = collect("--max-new-tokens", "16")
+    assert [cap for _, cap in calls] == [16, 16] and first["train"].name.startswith("train-")
+    assert collect("--max-new-tokens", "16") == first and len(calls) == 2
+    assert collect("--max-new-tokens", "16", "--collect-new-tokens", "16") == first and len(calls) == 2
+    longer = collect("--max-new-tokens", "16", "--collect-new-tokens", "48")
+    assert longer["train"] != first["train"] and [cap for _, cap in calls[2:]] == [48, 48]
+    recipe = json.loads((longer["train"].parent / f"{longer['train'].name}.done").read_text())
+    assert recipe["max_new_tokens"] == 48 and longer["train"].name == f"train-{recipe['digest']}"
+    more = collect("--max-new-tokens", "16", "--train-prompts", "5")
+    assert more["train"] != first["train"] and more["eval"] == first["eval"]
+    (first["train"].parent / f"{first['train'].name}.done").unlink()  # planted: a stopped collection
+    (first["train"] / "partial.safetensors").write_bytes(b"x")
+    assert collect("--max-new-tokens", "16") == first and calls[-1] == (first["train"], 16)
+    assert not (first["train"] / "partial.safetensors").exists()
+
+
 def test_bench_family_acceptance_real_target_overrides_compose(tmp_path: Path) -> None:
     """Every family's overrides for a real target (depth settings + REAL_TARGET_SETTINGS) compose
     into a trainer config with the values asked for (P-EAGLE's preset lacks draft_vocab_size: the

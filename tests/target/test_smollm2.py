@@ -92,22 +92,36 @@ def test_build_target_cli_takes_the_name(smollm2: Path, capsys: pytest.CaptureFi
     assert "converted, not trained" in capsys.readouterr().err
 
 
-def test_cpu_grpo_launcher_refuses_a_drafter_built_for_another_target(smollm2: Path, tmp_path: Path,
+def _fresh_eagle1_export(target_dir: Path, out: Path) -> Path:
+    """An untrained EAGLE-1 export of `target_dir`'s sizes, written by the family's own exporter."""
+    from drafters.registry import get_family
+
+    head = TargetHead.from_pretrained(target_dir)
+    family = get_family("eagle1")
+    cfg = family.resolve(family.config_cls(), head.spec)
+    return family.export(family.build(cfg, head), cfg, head.spec, out)
+
+
+def test_cpu_grpo_launcher_refuses_a_drafter_built_for_another_target(smollm2: Path, fast_target: Path,
+                                                                     tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    """`run_cpu_grpo.sh --target smollm2-135m --drafter DIR`: an export of the embedded target (vocab 505,
-    hidden 128) is refused by name before anything is written; one with SmolLM2's sizes passes the check."""
+    """`run_cpu_grpo.sh --target smollm2-135m --drafter DIR`: a real export of the embedded-size target
+    is refused (the family's own `load_export` on SmolLM2's head) before anything is written; one
+    exported on SmolLM2 loads; planted changes to its config (a RoPE base the target does not
+    have, an MLP width its tensors do not have) are refused by the same check."""
     from verl_speco.cpu_port.launch import DrafterMismatch, check_drafter_fits, main
 
-    embedded_export = tmp_path / "embedded_export"
-    embedded_export.mkdir()
-    (embedded_export / "config.json").write_text(json.dumps({"vocab_size": 505, "hidden_size": 128}))
-    assert main(["--target", "smollm2-135m", "--drafter", str(embedded_export), "--out", str(tmp_path / "run")]) == 2
-    assert "config.json vocab_size=505, expected 49152" in capsys.readouterr().err
+    small = _fresh_eagle1_export(fast_target, tmp_path / "small_export")
+    assert main(["--target", "smollm2-135m", "--drafter", str(small), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "does not match the target's sizes" in err and "expected an export trained on the target" in err
     assert not (tmp_path / "run").exists()  # refused before anything was written
 
-    fitting = {"vocab_size": 49152, "hidden_size": 576, "target_hidden_size": 576, "draft_vocab_size": 8192}
-    (embedded_export / "config.json").write_text(json.dumps(fitting))
-    check_drafter_fits(embedded_export, smollm2)
-    (embedded_export / "config.json").write_text(json.dumps({**fitting, "target_hidden_size": 128}))
-    with pytest.raises(DrafterMismatch, match="target_hidden_size=128, expected 576"):
-        check_drafter_fits(embedded_export, smollm2)
+    fitting = _fresh_eagle1_export(smollm2, tmp_path / "smollm2_export")
+    check_drafter_fits(fitting, smollm2)
+    config = json.loads((fitting / "config.json").read_text())
+    for planted, refusal in (({"rope_theta": 1.0}, "does not match the target's sizes"),
+                             ({"intermediate_size": config["intermediate_size"] + 1}, "has shape")):
+        (fitting / "config.json").write_text(json.dumps({**config, **planted}))
+        with pytest.raises(DrafterMismatch, match=refusal):
+            check_drafter_fits(fitting, smollm2)

@@ -196,25 +196,24 @@ class DrafterMismatch(ValueError):
 
 
 def check_drafter_fits(drafter: Path, target: Path) -> None:
-    """Refuse a drafter export whose sizes name another target (say, the embedded target's drafter given
-    with `--target smollm2-135m`): its `vocab_size`, and its `target_hidden_size` where the family
-    records one, must equal the target's `vocab_size` and `hidden_size`."""
-    draft_cfg = json.loads((drafter / "config.json").read_text())
-    target_cfg = json.loads((target / "config.json").read_text())
-    checks = [("vocab_size", draft_cfg.get("vocab_size"), target_cfg["vocab_size"])]
-    if draft_cfg.get("target_hidden_size") is not None:
-        checks.append(("target_hidden_size", draft_cfg["target_hidden_size"], target_cfg["hidden_size"]))
-    for field, got, want in checks:
-        if got != want:
-            raise DrafterMismatch(f"--drafter {drafter}: config.json {field}={got!r}, expected {want} to match the "
-                                  f"target {target.name} (this export was built for another target; give one "
-                                  "trained on this target, or 'trained' or 'fresh')")
+    """Refuse a drafter export this target cannot load (say, the embedded target's drafter given with
+    `--target smollm2-135m`): the family that wrote it reads it back on the target's embedding and LM
+    head, the check the online session makes on `drafter.model_path` later, made before anything runs."""
+    from drafters.common.target import TargetHead
+    from drafters.registry import export_family, get_family
+
+    try:
+        get_family(export_family(drafter)).load_export(drafter, TargetHead.from_pretrained(target))
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise DrafterMismatch(f"--drafter {drafter}: {err}; expected an export trained on the target {target.name} "
+                              "(or 'trained' or 'fresh')") from err
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     out = Path(args.out).resolve()  # created once the drafter choice is valid
     drafter: Path | None
+    target: Path | None = None  # resolved here only to check a given drafter, else in _launch
     if args.target != "embedded" and args.drafter is None:
         drafter, source = None, f"fresh (the quickstart drafter belongs to the embedded target, not {args.target})"
     elif args.drafter in ("fresh", "trained"):
@@ -227,8 +226,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         from verl_speco.target.named import resolve_target
 
-        try:  # before anything is written: the target is built (or found in the cache) first
-            check_drafter_fits(drafter, resolve_target(args.target, log=print))
+        target = resolve_target(args.target, log=print)  # before anything is written
+        try:
+            check_drafter_fits(drafter, target)
         except DrafterMismatch as mismatch:
             print(f"run_cpu_grpo: {mismatch}", file=sys.stderr)
             return 2
@@ -241,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics = out / "metrics.jsonl"
     try:
         with console:
-            _launch(args, out, drafter, source, metrics, console)
+            _launch(args, out, target, drafter, source, metrics, console)
     except RunFailed as failed:
         console.print(f"[run_cpu_grpo] exit {failed.rc} after {time.perf_counter() - started:.1f} s; "
                       f"metrics: {metrics}", err=True)
@@ -259,14 +259,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _launch(args: argparse.Namespace, out: Path, drafter: Path | None, source: str, metrics: Path,
-            console: Console) -> None:
+def _launch(args: argparse.Namespace, out: Path, target: Path | None, drafter: Path | None, source: str,
+            metrics: Path, console: Console) -> None:
     from verl_speco.cpu_port.env import cpu_environment
     from verl_speco.target.named import resolve_target
     from verl_speco.target.rl_data import write_rl_dataset
 
     with console.stage("build target", total=1):
-        target = resolve_target(args.target, log=print)
+        target = target or resolve_target(args.target, log=print)
         task = rl_task(args.target, args.task)
         data = write_rl_dataset(out / "data", n_train=args.train_prompts, n_val=args.val_prompts, seed=args.seed,
                                 task=task)
