@@ -181,6 +181,7 @@ def test_bench_family_acceptance_store_is_named_by_its_collection_recipe(tmp_pat
     (--collect-new-tokens, which defaults to --max-new-tokens) or another prompt set collects a new
     store beside it; a store left part way (no done marker) is removed and collected again; the
     marker records the recipe."""
+    import dataclasses
     import json
 
     from verl_speco.capture import collect as collect_module
@@ -189,10 +190,15 @@ def test_bench_family_acceptance_store_is_named_by_its_collection_recipe(tmp_pat
     bench = _bench_family_module()
     calls: list[tuple[Path, int]] = []
 
-    def fake_collect(target: Path, jsonl: Path, store: Path, **kw: Any) -> None:
+    @dataclasses.dataclass
+    class Summary:
+        rows: int
+
+    def fake_collect(target: Path, jsonl: Path, store: Path, **kw: Any) -> Summary:
         assert not store.exists(), "a part-way store must be removed before collecting again"
         store.mkdir(parents=True)
         calls.append((store, kw["max_new_tokens"]))
+        return Summary(rows=len(calls))
 
     monkeypatch.setattr(collect_module, "collect_features", fake_collect)
 
@@ -209,6 +215,7 @@ def test_bench_family_acceptance_store_is_named_by_its_collection_recipe(tmp_pat
     assert longer["train"] != first["train"] and [cap for _, cap in calls[2:]] == [48, 48]
     recipe = json.loads((longer["train"].parent / f"{longer['train'].name}.done").read_text())
     assert recipe["max_new_tokens"] == 48 and longer["train"].name == f"train-{recipe['digest']}"
+    assert recipe["summary"] == {"rows": 3}
     more = collect("--max-new-tokens", "16", "--train-prompts", "5")
     assert more["train"] != first["train"] and more["eval"] == first["eval"]
     (first["train"].parent / f"{first['train'].name}.done").unlink()  # planted: a stopped collection

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -81,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, console: Console | None = None) -> dict[str, Any]:
     """The whole job (module docstring); `console` shows one progress bar per stage (none without)."""
     from verl_speco.capture.collect import collect_features
+    from verl_speco.capture.recipe import collected_store
     from verl_speco.engines.vllm_engine import CPU_UNSERVABLE
     from verl_speco.target.named import DEFAULT_TARGET, resolve_target, write_target_prompts
     from verl_speco.train.compose import load_config
@@ -99,20 +99,20 @@ def run(args: argparse.Namespace, console: Console | None = None) -> dict[str, A
     embedded = args.target == DEFAULT_TARGET
     train_jsonl, eval_jsonl = data_files["train"], data_files["eval"]
     stores = {}
+    settings = {"family": args.family, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+                "engine": "hf" if embedded else "vllm"}
     with console.stage("collect", total=2) as bar:
         for name, data in (("train", train_jsonl), ("eval", eval_jsonl)):
             bar.note(f"{name} store")
-            store = out / "stores" / target.name / args.family / name  # features of one target build and layout
-            done = store.parent / f"{name}.collected.json"  # written once the whole store is collected
-            if not done.exists():
-                shutil.rmtree(store, ignore_errors=True)
+            def collect(store: Path, data: Path = data, name: str = name) -> dict[str, Any]:
                 summary = collect_features(target, data, store, families=args.family, generate=True,
                                            max_new_tokens=args.max_new_tokens, seed=args.seed,
-                                           batch_size=args.collect_batch_size,
-                                           engine="hf" if embedded else "vllm")
+                                           batch_size=args.collect_batch_size, engine=settings["engine"])
                 print(f"[quickstart] collected {name}: {summary}", flush=True)
-                done.write_text(json.dumps(dataclasses.asdict(summary)))
-            stores[name] = store
+                return dataclasses.asdict(summary)
+
+            # one target build, layout and recipe per store (verl_speco/capture/recipe.py)
+            stores[name] = collected_store(out / "stores" / target.name / args.family, name, data, settings, collect)
             bar.update()
 
     overrides = [f"preset=quickstart_{args.family}", f"target.path={target}", f"data.store={stores['train']}",
