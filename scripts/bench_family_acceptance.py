@@ -188,17 +188,21 @@ def _collect(args: argparse.Namespace, families: list[str], target: Path, out: P
     data = write_target_prompts(args.target, out / "data", args.train_prompts, args.eval_prompts, args.seed)
     embedded = args.target == DEFAULT_TARGET
     layout_of = ",".join(sorted(_trained_families(_collect_for(args, families))))
+    settings: dict[str, Any] = {
+        "max_new_tokens": args.max_new_tokens if args.collect_new_tokens is None else args.collect_new_tokens,
+        "max_length": args.max_length, "seed": args.seed, "layout_of": layout_of, "engine": "hf" if embedded else "vllm"}
     stores: dict[str, Path] = {}
     with console.stage("collect", total=len(data)) as bar:
         for name, jsonl in data.items():
-            settings = {"max_new_tokens": args.max_new_tokens if args.collect_new_tokens is None
-                        else args.collect_new_tokens, "max_length": args.max_length, "seed": args.seed,
-                        "layout_of": layout_of, "engine": "hf" if embedded else "vllm"}
-            stores[name] = collected_store(
-                out / "stores" / target.name / layout_of.replace(",", "+"), name, jsonl, settings,
-                lambda store, jsonl=jsonl, s=settings: dataclasses.asdict(collect_features(
-                    target, jsonl, store, families=s["layout_of"], generate=True, max_new_tokens=s["max_new_tokens"],
-                    seed=args.seed, batch_size=128 if embedded else 16, engine=s["engine"], max_length=args.max_length)))
+            def collect(store: Path, jsonl: Path = jsonl) -> dict[str, Any]:
+                return dataclasses.asdict(collect_features(
+                    target, jsonl, store, families=layout_of, generate=True, max_new_tokens=settings["max_new_tokens"],
+                    seed=args.seed, batch_size=128 if embedded else 16, engine=settings["engine"],
+                    max_length=args.max_length))
+
+            # one target build, layout and recipe per store (verl_speco/capture/recipe.py)
+            stores[name] = collected_store(out / "stores" / target.name / layout_of.replace(",", "+"), name, jsonl,
+                                           settings, collect)
             bar.update()
     if embedded:
         stores["eval_jsonl:heldout"] = data["eval"]

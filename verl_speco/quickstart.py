@@ -99,8 +99,8 @@ def run(args: argparse.Namespace, console: Console | None = None) -> dict[str, A
     embedded = args.target == DEFAULT_TARGET
     train_jsonl, eval_jsonl = data_files["train"], data_files["eval"]
     stores = {}
-    settings = {"family": args.family, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
-                "engine": "hf" if embedded else "vllm"}
+    settings: dict[str, Any] = {"family": args.family, "max_new_tokens": args.max_new_tokens, "seed": args.seed,
+                                "engine": "hf" if embedded else "vllm"}
     with console.stage("collect", total=2) as bar:
         for name, data in (("train", train_jsonl), ("eval", eval_jsonl)):
             bar.note(f"{name} store")
