@@ -175,6 +175,11 @@ def _trained_families(families: list[str]) -> list[str]:
     return names + (["eagle1"] if "eagle2" in families and "eagle1" not in names else [])
 
 
+def _collect_cap(args: argparse.Namespace) -> int:
+    """The response cap of the self-distilled collection: --collect-new-tokens, else --max-new-tokens."""
+    return int(args.max_new_tokens if args.collect_new_tokens is None else args.collect_new_tokens)
+
+
 def _collect(args: argparse.Namespace, families: list[str], target: Path, out: Path,
              console: Console) -> dict[str, Path]:
     """One union-layout train store (and a small held-out store the trainer validates on) of the
@@ -188,9 +193,8 @@ def _collect(args: argparse.Namespace, families: list[str], target: Path, out: P
     data = write_target_prompts(args.target, out / "data", args.train_prompts, args.eval_prompts, args.seed)
     embedded = args.target == DEFAULT_TARGET
     layout_of = ",".join(sorted(_trained_families(_collect_for(args, families))))
-    settings: dict[str, Any] = {
-        "max_new_tokens": args.max_new_tokens if args.collect_new_tokens is None else args.collect_new_tokens,
-        "max_length": args.max_length, "seed": args.seed, "layout_of": layout_of, "engine": "hf" if embedded else "vllm"}
+    settings: dict[str, Any] = {"max_new_tokens": _collect_cap(args), "max_length": args.max_length, "seed": args.seed,
+                                "layout_of": layout_of, "engine": "hf" if embedded else "vllm"}
     stores: dict[str, Path] = {}
     with console.stage("collect", total=len(data)) as bar:
         for name, jsonl in data.items():
@@ -354,8 +358,7 @@ def _evaluate(args: argparse.Namespace, families: list[str], trained: dict[str, 
                               "k": args.k, "steps": args.steps, "encoding": args.encoding,
                               "eval_prompts": len(prompts.token_ids), "train_prompts": args.train_prompts,
                               "max_new_tokens": args.max_new_tokens, "seed": args.seed,
-                              "collect_new_tokens": (args.max_new_tokens if args.collect_new_tokens is None
-                                                     else args.collect_new_tokens),
+                              "collect_new_tokens": _collect_cap(args),
                               "timing": {"warmup_steps": args.time_warmup, "timed_steps": args.time_steps,
                                          "batch_sequences": first.get("timing", {}).get("batch_sequences"),
                                          "torch_threads": first.get("timing", {}).get("torch_threads"),
