@@ -77,9 +77,11 @@ def test_summary_keeps_the_same_draft_gain_apart(tmp_path: Path) -> None:
     """The frozen arm's paired gain (one draft decoded twice) is the noise of the measurement, reported
     apart from the co-trained arm's gain."""
     drift = _script()
-    records = [{"arm": "cotrained", "step": 3, "heldout_acceptance": 2.0, "heldout_gain": 1.5},
+    records = [{"arm": "cotrained", "step": 3, "heldout_acceptance": 2.0, "heldout_gain": 1.5,
+                "heldout_baseline_acceptance": 1.25},
                {"arm": "frozen", "step": 3, "heldout_acceptance": 1.4, "heldout_gain": 0.95}]
     summary = drift.summarize(records, {}, _args(), tmp_path)
     assert summary["paired_gain"] == {"3": 1.5}
+    assert summary["paired_margin"] == {"3": 0.75}  # 2.0 served - 1.25 initial, tokens per target forward
     assert summary["same_draft_gain"] == {"frozen": {"3": 0.95}}
     assert summary["cotrained_over_frozen"] == 2.0 / 1.4

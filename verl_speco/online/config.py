@@ -100,7 +100,9 @@ class DrafterRunConfig:
     # acceptance length), a paired measure of what co-training buys; costs one more validation pass
     # (online mode, vLLM rollout: SGLang reports no acceptance counters)
     heldout_baseline: bool = False
-    max_staleness: int = 1  # features older than this many policy versions are evicted (1: the newest only)
+    # rows of versions older than (newest - max_staleness) are evicted: 0 keeps the newest version only,
+    # 1 the newest and the one before it
+    max_staleness: int = 1
     buffer_max_tokens: int = 262144  # replay buffer capacity (oldest evicted first)
     seed: int = 0
     publish_dir: str | None = None  # where published draft versions are written (default: tmp)
