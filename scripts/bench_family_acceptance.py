@@ -66,7 +66,6 @@ import dataclasses
 import functools
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -251,19 +250,16 @@ def _suffix(args: argparse.Namespace) -> str:
 def _encoded(args: argparse.Namespace, stores: dict[str, Path]) -> dict[str, Path]:
     """The train and eval stores re-encoded as --encoding (once; the same samples in the same shards)."""
     from feature_store.transcode import transcode_store
+    from verl_speco.capture.recipe import built_once
 
     if args.encoding == "raw":
         return stores
     out = dict(stores)
     for name in ("train", "eval"):
-        twin = stores[name].with_name(stores[name].name + _suffix(args))
-        done = twin.parent / f"{twin.name}.done"
-        if not done.exists():
-            if twin.exists():
-                shutil.rmtree(twin)   # a transcode stopped part way: never committed as done
-            transcode_store(stores[name], twin, args.encoding)
-            done.write_text("")
-        out[name] = twin
+        source = stores[name]
+        out[name] = built_once(source.with_name(source.name + _suffix(args)),
+                               lambda twin, source=source: {"samples": transcode_store(source, twin, args.encoding)},
+                               {"source": source.name, "encoding": args.encoding})
     return out
 
 

@@ -3,6 +3,7 @@ training-step benchmark also runs end to end at its --quick shapes."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -272,6 +273,10 @@ def test_bench_family_acceptance_encoding_trains_from_an_fp8_twin(tmp_path: Path
     assert load_store(twins["eval"]).schema.field("aux_hidden").encoding == "fp8_e4m3"
     made = twins["train"].stat().st_mtime_ns
     assert bench._encoded(args, stores)["train"] == twins["train"] and twins["train"].stat().st_mtime_ns == made
+    marker = json.loads((tmp_path / "train_fp8_e4m3.done").read_text())
+    assert marker == {"source": "train", "encoding": "fp8_e4m3", "summary": {"samples": 1}}
+    (tmp_path / "train_fp8_e4m3.done").unlink()  # planted: a transcode stopped before its marker
+    assert bench._encoded(args, stores)["train"] == twins["train"] and twins["train"].stat().st_mtime_ns != made
     with pytest.raises(SystemExit):
         bench._parser().parse_args(["--encoding", "int4"])
     subset = bench._parser().parse_args(["--families", "eagle3", "--collect-for", ",".join(bench.FAMILIES)])

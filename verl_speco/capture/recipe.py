@@ -30,17 +30,25 @@ def collection_recipe(prompts: str | Path, settings: Mapping[str, Any]) -> dict[
     return recipe
 
 
+def built_once(directory: str | Path, build: Callable[[Path], Mapping[str, Any] | None],
+               record: Mapping[str, Any]) -> Path:
+    """`directory`, built by `build(directory)` unless its `<directory>.done` marker is there. The marker
+    (`record` plus `"summary"`, what `build` returned, as JSON) is written only after `build` returns, so
+    a directory without it is what a stopped build left: it is removed and built again."""
+    directory = Path(directory)
+    done = directory.parent / f"{directory.name}.done"
+    if not done.exists():
+        if directory.exists():
+            shutil.rmtree(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        summary = build(directory)
+        done.write_text(json.dumps({**record, "summary": dict(summary or {})}, indent=1))
+    return directory
+
+
 def collected_store(parent: str | Path, name: str, prompts: str | Path, settings: Mapping[str, Any],
                     collect: Callable[[Path], Mapping[str, Any] | None]) -> Path:
     """The store `parent/<name>-<digest>` of this recipe, collected by `collect(store)` unless a
     complete one (its `.done` marker written) is already there."""
     recipe = collection_recipe(prompts, settings)
-    store = Path(parent) / f"{name}-{recipe['digest']}"
-    done = store.parent / f"{store.name}.done"
-    if not done.exists():
-        if store.exists():
-            shutil.rmtree(store)  # a collection stopped part way: never marked done
-        store.parent.mkdir(parents=True, exist_ok=True)
-        summary = collect(store)
-        done.write_text(json.dumps({**recipe, "summary": dict(summary or {})}, indent=1))
-    return store
+    return built_once(Path(parent) / f"{name}-{recipe['digest']}", collect, recipe)
