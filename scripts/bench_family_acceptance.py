@@ -48,7 +48,8 @@ Cost columns:
 - drafted tokens per target forward (k for chains and blocks, the tree's nodes for EAGLE-2) and
   draft forwards per round (draft-model forwards run sequentially before one verification).
 Outputs: <out>/report_k<k>.json, <out>/table_k<k>.md (markdown, footnotes under the table) and
-<out>/acceptance_k<k>.png (bar chart of the reference decoder's mean acceptance length); runs with
+<out>/acceptance_k<k>.png (bar chart of the reference decoder's mean acceptance length), the stem
+named apart by --encoding, --train-set and a non-default tree (`_tree60top10`); runs with
 another --k in the same --out reuse the store and the runs that do not depend on k (training,
 timing and every decoding run are cached keyed by their settings and the exports' contents, so a
 stopped run resumes; --retime measures the step time again). The store is named by its collection
@@ -139,6 +140,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--encoding", default="raw", choices=("raw", "fp8_e4m3"),
                    help="hidden states trained from: the collected store (raw) or its fp8 twin (transcoded once, "
                         "the same samples); results get an _<encoding> suffix")
+    p.add_argument("--train-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a trainer override for every trained family, repeatable (e.g. "
+                        "drafter.settings.prob_weight=1.0); checked against each family's schema before "
+                        "anything starts; results get a _<key><value> suffix")
     p.add_argument("--skip-vllm", action="store_true")
     p.add_argument("--greedy-only", action="store_true",
                    help="greedy decoding only (no T = 1 runs): the real target's budget on 2 cores")
@@ -224,9 +229,10 @@ def _train(args: argparse.Namespace, family: str, target: Path, stores: dict[str
     from verl_speco.train.compose import load_config
     from verl_speco.train.loop import run as train_run
 
-    extra = _depth_settings(family, args.k) + _target_settings(family, args.target)
+    base = _depth_settings(family, args.k) + _target_settings(family, args.target)
+    extra = base + args.train_set
     key = [args.steps, args.seed, stores["train"].name, *extra] + ([args.encoding] if args.encoding != "raw" else [])
-    run_dir = out / "train" / ((family if not extra else f"{family}_k{args.k}") + _suffix(args))
+    run_dir = out / "train" / ((family if not base else f"{family}_k{args.k}") + _suffix(args))
     done = run_dir.parent / f"{run_dir.name}.bench.json"  # reused by a rerun with the same settings
     if done.is_file() and json.loads(done.read_text())["key"] == key:
         res: dict[str, Any] = json.loads(done.read_text())["result"]
@@ -243,8 +249,48 @@ def _train(args: argparse.Namespace, family: str, target: Path, stores: dict[str
 
 
 def _suffix(args: argparse.Namespace) -> str:
-    """What names an --encoding run's files apart from the raw run's ("" for raw)."""
-    return "" if args.encoding == "raw" else f"_{args.encoding}"
+    """What names an --encoding or --train-set run's files apart from the default run's ("" for it):
+    `--encoding fp8_e4m3 --train-set drafter.settings.prob_weight=1.0` -> "_fp8_e4m3_prob_weight1.0"."""
+    tags = ([] if args.encoding == "raw" else [args.encoding]) + [_set_tag(item) for item in args.train_set]
+    return "".join(f"_{tag}" for tag in tags)
+
+
+def _tree_tag(args: argparse.Namespace) -> str:
+    """What names the outputs of a run decoded with another EAGLE-2 tree apart from the default tree's
+    ("" for --top-k 4 --total-tokens 16; "_tree60top10" for --top-k 10 --total-tokens 60): the training
+    and every other row are shared, so only the report, table and chart files need the name."""
+    default = _parser().parse_args([])
+    same = (args.top_k, args.total_tokens) == (default.top_k, default.total_tokens)
+    return "" if same else f"_tree{args.total_tokens}top{args.top_k}"
+
+
+def _set_tag(item: str) -> str:
+    """A --train-set item as a file-name tag: the key's last part and the value
+    ("optim.lr=3e-4" -> "lr3e-4"); characters other than letters, digits, '.', '-' and '_' are dropped."""
+    key, value = item.split("=", 1)
+    return "".join(c for c in key.rsplit(".", 1)[-1].lstrip("+") + value if c.isalnum() or c in "._-")
+
+
+def _check_train_set(args: argparse.Namespace, families: list[str]) -> None:
+    """Refuse a malformed or unknown --train-set item by name, before the store is collected: each is
+    composed into every trained family's config and checked against its schema and settings class."""
+    from drafters.registry import get_family
+    from verl_speco.train.compose import load_config
+    from verl_speco.train.config import ConfigError, build_family_config
+
+    for item in args.train_set:
+        if "=" not in item or not item.split("=", 1)[0].strip("+"):
+            raise SystemExit(f"--train-set: got {item!r}, expected KEY=VALUE (e.g. drafter.settings.prob_weight=1.0)")
+    stand_in = Path(args.out) / "unused"  # composition needs the mandatory paths; nothing is read
+    for fam in _trained_families(families):
+        extra = _depth_settings(fam, args.k) + _target_settings(fam, args.target) + args.train_set
+        overrides = [f"preset=quickstart_{fam}", f"target.path={stand_in}", f"data.store={stand_in}",
+                     f"run.out_dir={stand_in}", *extra]
+        try:
+            cfg = load_config(overrides)
+            build_family_config(get_family(fam).config_cls, dict(cfg.drafter.settings), fam)
+        except (ConfigError, TypeError, ValueError) as err:
+            raise SystemExit(f"--train-set {' '.join(args.train_set)}: refused for {fam}: {err}") from err
 
 
 def _encoded(args: argparse.Namespace, stores: dict[str, Path]) -> dict[str, Path]:
@@ -316,7 +362,7 @@ def run(args: argparse.Namespace, console: Console | None = None) -> dict[str, d
     if args.time_steps > 0:  # after every training, all families in one pass: comparable step times
         def overrides(fam: str) -> list[str]:
             return _overrides(args, fam, target, stores, out / "timing",
-                              _depth_settings(fam, args.k) + _target_settings(fam, args.target))
+                              _depth_settings(fam, args.k) + _target_settings(fam, args.target) + args.train_set)
 
         with console.stage("time steps", total=args.time_steps) as bar:
             for fam, timing in time_families(args, trained, overrides, out, tick=bar.update).items():
@@ -365,7 +411,7 @@ def _evaluate(args: argparse.Namespace, families: list[str], trained: dict[str, 
     shape = TreeConfig(args.top_k, args.k, args.total_tokens)
     rows = [(f, None) for f in families] + ([("eagle3", shape)] if {"eagle2", "eagle3"} <= set(families) else [])
     # the embedded target's cache names unchanged; an --encoding run's apart from the raw run's
-    prefix = ("" if set_name == "heldout" else f"{set_name}_") + (f"{args.encoding}_" if _suffix(args) else "")
+    prefix = ("" if set_name == "heldout" else f"{set_name}_") + (f"{_suffix(args)[1:]}_" if _suffix(args) else "")
     # decoding runs per row: greedy, then T=1 (and, chains and blocks, T=1 with sampled drafts)
     runs = sum(1 if args.greedy_only else (2 if fam == "eagle2" or forced else 3) for fam, forced in rows)
     done = 0
@@ -503,7 +549,7 @@ def _drop(res: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    _families(args)  # a bad --families is refused before anything starts
+    _check_train_set(args, _families(args))  # a bad --families or --train-set is refused before anything starts
     use_in_process_vllm_env()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     console = Console(Path(args.out) / LOG, verbose=args.verbose, name="bench_family_acceptance", append=True)
@@ -512,7 +558,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1  # the console showed the error and the log's last lines
     ok = True
     for set_name, report in reports.items():
-        stem = (f"k{args.k}" if set_name == "heldout" else f"{set_name}_k{args.k}") + _suffix(args)
+        stem = (f"k{args.k}" if set_name == "heldout" else f"{set_name}_k{args.k}") + _suffix(args) + _tree_tag(args)
         text = table(report) + ("\n\n" + speed_table(report) if "vllm_side_by_side" in report else "")
         print(f"\n{set_name}: mean acceptance length (1 + accepted / drafts) and generated tokens per target "
               f"forward, {report['eval_prompts']} held-out prompts, {args.steps} training steps, k={args.k}\n{text}")

@@ -286,6 +286,34 @@ def test_bench_family_acceptance_encoding_trains_from_an_fp8_twin(tmp_path: Path
         bench._collect_for(bench._parser().parse_args(["--collect-for", "eagle1"]), ["eagle3"])
 
 
+def test_bench_family_acceptance_train_set_reaches_the_config_and_names_results(tmp_path: Path) -> None:
+    """--train-set overrides reach every trained family's config, key its training cache, name its
+    results apart from the default run's, and a misspelt key or an out-of-range value is refused by
+    name before anything starts."""
+    from verl_speco.train.compose import load_config
+
+    bench = _bench_family_module()
+    out = ["--out", str(tmp_path), "--target", "smollm2-135m"]
+    args = bench._parser().parse_args([*out, "--train-set", "drafter.settings.prob_weight=1.0",
+                                       "--train-set", "optim.lr=3e-4"])
+    bench._check_train_set(args, ["eagle1", "eagle2"])
+    extra = bench._target_settings("eagle1", args.target) + args.train_set
+    cfg = load_config(bench._overrides(args, "eagle1", tmp_path / "t", {"train": tmp_path / "s", "eval": tmp_path / "e"},
+                                       tmp_path / "run", extra))
+    assert (cfg.drafter.settings["prob_weight"], cfg.optim.lr) == (1.0, 3e-4)
+    assert bench._suffix(args) == "_prob_weight1.0_lr3e-4"
+    fp8 = bench._parser().parse_args([*out, "--encoding", "fp8_e4m3", "--train-set", "drafter.settings.feature_noise=0"])
+    assert bench._suffix(fp8) == "_fp8_e4m3_feature_noise0"
+    assert bench._suffix(bench._parser().parse_args(out)) == ""
+    assert bench._tree_tag(bench._parser().parse_args(out)) == ""
+    assert bench._tree_tag(bench._parser().parse_args([*out, "--top-k", "10", "--total-tokens", "60"])) == "_tree60top10"
+    for bad, said in (("drafter.settings.prob_wieght=1.0", "prob_wieght"), ("drafter.settings.prob_weight=-1",
+                                                                          "prob_weight: got -1.0"),
+                      ("optim.lr=fast", "optim.lr='fast'"), ("prob_weight", "expected KEY=VALUE")):
+        with pytest.raises(SystemExit, match=said):
+            bench._check_train_set(bench._parser().parse_args([*out, "--train-set", bad]), ["eagle1"])
+
+
 def test_the_real_target_results_commands_parse() -> None:
     """The commands docs/results/smollm2/README.md gives parse with the script's and launcher's own
     parsers, with the values the figures were measured at."""
