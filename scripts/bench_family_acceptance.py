@@ -410,7 +410,7 @@ def _evaluate(args: argparse.Namespace, families: list[str], trained: dict[str, 
                               "families": {}}
     shape = TreeConfig(args.top_k, args.k, args.total_tokens)
     rows = [(f, None) for f in families] + ([("eagle3", shape)] if {"eagle2", "eagle3"} <= set(families) else [])
-    # the embedded target's cache names unchanged; an --encoding run's apart from the raw run's
+    # the embedded target's cache names unchanged; an --encoding or --train-set run's apart from the default's
     prefix = ("" if set_name == "heldout" else f"{set_name}_") + (f"{_suffix(args)[1:]}_" if _suffix(args) else "")
     # decoding runs per row: greedy, then T=1 (and, chains and blocks, T=1 with sampled drafts)
     runs = sum(1 if args.greedy_only else (2 if fam == "eagle2" or forced else 3) for fam, forced in rows)
