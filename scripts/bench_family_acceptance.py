@@ -111,6 +111,16 @@ def _target_settings(family: str, target: str) -> list[str]:
     return [] if target == "embedded" else REAL_TARGET_SETTINGS.get(family, [])
 
 
+def _recipe_settings(args: argparse.Namespace, family: str) -> list[str]:
+    """The overrides the benchmark itself sets for a family: its depth (k) and real-target settings."""
+    return _depth_settings(family, args.k) + _target_settings(family, args.target)
+
+
+def _train_settings(args: argparse.Namespace, family: str) -> list[str]:
+    """Every override a family trains with: the benchmark's own, then the user's --train-set items."""
+    return _recipe_settings(args, family) + args.train_set
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (default: %(default)s)")
@@ -229,10 +239,9 @@ def _train(args: argparse.Namespace, family: str, target: Path, stores: dict[str
     from verl_speco.train.compose import load_config
     from verl_speco.train.loop import run as train_run
 
-    base = _depth_settings(family, args.k) + _target_settings(family, args.target)
-    extra = base + args.train_set
+    extra = _train_settings(args, family)
     key = [args.steps, args.seed, stores["train"].name, *extra] + ([args.encoding] if args.encoding != "raw" else [])
-    run_dir = out / "train" / ((family if not base else f"{family}_k{args.k}") + _suffix(args))
+    run_dir = out / "train" / ((family if not _recipe_settings(args, family) else f"{family}_k{args.k}") + _suffix(args))
     done = run_dir.parent / f"{run_dir.name}.bench.json"  # reused by a rerun with the same settings
     if done.is_file() and json.loads(done.read_text())["key"] == key:
         res: dict[str, Any] = json.loads(done.read_text())["result"]
@@ -259,8 +268,8 @@ def _tree_tag(args: argparse.Namespace) -> str:
     """What names the outputs of a run decoded with another EAGLE-2 tree apart from the default tree's
     ("" for --top-k 4 --total-tokens 16; "_tree60top10" for --top-k 10 --total-tokens 60): the training
     and every other row are shared, so only the report, table and chart files need the name."""
-    default = _parser().parse_args([])
-    same = (args.top_k, args.total_tokens) == (default.top_k, default.total_tokens)
+    default = _parser()
+    same = (args.top_k, args.total_tokens) == (default.get_default("top_k"), default.get_default("total_tokens"))
     return "" if same else f"_tree{args.total_tokens}top{args.top_k}"
 
 
@@ -273,21 +282,22 @@ def _set_tag(item: str) -> str:
 
 def _check_train_set(args: argparse.Namespace, families: list[str]) -> None:
     """Refuse a malformed or unknown --train-set item by name, before the store is collected: each is
-    composed into every trained family's config and checked against its schema and settings class."""
+    composed into every trained family's config and checked against its schema and settings class
+    (nothing to do without --train-set)."""
     from drafters.registry import get_family
     from verl_speco.train.compose import load_config
     from verl_speco.train.config import ConfigError, build_family_config
 
+    if not args.train_set:
+        return
     for item in args.train_set:
         if "=" not in item or not item.split("=", 1)[0].strip("+"):
             raise SystemExit(f"--train-set: got {item!r}, expected KEY=VALUE (e.g. drafter.settings.prob_weight=1.0)")
     stand_in = Path(args.out) / "unused"  # composition needs the mandatory paths; nothing is read
     for fam in _trained_families(families):
-        extra = _depth_settings(fam, args.k) + _target_settings(fam, args.target) + args.train_set
-        overrides = [f"preset=quickstart_{fam}", f"target.path={stand_in}", f"data.store={stand_in}",
-                     f"run.out_dir={stand_in}", *extra]
         try:
-            cfg = load_config(overrides)
+            cfg = load_config(_overrides(args, fam, stand_in, {"train": stand_in, "eval": stand_in}, stand_in,
+                                         _train_settings(args, fam)))
             build_family_config(get_family(fam).config_cls, dict(cfg.drafter.settings), fam)
         except (ConfigError, TypeError, ValueError) as err:
             raise SystemExit(f"--train-set {' '.join(args.train_set)}: refused for {fam}: {err}") from err
@@ -361,8 +371,7 @@ def run(args: argparse.Namespace, console: Console | None = None) -> dict[str, d
             bar.set((i + 1) * args.steps)
     if args.time_steps > 0:  # after every training, all families in one pass: comparable step times
         def overrides(fam: str) -> list[str]:
-            return _overrides(args, fam, target, stores, out / "timing",
-                              _depth_settings(fam, args.k) + _target_settings(fam, args.target) + args.train_set)
+            return _overrides(args, fam, target, stores, out / "timing", _train_settings(args, fam))
 
         with console.stage("time steps", total=args.time_steps) as bar:
             for fam, timing in time_families(args, trained, overrides, out, tick=bar.update).items():
@@ -411,7 +420,8 @@ def _evaluate(args: argparse.Namespace, families: list[str], trained: dict[str, 
     shape = TreeConfig(args.top_k, args.k, args.total_tokens)
     rows = [(f, None) for f in families] + ([("eagle3", shape)] if {"eagle2", "eagle3"} <= set(families) else [])
     # the embedded target's cache names unchanged; an --encoding or --train-set run's apart from the default's
-    prefix = ("" if set_name == "heldout" else f"{set_name}_") + (f"{_suffix(args)[1:]}_" if _suffix(args) else "")
+    suffix = _suffix(args)
+    prefix = ("" if set_name == "heldout" else f"{set_name}_") + (f"{suffix[1:]}_" if suffix else "")
     # decoding runs per row: greedy, then T=1 (and, chains and blocks, T=1 with sampled drafts)
     runs = sum(1 if args.greedy_only else (2 if fam == "eagle2" or forced else 3) for fam, forced in rows)
     done = 0

@@ -297,9 +297,8 @@ def test_bench_family_acceptance_train_set_reaches_the_config_and_names_results(
     args = bench._parser().parse_args([*out, "--train-set", "drafter.settings.prob_weight=1.0",
                                        "--train-set", "optim.lr=3e-4"])
     bench._check_train_set(args, ["eagle1", "eagle2"])
-    extra = bench._target_settings("eagle1", args.target) + args.train_set
     cfg = load_config(bench._overrides(args, "eagle1", tmp_path / "t", {"train": tmp_path / "s", "eval": tmp_path / "e"},
-                                       tmp_path / "run", extra))
+                                       tmp_path / "run", bench._train_settings(args, "eagle1")))
     assert (cfg.drafter.settings["prob_weight"], cfg.optim.lr) == (1.0, 3e-4)
     assert bench._suffix(args) == "_prob_weight1.0_lr3e-4"
     fp8 = bench._parser().parse_args([*out, "--encoding", "fp8_e4m3", "--train-set", "drafter.settings.feature_noise=0"])
