@@ -52,12 +52,13 @@ Outputs: <out>/report_k<k>.json, <out>/table_k<k>.md (markdown, footnotes under 
 named apart by --encoding, --train-set and a non-default tree (`_tree60top10`); runs with
 another --k in the same --out reuse the store and the runs that do not depend on k (training,
 timing and every decoding run are cached keyed by their settings and the exports' contents, so a
-stopped run resumes; --retime measures the step time again). The store is named by its collection
-recipe (`verl_speco.capture.recipe`: the prompts' bytes, the response cap --collect-new-tokens, which
-defaults to --max-new-tokens, the sequence cap, seed, layout and engine), so another recipe in the
-same --out collects a new store beside the old one instead of reusing it. The terminal gets one progress bar
-per stage, then the tables and the paths; vLLM's, the trainer's and the libraries' output goes to
-<out>/bench.log (appended; `verl_speco.console`), on the terminal with --verbose.
+stopped run resumes, a training run from its newest checkpoint; --retime measures the step time
+again). The store is named by its collection recipe (`verl_speco.capture.recipe`: the prompts'
+bytes, the response cap --collect-new-tokens, which defaults to --max-new-tokens, the sequence cap,
+seed, layout and engine), so another recipe in the same --out collects a new store beside the old
+one instead of reusing it. The terminal gets one progress bar per stage, then the tables and the
+paths; vLLM's, the trainer's and the libraries' output goes to <out>/bench.log (appended;
+`verl_speco.console`), on the terminal with --verbose.
 """
 
 from __future__ import annotations
@@ -246,7 +247,14 @@ def _train(args: argparse.Namespace, family: str, target: Path, stores: dict[str
     if done.is_file() and json.loads(done.read_text())["key"] == key:
         res: dict[str, Any] = json.loads(done.read_text())["result"]
         return {**res, "export": Path(res["export"]), "run_dir": str(run_dir), "key": key}
-    summary = train_run(load_config(_overrides(args, family, target, stores, run_dir, extra)), on_step=on_step)
+    # A run stopped part way with the same settings continues from its newest complete checkpoint (the
+    # trainer's resume equals an uninterrupted run); other settings start the directory over.
+    started = run_dir.parent / f"{run_dir.name}.bench-start.json"
+    resume = started.is_file() and json.loads(started.read_text())["key"] == key
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    started.write_text(json.dumps({"key": key}))
+    overrides = _overrides(args, family, target, stores, run_dir, extra) + (["run.resume=true"] if resume else [])
+    summary = train_run(load_config(overrides), on_step=on_step)
     ckpt = Path(summary["checkpoint"])
     state = json.loads((ckpt / "trainer" / "state.json").read_text())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -254,7 +262,8 @@ def _train(args: argparse.Namespace, family: str, target: Path, stores: dict[str
     result = {"export": str(ckpt / "export"), "tokens_seen": state["tokens_seen"], "loss": summary.get("loss"),
               "median_step_s": step_s[len(step_s) // 2] if step_s else None, "settings": extra}
     done.write_text(json.dumps({"key": key, "result": result}))
-    return {**result, "export": Path(result["export"]), "run_dir": str(run_dir), "key": key}
+    return {**result, "export": Path(result["export"]), "run_dir": str(run_dir), "key": key,
+            "resumed_from": summary.get("resumed_from")}
 
 
 def _suffix(args: argparse.Namespace) -> str:
