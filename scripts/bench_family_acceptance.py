@@ -252,7 +252,8 @@ def _train(args: argparse.Namespace, family: str, target: Path, stores: dict[str
     started = run_dir.parent / f"{run_dir.name}.bench-start.json"
     resume = started.is_file() and json.loads(started.read_text())["key"] == key
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    started.write_text(json.dumps({"key": key}))
+    started.with_suffix(".tmp").write_text(json.dumps({"key": key}))
+    started.with_suffix(".tmp").replace(started)  # whole or absent: a rerun reads it
     overrides = _overrides(args, family, target, stores, run_dir, extra) + (["run.resume=true"] if resume else [])
     summary = train_run(load_config(overrides), on_step=on_step)
     ckpt = Path(summary["checkpoint"])
