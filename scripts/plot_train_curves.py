@@ -70,12 +70,11 @@ def load_curves(runs: list[tuple[str, Path]], metrics: list[str]) -> dict[str, l
 def table(curves: dict[str, list[dict[str, Any]]], metrics: list[str]) -> str:
     """Markdown: per run, the last eval step, its metrics, and the best value of the first metric."""
     first = metrics[0]
-    lower_is_better = "loss" in first
+    pick = min if "loss" in first else max  # a loss is best lowest
     head = ["run", "last eval step", *metrics, f"best {first} (step)"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, records in curves.items():
         last = records[-1]
-        pick = min if lower_is_better else max
         best = pick(records, key=lambda r: r[first])
         cells = [label, str(last["step"]), *(f"{last[m]:.4f}" for m in metrics),
                  f"{best[first]:.4f} ({best['step']})"]
