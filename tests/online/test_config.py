@@ -26,7 +26,8 @@ def test_defaults_from_none_and_empty() -> None:
         assert (cfg.enable, cfg.family, cfg.mode, cfg.schedule) == (False, "eagle3", "online", "serial")
         assert cfg.model_path is None and cfg.settings == {} and cfg.publish_dir is None
         assert (cfg.num_speculative_tokens, cfg.collect_interval, cfg.train_interval, cfg.publish_interval) == (3, 1, 1, 1)
-        assert (cfg.train_steps_per_round, cfg.micro_batch_size, cfg.max_staleness) == (8, 8, 1)
+        assert (cfg.train_steps_per_round, cfg.train_passes_per_round) == (None, 4.0)
+        assert (cfg.micro_batch_size, cfg.max_staleness) == (8, 1)
         assert cfg.capture_pass == "post_update"
         assert (cfg.buffer_max_tokens, cfg.seed) == (262144, 0)
         assert cfg.caps == CaptureCaps(max_rows=64, max_tokens=32768, min_response_tokens=1, max_seq_len=4096)
@@ -96,8 +97,12 @@ BAD_VALUES: list[tuple[dict[str, Any], str, str, str]] = [
     ({"mode": "train"}, "mode", "'train'", "one of ('online', 'collect_only', 'offline')"),
     ({"schedule": "async"}, "schedule", "'async'", "one of ('serial', 'overlap')"),
     *[({k: 0}, k, "0", "an integer >= 1") for k in (
-        "collect_interval", "train_interval", "publish_interval", "train_steps_per_round",
+        "collect_interval", "train_interval", "publish_interval",
         "micro_batch_size", "num_speculative_tokens", "buffer_max_tokens")],
+    *[({"train_steps_per_round": v}, "train_steps_per_round", repr(v),
+       "an integer >= 1, or null (derived from train_passes_per_round)") for v in (0, 2.5, True)],
+    *[({"train_passes_per_round": v}, "train_passes_per_round", repr(v), "a finite number > 0")
+      for v in (0, -1.0, float("inf"), "4")],
     ({"max_staleness": -1}, "max_staleness", "-1", "an integer >= 0"),
     *[({"caps": {k: 0}}, f"caps.{k}", "0", "an integer >= 1") for k in (
         "max_rows", "max_tokens", "min_response_tokens", "max_seq_len")],

@@ -334,3 +334,37 @@ def test_round_in_flight_survives_a_newer_version_evicting_its_rows(tmp_path: Pa
     finally:
         session.close()
     assert metrics is not None and metrics["steps"] == 40.0
+
+
+def test_round_length_follows_the_rows_captured_since_the_previous_round(  # type: ignore[no-untyped-def]
+        tmp_path: Path, target_dir: Path, target_model, rows_v0: CapturedRows) -> None:
+    """train_steps_per_round=None: ceil(passes x new rows / micro_batch_size), counted by hand below;
+    the rows are consumed by the round (also by one started in the background), a fixed count wins."""
+    session = DrafterSession(_cfg(tmp_path, train_steps_per_round=None, train_passes_per_round=4.0,
+                                  micro_batch_size=8), target_dir)
+    assert session.next_round_steps() == 0  # nothing buffered yet
+    head0 = TargetHeadSnapshot.from_model(target_model, 0)
+    session.add(rows_v0, head0)  # 6 rows: ceil(4 * 6 / 8) = 3
+    assert session.next_round_steps() == 3
+    rows_v1 = _capture(target_model, 1, 6, 10, n=5, seed=1)
+    session.add(rows_v1, TargetHeadSnapshot.from_model(target_model, 1))  # 6 + 5 = 11 rows: ceil(44 / 8) = 6
+    assert session.next_round_steps() == 6
+    metrics = session.train_round()
+    assert metrics["steps"] == 6.0 and session.step == 6
+    assert session.next_round_steps() == 0  # no new rows: nothing left to learn from
+    assert session.train_round()["steps"] == 0.0 and session.step == 6
+    session.add(_capture(target_model, 2, 6, 10, n=2, seed=2), TargetHeadSnapshot.from_model(target_model, 2))
+    session.cfg = dataclasses.replace(session.cfg, train_passes_per_round=2.5)  # ceil(2.5 * 2 / 8) = 1
+    assert session.next_round_steps() == 1
+    session.cfg = dataclasses.replace(session.cfg, schedule="overlap")
+    session.start_round()
+    try:
+        background = session.finish_round()
+    finally:
+        session.close()
+    assert background is not None and background["steps"] == 1.0 and session.next_round_steps() == 0
+    fixed = DrafterSession(_cfg(tmp_path, train_steps_per_round=7), target_dir)
+    assert fixed.next_round_steps() == 0
+    fixed.add(rows_v0, head0)
+    fixed.train_round(steps=1)
+    assert fixed.next_round_steps() == 7  # a fixed count does not depend on new rows

@@ -12,6 +12,7 @@ the RL job (train later with `verl-speco-draft-train` from a store).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,7 +78,13 @@ class DrafterRunConfig:
     collect_interval: int = 1  # capture every N RL steps
     train_interval: int = 1  # run a training round every N RL steps
     publish_interval: int = 1  # publish after every N training rounds
-    train_steps_per_round: int = 8  # optimizer steps per training round
+    # optimizer steps per training round. None: derived from the rows captured since the previous round,
+    # so that each is drawn about `train_passes_per_round` times (`DrafterSession.next_round_steps`).
+    # Worked example: 4 prompts x 4 rollouts = 16 rows, 4 passes, micro_batch_size 8 -> ceil(16 * 4 / 8) = 8
+    # steps; 8 prompts x 4 rollouts -> 16. A fixed 8 at 32 rows a step halved the passes and the draft's
+    # margin on a moving policy (docs/results/smollm2/drift/README.md, the lever study).
+    train_steps_per_round: int | None = None
+    train_passes_per_round: float = 4.0  # with train_steps_per_round=None: draws of each new row per round
     # online optimizer steps over which the objective's progress goes 0 -> 1 (curricula: Domino's
     # lambda); 0 = progress 1 throughout (the drafter arrives trained, its curriculum done)
     curriculum_steps: int = 0
@@ -131,7 +138,15 @@ class DrafterRunConfig:
             raise bad("capture_pass", self.capture_pass, f"one of {CAPTURE_PASSES}")
         if self.capture_source not in CAPTURE_SOURCES:
             raise bad("capture_source", self.capture_source, f"one of {CAPTURE_SOURCES}")
-        for key in ("collect_interval", "train_interval", "publish_interval", "train_steps_per_round",
+        if self.train_steps_per_round is not None and (
+                isinstance(self.train_steps_per_round, bool) or not isinstance(self.train_steps_per_round, int)
+                or self.train_steps_per_round < 1):
+            raise bad("train_steps_per_round", self.train_steps_per_round,
+                      "an integer >= 1, or null (derived from train_passes_per_round)")
+        if isinstance(self.train_passes_per_round, bool) or not isinstance(self.train_passes_per_round, (int, float)) \
+                or not math.isfinite(self.train_passes_per_round) or self.train_passes_per_round <= 0:
+            raise bad("train_passes_per_round", self.train_passes_per_round, "a finite number > 0")
+        for key in ("collect_interval", "train_interval", "publish_interval",
                     "micro_batch_size", "num_speculative_tokens", "buffer_max_tokens", "num_workers"):
             if getattr(self, key) < 1:
                 raise bad(key, getattr(self, key), "an integer >= 1")

@@ -2,8 +2,9 @@
 
 One `DrafterSession` lives in each drafter worker (the Ray actors of the verl run, or in-process in
 the drift harness). Per RL step it receives the captured rows and the target head of the policy
-version that produced them; a training round runs `train_steps_per_round` optimizer steps through
-the standalone trainer's `train_step` (the same normalisation, clipping and non-finite skipping);
+version that produced them; a training round runs `next_round_steps()` optimizer steps (a fixed
+`train_steps_per_round`, or enough for `train_passes_per_round` draws of each row captured since the
+previous round) through the standalone trainer's `train_step` (the same normalisation, clipping and non-finite skipping);
 `publish` writes the draft in the engine's checkpoint names as a new version.
 
 Supervision: the drafters' targets come from the target's frozen pieces (e.g. the distributions
@@ -186,6 +187,7 @@ class DrafterSession:
         self.rng = random.Random(cfg.seed)
         self.step = 0
         self.rounds = 0
+        self.rows_since_round = 0  # rows added since the previous round began (derived round length)
         self.version = 0
         self.publish_dir = Path(cfg.publish_dir) if cfg.publish_dir else default_publish_dir(run_name)
         self._executor: ThreadPoolExecutor | None = None
@@ -193,6 +195,25 @@ class DrafterSession:
 
     def add(self, rows: CapturedRows, head: TargetHeadSnapshot) -> None:
         self.buffer.add(rows, head)
+        self.rows_since_round += len(rows.records)
+
+    def next_round_steps(self) -> int:
+        """Optimizer steps of the next round: 0 while the buffer is empty; else `train_steps_per_round`
+        when set; else ceil(train_passes_per_round * rows added since the previous round / micro_batch_size),
+        0 when no row was added. Worked example: 16 rows, 4 passes, micro-batch 8 -> ceil(64 / 8) = 8;
+        20 rows -> ceil(80 / 8) = 10; 3 rows -> ceil(12 / 8) = 2. Every rank holds the same buffer, so
+        every rank derives the same count (the FSDP collectives stay in step)."""
+        if self.buffer.tokens == 0:
+            return 0
+        if self.cfg.train_steps_per_round is not None:
+            return self.cfg.train_steps_per_round
+        return math.ceil(self.cfg.train_passes_per_round * self.rows_since_round / self.cfg.micro_batch_size)
+
+    def _take_round_steps(self, steps: int | None) -> int:
+        """`steps`, or `next_round_steps()`; either way the rows since the previous round are consumed."""
+        steps = self.next_round_steps() if steps is None else steps
+        self.rows_since_round = 0
+        return steps
 
     def _use_head(self, head: TargetHeadSnapshot) -> None:
         self.family.set_target_head(self.model, head.embed_tokens, head.lm_head)
@@ -213,9 +234,9 @@ class DrafterSession:
         return 1.0 if horizon == 0 else min(1.0, self.step / horizon)
 
     def train_round(self, steps: int | None = None) -> dict[str, float]:
-        """`steps` (default train_steps_per_round) optimizer steps on buffered rows; metrics."""
+        """`steps` (default `next_round_steps()`) optimizer steps on buffered rows; metrics."""
         started = time.perf_counter()
-        steps = self.cfg.train_steps_per_round if steps is None else steps
+        steps = self._take_round_steps(steps)
         latest = self.buffer.latest_version
         latest_head = self.buffer.head_of(latest)  # kept even if add() evicts it during the round
         losses, tokens, skipped, lags = [], 0, 0, []
@@ -251,7 +272,7 @@ class DrafterSession:
             raise RuntimeError("start_round: a training round is already in flight; call finish_round() first")
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-train")
-        self._inflight = self._executor.submit(self.train_round, steps)
+        self._inflight = self._executor.submit(self.train_round, self._take_round_steps(steps))
 
     def finish_round(self) -> dict[str, float] | None:
         """Wait for the round in flight (None when there is none); its metrics."""

@@ -104,8 +104,8 @@ class DrafterWorker:
                 "buffer_tokens": float(self.session.buffer.tokens),
                 "add_seconds": time.perf_counter() - started}
 
-    def buffered_tokens(self) -> int:
-        return int(self.session.buffer.tokens)
+    def next_round_steps(self) -> int:
+        return int(self.session.next_round_steps())
 
     def train_round(self) -> dict[str, float]:
         return self.session.train_round()

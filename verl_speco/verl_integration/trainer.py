@@ -381,14 +381,14 @@ class SpecoTrainerMixin:
             add = ray.get(self._speco_drafter.add.remote(rows, heads[0]))
             out.update({f"drafter/{k}": float(v) for k, v in add.items()})
         if self.global_steps % self.speco.train_interval == 0:
-            if ray.get(self._speco_drafter.buffered_tokens.remote()) > 0:
+            if ray.get(self._speco_drafter.next_round_steps.remote()) > 0:
                 self._speco_round_ref = self._speco_drafter.train_round.remote()
                 self._speco_round_started = time.perf_counter()
                 if self.speco.schedule == "serial" or last:
                     out.update(self._speco_finish_round())
             elif "empty" not in self._speco_warned:
                 self._speco_warned.add("empty")
-                print("verl_speco: no captured rows yet; skipping the drafter training round")
+                print("verl_speco: no rows captured since the previous drafter round; skipping this round")
         return out
 
     def _speco_read_counters(self) -> SpecCounters | None:
