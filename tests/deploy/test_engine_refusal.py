@@ -78,7 +78,7 @@ def test_build_llm_refuses_before_building_the_engine(monkeypatch: pytest.Monkey
 def test_the_draft_reload_refuses_an_unchecked_release(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import vllm
 
-    from verl_speco.engines.vllm_engine import PATCHED_VLLM, DraftReloadMixin
+    from verl_speco.engines.vllm_reload import PATCHED_VLLM, DraftReloadMixin
 
     assert PATCHED_VLLM == ("0.32.0", "0.24.0", "0.23.0")
     worker = DraftReloadMixin()  # no model_runner: a refusal must not reach it

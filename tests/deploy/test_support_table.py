@@ -30,7 +30,8 @@ from verl_speco.deploy.support import (
     render_table,
 )
 from verl_speco.deploy.versions import engine_refusal, load_versions
-from verl_speco.engines.vllm_engine import CPU_UNSERVABLE, PATCHED_VLLM
+from verl_speco.engines.vllm_engine import CPU_UNSERVABLE
+from verl_speco.engines.vllm_reload import PATCHED_VLLM
 from verl_speco.launchers import recipes
 
 ROOT = Path(__file__).resolve().parents[2]

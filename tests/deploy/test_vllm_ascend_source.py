@@ -29,7 +29,7 @@ from deploy.wheel_source import wheel_source
 from verl_speco.deploy import vllm_ascend
 from verl_speco.deploy.versions import load_versions
 from verl_speco.deploy.vllm_ascend import AscendTree
-from verl_speco.engines import vllm_engine
+from verl_speco.engines import vllm_reload
 from verl_speco.launchers import online, recipes
 
 VLLM_OWN = {"model"}  # read by vLLM's SpeculativeConfig itself (vllm==0.23.0), not by vllm-ascend
@@ -125,10 +125,10 @@ def reload_gaps(tree: AscendTree) -> list[str]:
 def test_the_draft_reload_reaches_only_what_vllm_ascend_has(source: Path) -> None:
     assert reload_gaps(AscendTree(source)) == []
     # ours, read the same way: the runner attribute, the proposer attributes and the DFlash buffers
-    assert vllm_ascend.RUNNER_DRAFT_ATTR in _attrs(vllm_engine.DraftReloadMixin._speco_drafter, "runner", ast.Load)
-    assert _attrs(vllm_engine._refresh_parallel_drafting_hidden, "drafter", ast.Load) <= vllm_ascend.PROPOSER_READS
-    assert vllm_ascend.DFLASH_PATCH_BUFFERS <= _attrs(vllm_engine._rebuild_dflash_buffers, "inner", ast.Store)
-    assert vllm_ascend.ASCEND_RELEASE in vllm_engine.PATCHED_VLLM  # vllm-ascend 0.23.0 runs on vLLM 0.23.0
+    assert vllm_ascend.RUNNER_DRAFT_ATTR in _attrs(vllm_reload.DraftReloadMixin._speco_drafter, "runner", ast.Load)
+    assert _attrs(vllm_reload._refresh_parallel_drafting_hidden, "drafter", ast.Load) <= vllm_ascend.PROPOSER_READS
+    assert vllm_ascend.DFLASH_PATCH_BUFFERS <= _attrs(vllm_reload._rebuild_dflash_buffers, "inner", ast.Store)
+    assert vllm_ascend.ASCEND_RELEASE in vllm_reload.PATCHED_VLLM  # vllm-ascend 0.23.0 runs on vLLM 0.23.0
 
 
 def test_a_planted_reload_change_is_caught(source: Path, tmp_path: Path) -> None:

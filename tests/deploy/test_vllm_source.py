@@ -73,12 +73,13 @@ def refusal_mismatch(tree: VllmTree, specs: dict[str, FamilyVllmSpec]) -> tuple[
 
 def test_the_scan_finds_our_vllm_code(uses: list[Use]) -> None:
     files = {u.where.split(":")[0] for u in uses}
-    assert {"verl_speco/engines/vllm_engine.py", "verl_speco/cpu_port/vllm_worker.py"} <= files
+    assert {"verl_speco/engines/vllm_engine.py", "verl_speco/engines/vllm_reload.py",
+            "verl_speco/cpu_port/vllm_worker.py"} <= files
     targets = {u.target for u in uses}
     assert "vllm.model_executor.model_loader.reload.layerwise._place_kernel_tensors" in targets  # a private call
     assert "vllm.config.set_current_vllm_config" in targets
     assert {"parallel_drafting_hidden_state_tensor", "use_parallel_drafting", "_build_fused_kv_buffers"} <= targets
-    assert {u.scope for u in uses if u.where.startswith("verl_speco/engines/vllm_engine.py")} == {
+    assert {u.scope for u in uses if u.where.startswith("verl_speco/engines/vllm_reload.py")} == {
         ("0.32.0", "0.24.0", "0.23.0")}
 
 
@@ -107,7 +108,7 @@ def test_vllm_023_has_everything_we_use_on_it(installed: VllmTree, v023: VllmTre
     """vllm-ascend 0.23.0 runs on vLLM 0.23.0: the draft reload (PATCHED_VLLM) finds all it uses there."""
     assert v023.version == load_versions().line("ascend")["vllm"] == "0.23.0"
     _lacks_only_what_refusing_modules_use(v023, uses, installed)
-    assert {u.scope for u in uses if u.where.startswith("verl_speco/engines/vllm_engine.py")} == {
+    assert {u.scope for u in uses if u.where.startswith("verl_speco/engines/vllm_reload.py")} == {
         ("0.32.0", "0.24.0", "0.23.0")}
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from verl_speco.engines.vllm_engine import _rebuild_dflash_buffers
+from verl_speco.engines.vllm_reload import _rebuild_dflash_buffers
 
 
 class _Attn(nn.Module):

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from verl_speco.deploy.vllm_tree import VllmTree
-from verl_speco.engines.vllm_engine import DraftReloadMixin
+from verl_speco.engines.vllm_reload import DraftReloadMixin
 
 REF_024 = Path(sys.prefix) / "vllm_024_ref"
 

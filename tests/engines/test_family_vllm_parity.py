@@ -349,7 +349,7 @@ def test_dflash_live_publish_serves_exactly_the_published_draft(world: World) ->
     was built from the placeholders of the reload). A second publish of the untrained draft must
     bring back the untrained counters (the buffers follow every version, not only the first)."""
     _need("dflash")
-    from verl_speco.engines import vllm_engine
+    from verl_speco.engines import vllm_engine, vllm_reload
     from verl_speco.online.publish import write_version
 
     r = world.served("dflash")
@@ -362,13 +362,13 @@ def test_dflash_live_publish_serves_exactly_the_published_draft(world: World) ->
     fmt = family.engine_format(cfg, world.spec)
     versions = world.root / "dflash_versions"
     llm = vllm_engine.build_llm(world.target, start, method="dflash", num_speculative_tokens=K,
-                                worker_extension_cls=vllm_engine.DRAFT_EXTENSION)
+                                worker_extension_cls=vllm_reload.DRAFT_EXTENSION)
     try:
         seen = []
         for version, model in ((1, r["model"]), (2, untrained)):
             pub = write_version(versions, version, fmt.engine_tensors(model.state_dict()), bucket_bytes=32 << 10)
             assert pub.num_buckets > 1  # the receiver loads bucket by bucket
-            answers = vllm_engine.publish_draft(llm, pub.path, pub.version)
+            answers = vllm_reload.publish_draft(llm, pub.path, pub.version)
             assert [a["status"] for a in answers] == ["loaded"], answers
             outputs, m = greedy_run(llm)
             assert outputs == world.baseline

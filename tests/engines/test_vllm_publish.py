@@ -38,7 +38,7 @@ PROMPTS = [[5, 9, 13, 40, 2], [7, 7, 8], list(range(10, 30))]
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    from verl_speco.engines import vllm_engine
+    from verl_speco.engines import vllm_engine, vllm_reload
 
     root = tmp_path_factory.mktemp("publish")
     perm = single_cycle(VOCAB, seed=3)
@@ -47,7 +47,7 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     states = {"random": random_draft(cfg, seed=2), "oracle": oracle_draft(cfg, target, perm)}
     start = export_eagle3(states["random"], cfg, root / "start")
     llm = vllm_engine.build_llm(target, start, num_speculative_tokens=K,
-                                worker_extension_cls=vllm_engine.DRAFT_EXTENSION)
+                                worker_extension_cls=vllm_reload.DRAFT_EXTENSION)
     want = [cycle_continuation(perm, p[-1], MAX_TOKENS) for p in PROMPTS]
     tensors = {name: engine_tensors(sd, cfg) for name, sd in states.items()}
     try:
@@ -65,7 +65,7 @@ def _run(live: dict[str, Any]) -> dict[str, Any]:
 
 
 def _publish(live: dict[str, Any], name: str, version: int) -> list[dict[str, Any]]:
-    from verl_speco.engines.vllm_engine import publish_draft
+    from verl_speco.engines.vllm_reload import publish_draft
 
     pub = write_version(live["root"] / "versions", version, live["tensors"][name], bucket_bytes=64 << 10)
     assert pub.num_buckets > 1  # the receiver loads bucket by bucket
@@ -73,7 +73,7 @@ def _publish(live: dict[str, Any], name: str, version: int) -> list[dict[str, An
 
 
 def test_swaps_change_vllm_acceptance_exactly(live: dict[str, Any]) -> None:
-    from verl_speco.engines.vllm_engine import draft_stats
+    from verl_speco.engines.vllm_reload import draft_stats
 
     before = _run(live)
     assert before["mean_acceptance_length"] < 1.5
@@ -89,7 +89,7 @@ def test_swaps_change_vllm_acceptance_exactly(live: dict[str, Any]) -> None:
 
 
 def test_stale_publish_is_dropped_and_counted(live: dict[str, Any]) -> None:
-    from verl_speco.engines.vllm_engine import draft_stats, publish_draft
+    from verl_speco.engines.vllm_reload import draft_stats, publish_draft
 
     assert _publish(live, "oracle", 3)[0]["status"] == "loaded"
     digest = draft_stats(live["llm"])[0]["digest"]
@@ -102,7 +102,7 @@ def test_stale_publish_is_dropped_and_counted(live: dict[str, Any]) -> None:
 
 
 def test_latest_draft_survives_the_target_weight_sync(live: dict[str, Any]) -> None:
-    from verl_speco.engines.vllm_engine import draft_stats, reload_target
+    from verl_speco.engines.vllm_reload import draft_stats, reload_target
 
     assert _publish(live, "oracle", 4)[0]["status"] == "loaded"
     digest = draft_stats(live["llm"])[0]["digest"]
@@ -113,7 +113,7 @@ def test_latest_draft_survives_the_target_weight_sync(live: dict[str, Any]) -> N
 
 
 def test_reapply_restores_the_published_draft_after_its_memory_was_overwritten(live: dict[str, Any]) -> None:
-    from verl_speco.engines.vllm_engine import draft_stats
+    from verl_speco.engines.vllm_reload import draft_stats
 
     assert _publish(live, "oracle", 5)[0]["status"] == "loaded"
     digest = draft_stats(live["llm"])[0]["digest"]
@@ -135,7 +135,7 @@ def test_a_baseline_serves_for_one_measurement_and_the_held_draft_returns(live: 
     """`speco_apply_baseline` serves a fixed draft (the random one) outside the version order, exactly
     (its own figures in vLLM's counters); `speco_restore_draft` brings the held version back bit for
     bit; a corrupt baseline is refused with the held draft serving."""
-    from verl_speco.engines.vllm_engine import draft_stats
+    from verl_speco.engines.vllm_reload import draft_stats
 
     assert _publish(live, "oracle", 6)[0]["status"] == "loaded"
     digest = draft_stats(live["llm"])[0]["digest"]
@@ -165,7 +165,7 @@ def test_process_registry_counters_equal_the_engines(live: dict[str, Any]) -> No
 
 
 def test_publish_of_a_missing_version_is_refused_clearly(live: dict[str, Any], tmp_path: Path) -> None:
-    from verl_speco.engines.vllm_engine import publish_draft
+    from verl_speco.engines.vllm_reload import publish_draft
 
     (answer,) = publish_draft(live["llm"], tmp_path / "v000099", 99)
     assert answer["status"] == "rejected" and "no publish manifest" in answer["reason"]
@@ -181,7 +181,7 @@ _VERSIONS = iter(range(100, 10_000))
 
 
 def _serve_oracle(live: dict[str, Any]) -> tuple[int, str]:
-    from verl_speco.engines.vllm_engine import draft_stats
+    from verl_speco.engines.vllm_reload import draft_stats
 
     version = next(_VERSIONS)
     (answer,) = _publish(live, "oracle", version)
@@ -190,7 +190,7 @@ def _serve_oracle(live: dict[str, Any]) -> tuple[int, str]:
 
 
 def _assert_serving(live: dict[str, Any], version: int, digest: str) -> dict[str, Any]:
-    from verl_speco.engines.vllm_engine import draft_stats
+    from verl_speco.engines.vllm_reload import draft_stats
 
     stats = draft_stats(live["llm"])[0]
     assert stats["version"] == version and stats["digest"] == digest
@@ -201,7 +201,7 @@ def _assert_serving(live: dict[str, Any], version: int, digest: str) -> dict[str
 
 
 def _offer(live: dict[str, Any], path: Path, version: int) -> dict[str, Any]:
-    from verl_speco.engines.vllm_engine import publish_draft
+    from verl_speco.engines.vllm_reload import publish_draft
 
     (answer,) = publish_draft(live["llm"], path, version)
     return answer
@@ -305,7 +305,7 @@ def test_a_failure_after_the_reload_started_restores_the_previous_draft(live: di
 # vLLM 0.32 handles `mask_hidden` outside the layer-wise loader (llama_eagle3.py: a direct copy into
 # a buffer, and a ValueError for any load_weights call without it) and its proposer computes the
 # hidden state of every mask slot, fc(mask_hidden), ONCE at load time (llm_base_proposer.py
-# `parallel_drafting_hidden_state_tensor`). The draft reload handles both (vllm_engine.py
+# `parallel_drafting_hidden_state_tensor`). The draft reload handles both (vllm_reload.py
 # `_parallel_drafting_mask`, `_load_mask_hidden`, `_refresh_parallel_drafting_hidden`).
 
 # Settings of the trained P-EAGLE draft: 1 layer, K = 3 depths, MASK = id 95. Measured (float32,
@@ -368,7 +368,7 @@ def test_peagle_live_publish_recomputes_the_mask_slot_hidden_state(tmp_path: Pat
     from drafters.common.target import TargetHead, TargetSpec
     from drafters.registry import get_family
     from drafters.spec_decode import autoregressive_generate
-    from verl_speco.engines import vllm_engine
+    from verl_speco.engines import vllm_engine, vllm_reload
 
     from .conftest import MAX_TOKENS, build_normed_target, greedy_run, train_draft, vllm_counts
     from .conftest import PROMPTS as PARITY_PROMPTS
@@ -405,7 +405,7 @@ def test_peagle_live_publish_recomputes_the_mask_slot_hidden_state(tmp_path: Pat
 
     def publish(name: str, version: int, bucket_bytes: int) -> dict[str, Any]:
         pub = write_version(versions, version, tensors[name], bucket_bytes=bucket_bytes)
-        (answer,) = vllm_engine.publish_draft(llm, pub.path, pub.version)
+        (answer,) = vllm_reload.publish_draft(llm, pub.path, pub.version)
         answer["num_buckets"] = pub.num_buckets
         return answer
 
@@ -421,13 +421,13 @@ def test_peagle_live_publish_recomputes_the_mask_slot_hidden_state(tmp_path: Pat
 
     llm = vllm_engine.build_llm(target, start, method=sc["method"], num_speculative_tokens=PARITY_K,
                                 speculative_extra={"parallel_drafting": True},
-                                worker_extension_cls=vllm_engine.DRAFT_EXTENSION)
+                                worker_extension_cls=vllm_reload.DRAFT_EXTENSION)
     try:
         seen = {"start": served()}
         # 1. one bucket, recompute disabled: mask_hidden is the trained one (it was dropped before
         # the fix), the proposer's mask-slot state is still the start-up fc(mask_hidden)
         with monkeypatch.context() as m:
-            m.setattr(vllm_engine, "_refresh_parallel_drafting_hidden", lambda drafter: None)
+            m.setattr(vllm_reload, "_refresh_parallel_drafting_hidden", lambda drafter: None)
             answer = publish("trained", 1, 256 << 20)
         assert answer["num_buckets"] == 1 and answer["status"] == "loaded", answer
         (mask, state), = llm.collective_rpc(mask_state)
@@ -440,7 +440,7 @@ def test_peagle_live_publish_recomputes_the_mask_slot_hidden_state(tmp_path: Pat
         (mask, state), = llm.collective_rpc(mask_state)
         assert torch.equal(mask, tensors["trained"]["mask_hidden"])
         torch.testing.assert_close(state, trained_hidden)
-        digest = vllm_engine.draft_stats(llm)[0]["digest"]
+        digest = vllm_reload.draft_stats(llm)[0]["digest"]
         seen["trained"] = served()
 
         # 3. a failure once the new mask state is in (the recompute of the untrained draft's
@@ -470,7 +470,7 @@ def test_peagle_live_publish_recomputes_the_mask_slot_hidden_state(tmp_path: Pat
         (mask, state), = llm.collective_rpc(mask_state)
         assert torch.equal(mask, tensors["trained"]["mask_hidden"])
         torch.testing.assert_close(state, trained_hidden)
-        assert vllm_engine.draft_stats(llm)[0]["digest"] == digest
+        assert vllm_reload.draft_stats(llm)[0]["digest"] == digest
         seen["restored"] = served()
         # 4. the untrained draft again, many buckets: its counters come back
         answer = publish("untrained", 4, 16 << 10)

@@ -61,14 +61,14 @@ def _head_is_shared(worker: Any) -> bool:
 
 @pytest.fixture(scope="module")
 def dummy_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    from verl_speco.engines import vllm_engine
+    from verl_speco.engines import vllm_engine, vllm_reload
 
     root = tmp_path_factory.mktemp("shared_head")
     target = build_target(root / "target", seed=4)
     cfg = draft_config()  # full vocab: the draft head has the target head's shape
     start = export_eagle3(random_draft(cfg, seed=2), cfg, root / "start")
     llm = vllm_engine.build_llm(target, start, num_speculative_tokens=3, load_format="dummy",
-                                worker_extension_cls=vllm_engine.DRAFT_EXTENSION)
+                                worker_extension_cls=vllm_reload.DRAFT_EXTENSION)
     _sync_target(llm, target)  # the real target weights, as verl's first weight sync
     try:
         yield {"llm": llm, "root": root, "target": target,
@@ -78,7 +78,8 @@ def dummy_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
 
 
 def test_a_publish_into_the_targets_shared_head_is_refused(dummy_engine: dict[str, Any]) -> None:
-    from verl_speco.engines.vllm_engine import draft_stats, generate, publish_draft
+    from verl_speco.engines.vllm_engine import generate
+    from verl_speco.engines.vllm_reload import draft_stats, publish_draft
 
     llm = dummy_engine["llm"]
     assert llm.collective_rpc(_head_is_shared) == [True]  # the situation of bug B

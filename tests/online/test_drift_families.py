@@ -7,7 +7,7 @@ Short and cheap: the initial drafter is a fresh export of the family (no quickst
 round of co-training on the drifted policy must lift acceptance well above the frozen (untrained)
 drafter, and every step stays lossless (vLLM's greedy outputs equal the target's plain decoding
 after every publish). DFlash's live publish goes through the DFlash buffer rebuild of the draft
-reload (verl_speco/engines/vllm_engine.py `_rebuild_dflash_buffers`); P-EAGLE's (vLLM eagle3 with
+reload (verl_speco/engines/vllm_reload.py `_rebuild_dflash_buffers`); P-EAGLE's (vLLM eagle3 with
 parallel_drafting) through the mask-slot state rebuild (`_load_mask_hidden`,
 `_refresh_parallel_drafting_hidden`; exact parity after a live publish:
 tests/engines/test_vllm_publish.py).

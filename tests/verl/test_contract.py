@@ -274,7 +274,7 @@ def test_vllm_server_classes_install_on_verls(vllm_alias: str) -> None:
     from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
     from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
-    from verl_speco.engines.vllm_engine import DraftReloadMixin
+    from verl_speco.engines.vllm_reload import DraftReloadMixin
     from verl_speco.verl_integration import vllm_server
     from verl_speco.verl_integration.draft_servers import DRAFT_METHODS
 

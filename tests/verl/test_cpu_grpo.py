@@ -161,7 +161,7 @@ def lossless_and_acceptance(target: Path, trained: Path, version_dir: Path, tmp:
     `version_dir`, generate again. Outputs cut at EOS; acceptance from vLLM's counters of each call."""
     from drafters.common.target import TargetHead
     from drafters.common.tokens import cut_at_end
-    from verl_speco.engines import vllm_engine
+    from verl_speco.engines import vllm_engine, vllm_reload
     from verl_speco.evaluation import EvalPrompts, engine_format_of, export_untrained_like
     from verl_speco.target.datasets import write_prompt_dataset
 
@@ -180,12 +180,12 @@ def lossless_and_acceptance(target: Path, trained: Path, version_dir: Path, tmp:
     llm = vllm_engine.build_llm(target, untrained, method=spec.pop("method"),
                                 num_speculative_tokens=spec.pop("num_speculative_tokens"),
                                 speculative_extra={k: v for k, v in spec.items() if k != "model"},
-                                worker_extension_cls=vllm_engine.DRAFT_EXTENSION)
+                                worker_extension_cls=vllm_reload.DRAFT_EXTENSION)
     result: dict[str, Any] = {}
     try:
         for name in ("untrained", "published"):
             if name == "published":
-                result["answers"] = vllm_engine.publish_draft(llm, version_dir, int(version_dir.name[1:]))
+                result["answers"] = vllm_reload.publish_draft(llm, version_dir, int(version_dir.name[1:]))
             out, metrics = vllm_engine.generate_with_metrics(llm, prompts.token_ids, 64, ignore_eos=False)
             result[name] = {**metrics, "outputs_identical": cut(out) == plain}
     finally:

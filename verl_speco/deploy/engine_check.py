@@ -3,7 +3,7 @@
 - `require_engine_support(engine, family, live_publish=...)`: the installed engine's version must
   serve the family (`versions.engine_refusal`: the drafter catalog and versions.toml's
   engine_limits) and, for vLLM with live publishing, be one the draft reload was checked against
-  (`verl_speco.engines.vllm_engine.PATCHED_VLLM`).
+  (`verl_speco.engines.vllm_reload.PATCHED_VLLM`).
 - `patch_refusal(what, patched, version)`: the check every patch of vLLM internals makes.
 - `vllm_spec_families(spec)`: the catalog families a vLLM `speculative_config` serves.
 """
@@ -82,7 +82,7 @@ def require_engine_support(engine: str, family: str, *, version: str | None = No
         return None
     reason = engine_refusal(engine, version, family)
     if reason is None and live_publish and engine == "vllm":
-        from verl_speco.engines.vllm_engine import PATCHED_VLLM
+        from verl_speco.engines.vllm_reload import PATCHED_VLLM
 
         reason = patch_refusal("live draft publishing (DraftReloadMixin)", PATCHED_VLLM, version)
     if reason is not None:

