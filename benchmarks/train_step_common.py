@@ -1,6 +1,7 @@
 """Shared pieces of the training-step benchmark (scripts/bench_train_step.py): the synthetic target
 and batches, helpers that build speculators' config objects without downloads, and the adapter
-contract (`Adapter`, `Built`, `LossCheck`) that benchmarks/train_step_adapters.py implements per family."""
+contract (`Adapter`, `Built`, `LossCheck`) that the per-family adapters implement (benchmarks/train_step_eagle3.py,
+train_step_dflash.py, train_step_peagle.py; the table: train_step_adapters.py)."""
 
 from __future__ import annotations
 

@@ -84,6 +84,7 @@ from benchmarks.family_table import (  # noqa: E402
     vllm_served,
 )
 from benchmarks.family_timing import time_families  # noqa: E402
+from benchmarks.run_records import cached, read_record, write_record  # noqa: E402
 from drafters.registry import draft_depth_settings  # noqa: E402
 from verl_speco.console import Console  # noqa: E402
 from verl_speco.cpu_port.env import use_in_process_vllm_env  # noqa: E402
@@ -244,15 +245,15 @@ def _train(args: argparse.Namespace, family: str, target: Path, stores: dict[str
     key = [args.steps, args.seed, stores["train"].name, *extra] + ([args.encoding] if args.encoding != "raw" else [])
     run_dir = out / "train" / ((family if not _recipe_settings(args, family) else f"{family}_k{args.k}") + _suffix(args))
     done = run_dir.parent / f"{run_dir.name}.bench.json"  # reused by a rerun with the same settings
-    finished = _read_record(done)
+    finished = read_record(done)
     if finished is not None and finished["key"] == key:
         res: dict[str, Any] = finished["result"]
         return {**res, "export": Path(res["export"]), "run_dir": str(run_dir), "key": key}
     # A run stopped part way with the same settings continues from its newest complete checkpoint (the
     # trainer's resume equals an uninterrupted run); other settings start the directory over.
     started = run_dir.parent / f"{run_dir.name}.bench-start.json"
-    resume = (_read_record(started) or {}).get("key") == key
-    _write_record(started, {"key": key})
+    resume = (read_record(started) or {}).get("key") == key
+    write_record(started, {"key": key})
     overrides = _overrides(args, family, target, stores, run_dir, extra) + (["run.resume=true"] if resume else [])
     summary = train_run(load_config(overrides), on_step=on_step)
     ckpt = Path(summary["checkpoint"])
@@ -261,22 +262,9 @@ def _train(args: argparse.Namespace, family: str, target: Path, stores: dict[str
     step_s = sorted(m["step_time_s"] for m in metrics if m.get("kind") == "train" and "step_time_s" in m)
     result = {"export": str(ckpt / "export"), "tokens_seen": state["tokens_seen"], "loss": summary.get("loss"),
               "median_step_s": step_s[len(step_s) // 2] if step_s else None, "settings": extra}
-    _write_record(done, {"key": key, "result": result})
+    write_record(done, {"key": key, "result": result})
     return {**result, "export": Path(result["export"]), "run_dir": str(run_dir), "key": key,
             "resumed_from": summary.get("resumed_from")}
-
-
-def _read_record(path: Path) -> dict[str, Any] | None:
-    """A cache record or training marker (`_write_record`), or None where there is none."""
-    return json.loads(path.read_text()) if path.is_file() else None
-
-
-def _write_record(path: Path, record: dict[str, Any]) -> None:
-    """Whole or absent, never torn: a temporary file beside it, then a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, default=str))
-    tmp.replace(path)
 
 
 def _suffix(args: argparse.Namespace) -> str:
@@ -562,16 +550,8 @@ def _cached(out: Path, name: str, args: argparse.Namespace, exports: list[Path],
 
     key = [[file_digests(e) for e in exports], args.k, args.max_new_tokens, args.eval_prompts, args.seed,
            args.top_k, args.total_tokens]
-    path = out / "decode" / f"k{args.k}" / f"{name}.json"
-    stored = _read_record(path)
-    if stored is not None and stored["key"] == key:
-        cached: dict[str, Any] = stored["result"]
-        return cached
-    res = compute()
-    result = {**_drop(res), "tree": res["tree"]} if drop else res
-    if not result.get("errors"):  # a failed engine is tried again by the next run
-        _write_record(path, {"key": key, "result": result})
-    return result
+    return cached(out / "decode" / f"k{args.k}" / f"{name}.json", key, compute,
+                  (lambda res: {**_drop(res), "tree": res["tree"]}) if drop else (lambda res: res))
 
 
 def _drop(res: dict[str, Any]) -> dict[str, Any]:

@@ -140,8 +140,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import train_step_shapes as shapes  # noqa: E402
-from benchmarks.train_step_adapters import ADAPTERS, Built  # noqa: E402
-from benchmarks.train_step_common import cast_frozen  # noqa: E402
+from benchmarks.train_step_adapters import ADAPTERS  # noqa: E402
+from benchmarks.train_step_common import (
+    Built,  # noqa: E402
+    cast_frozen,  # noqa: E402
+)
 from benchmarks.train_step_report import Result, SideStats, report_family, report_table  # noqa: E402
 
 QUICK = dict(hidden=128, heads=4, kv_heads=2, intermediate=256, vocab=2048, draft_vocab=512,
