@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -27,6 +28,19 @@ from drafters.eagle3 import FAMILY as EAGLE3
 from drafters.eagle3 import Eagle3Config, Eagle3Model
 from drafters.eagle3.objective import prepare_targets
 
+
+def build_ours(family: Any, cfg: Any, args: argparse.Namespace, data: Data) -> tuple[Any, dict[str, Tensor], Tensor]:
+    """Our EAGLE-3-style draft (EAGLE-3, P-EAGLE) on the synthetic store's token counts, in train mode
+    (its lm_head frozen with --frozen-lm-head); the batch; the position mask speculators' batch takes
+    (`prepare_targets`)."""
+    ours = family.build(cfg, data.target, StoreStats(token_counts=token_counts_from_samples(data.samples, args.vocab)))
+    if args.frozen_lm_head:
+        ours.lm_head.weight.requires_grad_(False)
+    ours.train()
+    batch = family.collate(data.samples)
+    with torch.no_grad():
+        position_mask = prepare_targets(ours, batch).position_mask
+    return ours, batch, position_mask
 
 class Eagle3Adapter(Adapter):
     """EAGLE-3: one fused 2H decoder layer, `ttt_steps` training-time-test steps.
@@ -65,17 +79,9 @@ class Eagle3Adapter(Adapter):
         from speculators.losses import resolve_loss_config
 
         data = make_data(args, 3, self.lean)
-        cfg = self.our_config(args)
-        ours = EAGLE3.build(cfg, data.target, StoreStats(token_counts=token_counts_from_samples(data.samples,
-                                                                                               args.vocab)))
+        ours, batch, position_mask = build_ours(EAGLE3, self.our_config(args), args, data)
         assert isinstance(ours, Eagle3Model)
-        if args.frozen_lm_head:
-            ours.lm_head.weight.requires_grad_(False)
-        ours.train()
-        batch = EAGLE3.collate(data.samples)
         theirs = self._speculators(args, ours, data)
-        with torch.no_grad():
-            position_mask = prepare_targets(ours, batch).position_mask
         spec_batch = self._speculators_batch(batch, data.pre_norm_last, position_mask)
         loss_config = resolve_loss_config("kl_div", "eager")
 

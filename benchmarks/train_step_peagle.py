@@ -25,10 +25,8 @@ from benchmarks.train_step_common import (
     tolerance,
     verifier_config,
 )
-from benchmarks.train_step_eagle3 import Eagle3Adapter
+from benchmarks.train_step_eagle3 import Eagle3Adapter, build_ours
 from drafters.common.chunked_head import soft_ce_grad_rows
-from drafters.common.contract import StoreStats
-from drafters.common.vocab import token_counts_from_samples
 from drafters.eagle3.objective import prepare_targets
 from drafters.peagle import FAMILY as PEAGLE
 from drafters.peagle import PEagleConfig, PEagleModel
@@ -100,17 +98,9 @@ class PEagleAdapter(Adapter):
         from speculators.losses import resolve_loss_config
 
         data = make_data(args, 3, self.lean)
-        cfg = self.our_config(args)
-        ours = PEAGLE.build(cfg, data.target, StoreStats(token_counts=token_counts_from_samples(data.samples,
-                                                                                               args.vocab)))
+        ours, batch, position_mask = build_ours(PEAGLE, self.our_config(args), args, data)
         assert isinstance(ours, PEagleModel)
-        if args.frozen_lm_head:
-            ours.lm_head.weight.requires_grad_(False)
-        ours.train()
-        batch = PEAGLE.collate(data.samples)
         theirs = self._speculators(args, ours, data)
-        with torch.no_grad():
-            position_mask = prepare_targets(ours, batch).position_mask
         spec_batch = Eagle3Adapter._speculators_batch(batch, data.pre_norm_last, position_mask)
         kwargs: dict[str, Any] = {"loss_config": resolve_loss_config("kl_div", "eager"),
                                   "num_depths": args.num_depths, "down_sample_ratio": args.cod_ratio,
