@@ -26,14 +26,22 @@ def write_record(path: Path, record: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+def stored_result(path: Path, key: Any) -> dict[str, Any] | None:
+    """The result of the record at `path` when it was written under `key`; None otherwise."""
+    stored = read_record(path)
+    if stored is None or stored["key"] != key:
+        return None
+    result: dict[str, Any] = stored["result"]
+    return result
+
+
 def cached(path: Path, key: Any, compute: Callable[[], dict[str, Any]],
            keep: Callable[[dict[str, Any]], dict[str, Any]] = lambda result: result) -> dict[str, Any]:
     """The stored result when the record at `path` holds `key`; else `keep(compute())`, stored unless it
     has `errors` (a failed engine is tried again by the next run)."""
-    stored = read_record(path)
-    if stored is not None and stored["key"] == key:
-        result: dict[str, Any] = stored["result"]
-        return result
+    found = stored_result(path, key)
+    if found is not None:
+        return found
     result = keep(compute())
     if not result.get("errors"):
         write_record(path, {"key": key, "result": result})

@@ -84,7 +84,7 @@ from benchmarks.family_table import (  # noqa: E402
     vllm_served,
 )
 from benchmarks.family_timing import time_families  # noqa: E402
-from benchmarks.run_records import cached, read_record, write_record  # noqa: E402
+from benchmarks.run_records import cached, read_record, stored_result, write_record  # noqa: E402
 from drafters.registry import draft_depth_settings  # noqa: E402
 from verl_speco.console import Console  # noqa: E402
 from verl_speco.cpu_port.env import use_in_process_vllm_env  # noqa: E402
@@ -245,9 +245,8 @@ def _train(args: argparse.Namespace, family: str, target: Path, stores: dict[str
     key = [args.steps, args.seed, stores["train"].name, *extra] + ([args.encoding] if args.encoding != "raw" else [])
     run_dir = out / "train" / ((family if not _recipe_settings(args, family) else f"{family}_k{args.k}") + _suffix(args))
     done = run_dir.parent / f"{run_dir.name}.bench.json"  # reused by a rerun with the same settings
-    finished = read_record(done)
-    if finished is not None and finished["key"] == key:
-        res: dict[str, Any] = finished["result"]
+    res = stored_result(done, key)
+    if res is not None:
         return {**res, "export": Path(res["export"]), "run_dir": str(run_dir), "key": key}
     # A run stopped part way with the same settings continues from its newest complete checkpoint (the
     # trainer's resume equals an uninterrupted run); other settings start the directory over.
