@@ -55,3 +55,33 @@ def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """Draw one id per row: probs [..., V] -> int64 [...]."""
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+class ChainDraws:
+    """The draft tokens of one chain, drawn position by position, and the distribution q each was drawn
+    from when sampling (the verifier's rejection test needs q; greedy verification needs only the tokens).
+
+    Worked example, 2 positions: `draw(l1)` -> d_1, `draw(l2)` -> d_2; `stacked()` -> tokens [2] int64 and
+    probs [2, V] (None when greedy). Greedy picks the argmax, the lowest id on ties.
+    """
+
+    def __init__(self, sampling: SamplingParams, generator: torch.Generator | None = None):
+        self.sampling, self.generator = sampling, generator
+        self.tokens: list[Tensor] = []
+        self.probs: list[Tensor] = []
+
+    def draw(self, logits: Tensor) -> Tensor:
+        """The next draft token from one position's logits [V] (any float dtype): int64 [] on their device."""
+        if self.sampling.greedy:
+            token = logits.argmax()
+        else:
+            q = logits_to_probs(logits, self.sampling)
+            token = sample(q, self.generator)
+            self.probs.append(q)
+        self.tokens.append(token)
+        return token
+
+    def stacked(self) -> tuple[Tensor, Tensor | None]:
+        """tokens [K] int64 and probs [K, V] float32 (None when greedy), on the CPU."""
+        probs = torch.stack(self.probs).cpu() if self.probs else None
+        return torch.stack(self.tokens).long().cpu(), probs

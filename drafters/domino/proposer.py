@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from drafters.common.contract import DraftContext, Proposal
-from drafters.common.sampling import SamplingParams, logits_to_probs, sample
+from drafters.common.sampling import ChainDraws, SamplingParams
 from drafters.dflash.proposer import block_hidden
 from drafters.domino.model import DominoDraft
 
@@ -39,18 +39,12 @@ class DominoProposer:
         ids, device = ctx.token_ids, hidden.device
         prev = ids[-1].to(device).view(1, 1)  # t_0 = x_n
         g, state = model.gru_states(prev)  # g_0 (slot 0 does not use it)
-        tokens, probs = [], []
+        draws = ChainDraws(sampling, generator)
         for k in range(num_tokens):
             logits = model.logits(hidden[k : k + 1])  # [1, V]
             if k >= 1:
                 logits = logits + model.correction(hidden[k : k + 1], g[:, -1])
-            if sampling.greedy:
-                token = logits[0].argmax().view(1)
-            else:
-                q = logits_to_probs(logits[0], sampling)
-                token = sample(q, generator).view(1)
-                probs.append(q)
-            tokens.append(token)
+            token = draws.draw(logits[0])
             if k + 1 < num_tokens:
                 g, state = model.gru_states(token.view(1, 1), state)  # g_{k+1}: after t_{k+1} = d_{k+1}
-        return Proposal(torch.cat(tokens).long().cpu(), torch.stack(probs).cpu() if probs else None)
+        return Proposal(*draws.stacked())

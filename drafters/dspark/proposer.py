@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from drafters.common.contract import DraftContext, Proposal
-from drafters.common.sampling import SamplingParams, logits_to_probs, sample
+from drafters.common.sampling import ChainDraws, SamplingParams
 from drafters.dflash.proposer import block_hidden
 from drafters.dspark.model import DSparkDraft
 
@@ -36,15 +36,8 @@ class DSparkProposer:
         hidden = block_hidden(model, ctx, self.hidden_state_ids, num_tokens)  # [K, H]
         ids, device = ctx.token_ids, hidden.device
         prev = ids[-1].to(device).view(1)
-        tokens, probs = [], []
+        draws = ChainDraws(sampling, generator)
         for k in range(num_tokens):
             logits, _ = model.head_logits(hidden[k : k + 1], prev)  # [1, V]
-            if sampling.greedy:
-                token = logits[0].argmax().view(1)
-            else:
-                q = logits_to_probs(logits[0], sampling)
-                token = sample(q, generator).view(1)
-                probs.append(q)
-            tokens.append(token)
-            prev = token
-        return Proposal(torch.cat(tokens).long().cpu(), torch.stack(probs).cpu() if probs else None)
+            prev = draws.draw(logits[0]).view(1)
+        return Proposal(*draws.stacked())

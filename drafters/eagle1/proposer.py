@@ -22,7 +22,7 @@ import torch
 
 from drafters.common.contract import DraftContext, Proposal
 from drafters.common.masks import dense_attention_mask
-from drafters.common.sampling import SamplingParams, logits_to_probs, sample
+from drafters.common.sampling import ChainDraws, SamplingParams
 from drafters.common.tree import TreeExpansion, TreeNodes, tree_attention_mask, tree_position_ids
 from drafters.eagle1.model import Eagle1Model
 
@@ -50,19 +50,12 @@ class Eagle1Proposer:
         model = self.model
         device = model.fc.weight.device
         state = model.prefill(ids[1:].to(device)[None], features.to(device)[None])
-        tokens, probs = [], []
+        draws = ChainDraws(sampling, generator)
         for i in range(num_tokens):
-            logits = state.logits[0].float()  # [V], the target vocab
-            if sampling.greedy:
-                token = logits.argmax()
-            else:
-                q = logits_to_probs(logits, sampling)
-                token = sample(q, generator)
-                probs.append(q)
-            tokens.append(token)
+            token = draws.draw(state.logits[0].float())  # from [V], the target vocab
             if i + 1 < num_tokens:
                 state = model.step(state, token.view(1))
-        return Proposal(torch.stack(tokens).long().cpu(), torch.stack(probs).cpu() if probs else None)
+        return Proposal(*draws.stacked())
 
     @torch.no_grad()
     def expand(self, ctx: DraftContext, nodes: TreeNodes) -> TreeExpansion:

@@ -19,7 +19,7 @@ import torch
 
 from drafters.common.contract import DraftContext, Proposal
 from drafters.common.masks import dense_attention_mask
-from drafters.common.sampling import SamplingParams, logits_to_probs, sample
+from drafters.common.sampling import ChainDraws, SamplingParams
 from drafters.common.tree import TreeExpansion, TreeNodes, tree_attention_mask, tree_position_ids
 from drafters.common.vocab import draft_logits_to_target
 from drafters.eagle3.model import Eagle3Model
@@ -53,19 +53,12 @@ class Eagle3Proposer:
         model = self.model
         device = model.fc.weight.device
         state = model.prefill(ids[1:].to(device)[None], aux.to(device)[None])
-        tokens, probs = [], []
+        draws = ChainDraws(sampling, generator)
         for i in range(num_tokens):
-            logits = draft_logits_to_target(state.logits[0].float(), model.d2t, model.spec.vocab_size)  # [V]
-            if sampling.greedy:
-                token = logits.argmax()
-            else:
-                q = logits_to_probs(logits, sampling)
-                token = sample(q, generator)
-                probs.append(q)
-            tokens.append(token)
+            token = draws.draw(draft_logits_to_target(state.logits[0].float(), model.d2t, model.spec.vocab_size))  # [V]
             if i + 1 < num_tokens:
                 state = model.step(state, token.view(1))
-        return Proposal(torch.stack(tokens).long().cpu(), torch.stack(probs).cpu() if probs else None)
+        return Proposal(*draws.stacked())
 
     @torch.no_grad()
     def expand(self, ctx: DraftContext, nodes: TreeNodes) -> TreeExpansion:

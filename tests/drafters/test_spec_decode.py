@@ -10,7 +10,7 @@ from drafter_targets import BigramTarget, TinyTarget, tiny_spec
 
 from drafters import get_family
 from drafters.common.contract import DraftContext, Proposal
-from drafters.common.sampling import SamplingParams, logits_to_probs, sample
+from drafters.common.sampling import ChainDraws, SamplingParams, logits_to_probs, sample
 from drafters.eagle3 import Eagle3Config
 from drafters.spec_decode import autoregressive_generate, speculative_generate
 from drafters.verify import recovered_distribution, verify_greedy
@@ -105,6 +105,27 @@ def test_sampling_params_by_hand() -> None:
                                torch.tensor([p[0], p[1], 0.0, 0.0]) / (p[0] + p[1]))
     assert logits_to_probs(logits, SamplingParams()).tolist() == [1.0, 0.0, 0.0, 0.0]
 
+
+
+def test_chain_draws_by_hand() -> None:
+    # greedy: the argmax, the lowest id on a tie, and no distributions
+    greedy = ChainDraws(SamplingParams())
+    assert greedy.draw(torch.tensor([0.0, 3.0, 3.0])).item() == 1
+    assert greedy.draw(torch.tensor([5.0, 1.0, 0.0], dtype=torch.bfloat16)).item() == 0
+    tokens, probs = greedy.stacked()
+    assert tokens.tolist() == [1, 0] and tokens.dtype == torch.int64 and probs is None
+    # sampling: the same draws as logits_to_probs + sample on the same generator, and the q of each
+    sampling = SamplingParams(temperature=0.7, top_k=2)
+    rows = torch.tensor([[2.0, 1.0, 0.0], [0.0, 0.5, 1.0], [1.0, 1.0, -3.0]])
+    draws = ChainDraws(sampling, torch.Generator().manual_seed(7))
+    drawn = [draws.draw(row).item() for row in rows]
+    g = torch.Generator().manual_seed(7)
+    expected = [int(sample(logits_to_probs(row, sampling), g)) for row in rows]
+    tokens, probs = draws.stacked()
+    assert drawn == expected == tokens.tolist()
+    assert probs is not None and probs.shape == (3, 3)
+    torch.testing.assert_close(probs, logits_to_probs(rows, sampling))
+    assert probs[:, [2, 0, 2]].diagonal().eq(0).all()  # top-2 drops each row's smallest logit
 
 def _chi_square(counts: dict[tuple[int, ...], int], probs: dict[tuple[int, ...], float], n: int) -> float:
     return sum((counts.get(c, 0) - n * p) ** 2 / (n * p) for c, p in probs.items())

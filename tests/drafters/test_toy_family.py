@@ -239,7 +239,7 @@ from __future__ import annotations
 import torch
 
 from drafters.common.contract import DraftContext, Proposal
-from drafters.common.sampling import SamplingParams, logits_to_probs, sample
+from drafters.common.sampling import ChainDraws, SamplingParams
 
 
 class ToyProposer:
@@ -251,18 +251,11 @@ class ToyProposer:
                 generator: torch.Generator | None = None) -> Proposal:
         n = ctx.token_ids.numel() - 1
         token, feature = ctx.token_ids[n], ctx.target_hidden_states[-1][n - 1]
-        tokens, probs = [], []
+        draws = ChainDraws(sampling, generator)
         for _ in range(num_tokens):
             feature = self.model(token.view(1), feature[None])[0]
-            logits = self.model.logits(feature).float()
-            if sampling.greedy:
-                token = logits.argmax()
-            else:
-                q = logits_to_probs(logits, sampling)
-                token = sample(q, generator)
-                probs.append(q)
-            tokens.append(token)
-        return Proposal(torch.stack(tokens).long().cpu(), torch.stack(probs).cpu() if probs else None)
+            token = draws.draw(self.model.logits(feature).float())
+        return Proposal(*draws.stacked())
 ''',
 }
 
