@@ -17,7 +17,6 @@ Draft-token parity with the reference proposer: tests/engines/test_family_vllm_p
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -30,6 +29,7 @@ from drafters.dflash import DFlashConfig, DFlashDraft
 from drafters.dflash.export import DFlashExportConfig, export_dflash
 
 from .conftest import VOCAB, build_target
+from .vllm_loader import loaded_by_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -53,22 +53,8 @@ def _draft_state(spec: TargetSpec) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def vllm_draft(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    from safetensors.torch import load_file
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import (
-        cleanup_dist_env_and_memory,
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
-    from vllm.distributed.parallel_state import model_parallel_is_initialized
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM
 
@@ -81,32 +67,9 @@ def vllm_draft(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
                       enforce_eager=True,
                       speculative_config=export_cfg.vllm_speculative_config(draft, CFG.block_size - 1))
     vllm_config = args.create_engine_config()
-    ours = not model_parallel_is_initialized()
-    with set_current_vllm_config(vllm_config):
-        if ours:
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
-            initialize_model_parallel(1, 1)
-        try:
-            model = DFlashQwen3ForCausalLM(vllm_config=vllm_config)
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.fill_(float("nan"))
-            tensors = load_file(str(draft / "model.safetensors"))
-            consumed: list[str] = []
-
-            def weights() -> Iterator[tuple[str, torch.Tensor]]:
-                for name, t in tensors.items():
-                    consumed.append(name)
-                    yield name, t
-
-            with torch.no_grad():
-                model.load_weights(weights())
-            yield {"model": model, "tensors": tensors, "consumed": consumed, "vllm_config": vllm_config,
-                   "spec": spec}
-        finally:
-            if ours:
-                cleanup_dist_env_and_memory()
+    with loaded_by_vllm(DFlashQwen3ForCausalLM, vllm_config, draft) as loaded:
+        yield {"model": loaded.model, "tensors": loaded.tensors, "consumed": loaded.consumed,
+               "vllm_config": vllm_config, "spec": spec}
 
 
 def expected_backbone_params(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

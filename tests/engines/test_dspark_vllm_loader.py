@@ -27,7 +27,8 @@ from drafters.dspark import DSparkConfig, DSparkDraft
 from drafters.dspark.export import DSparkExportConfig
 
 from .conftest import VOCAB, build_target
-from .test_dflash_vllm_loader import OPTIONAL, SHARED, expected_backbone_params, free_port
+from .test_dflash_vllm_loader import OPTIONAL, SHARED, expected_backbone_params
+from .vllm_loader import loaded_by_vllm
 
 pytestmark = pytest.mark.vllm
 
@@ -50,14 +51,6 @@ def _draft_state(spec: TargetSpec) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def vllm_draft(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    from safetensors.torch import load_file
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import (
-        cleanup_dist_env_and_memory,
-        init_distributed_environment,
-        initialize_model_parallel,
-    )
-    from vllm.distributed.parallel_state import model_parallel_is_initialized
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
@@ -72,32 +65,9 @@ def vllm_draft(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, A
     spec_args = EngineArgs(**common, speculative_config=export_cfg.vllm_speculative_config(draft, CFG.block_size))
     vllm_config.speculative_config = spec_args.create_speculative_config(vllm_config.model_config,
                                                                          vllm_config.parallel_config)
-    ours = not model_parallel_is_initialized()
-    with set_current_vllm_config(vllm_config):
-        if ours:
-            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
-            initialize_model_parallel(1, 1)
-        try:
-            model = Qwen3DSparkForCausalLM(vllm_config=vllm_config)
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.fill_(float("nan"))
-            tensors = load_file(str(draft / "model.safetensors"))
-            consumed: list[str] = []
-
-            def weights() -> Iterator[tuple[str, torch.Tensor]]:
-                for name, t in tensors.items():
-                    consumed.append(name)
-                    yield name, t
-
-            with torch.no_grad():
-                model.load_weights(weights())
-            yield {"model": model, "tensors": tensors, "consumed": consumed, "vllm_config": vllm_config,
-                   "export_cfg": export_cfg, "draft": draft}
-        finally:
-            if ours:
-                cleanup_dist_env_and_memory()
+    with loaded_by_vllm(Qwen3DSparkForCausalLM, vllm_config, draft) as loaded:
+        yield {"model": loaded.model, "tensors": loaded.tensors, "consumed": loaded.consumed,
+               "vllm_config": vllm_config, "export_cfg": export_cfg, "draft": draft}
 
 
 def test_every_exported_tensor_is_consumed_and_every_draft_parameter_loaded(vllm_draft: dict[str, Any]) -> None:
