@@ -99,12 +99,20 @@ def table(report: dict[str, Any]) -> str:
         tpf = r["greedy"].get("tokens_per_target_forward")
         lines.append(f"| {fam} | {drafting} | {_fmt_params(r.get('trainable_params'))} | "
                      f"{_fmt_ms(r.get('step_ms_median'), r.get('timing', {}).get('wall_ms_median'))} | {tokens} | {cost['forwards_text']} | {r['tokens_seen']} | "
-                     f"{r['greedy']['mean_acceptance_length']:.3f} | {'-' if tpf is None else format(tpf, '.3f')} | "
+                     f"{r['greedy']['mean_acceptance_length']:.3f} | {_fmt_tpf(tpf, r['greedy'])} | "
                      f"{vcell} | {'-' if t1 is None else format(t1['mean_acceptance_length'], '.3f')} | "
                      f"{'-' if sd is None else format(sd['mean_acceptance_length'], '.3f')} | "
                      f"{'-' if vt1 is None else format(vt1['mean_acceptance_length'], '.3f')} |")
     return "\n".join(lines) + "\n\n" + "\n".join(footnotes(report))
 
+
+def _fmt_tpf(tpf: float | None, greedy: dict[str, Any]) -> str:
+    """Generated tokens per target forward, with its 90% bootstrap interval over prompts when the
+    decode recorded one: "2.424 (2.31-2.54)"."""
+    if tpf is None:
+        return "-"
+    interval = greedy.get("tokens_per_target_forward_interval90")
+    return f"{tpf:.3f}" if interval is None else f"{tpf:.3f} ({interval[0]:.2f}-{interval[1]:.2f})"
 
 def speed_table(report: dict[str, Any]) -> str:
     """vLLM greedy, side by side in one run: plain decoding, the n-gram proposer, each served family."""
@@ -143,7 +151,9 @@ def footnotes(report: dict[str, Any]) -> list[str]:
              f"{report.get('eval_prompts', '?')} held-out prompts, up to {report.get('max_new_tokens', '?')} new tokens; "
              f"k = {report['k']} drafts per target forward.",
              "Mean acceptance length = 1 + accepted / drafts (vLLM's convention); T=1 with greedy drafts, and "
-             "with drafts sampled from the draft's own distribution (rejection sampling, lossless).",
+             "with drafts sampled from the draft's own distribution (rejection sampling, lossless). In parentheses "
+             "after generated tokens / target fwd: its 90% bootstrap interval over the held-out prompts, which "
+             "says how far other prompts could move it.",
              "Trainable params: requires_grad parameters of the model the trainer builds. Frozen target pieces "
              "are excluded: the frozen embedding copy ("
              + (", ".join(f"{f} {n:,}" for f, n in frozen) if frozen else "none")

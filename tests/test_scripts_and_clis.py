@@ -122,6 +122,8 @@ def test_bench_family_acceptance_table_and_chart(tmp_path: Path) -> None:
             row["vllm_greedy"] = {**acc(2.0 + i / 10), "lossless": True}
             row["vllm_t1"] = acc(1.9 + i / 10)
         families[fam] = row
+    families["eagle1"]["greedy"].update(tokens_per_target_forward=2.4243, tokens_per_target_forward_interval90=[2.3112, 2.5409])
+    families["eagle3"]["greedy"].update(tokens_per_target_forward=1.61)  # a decode cached before intervals
     report = {"k": k, "steps": 120, "train_prompts": 512, "eval_prompts": 16, "max_new_tokens": 96,
               "timing": {"warmup_steps": 3, "timed_steps": 20, "batch_sequences": 8, "torch_threads": 2},
               "families": families}
@@ -131,6 +133,8 @@ def test_bench_family_acceptance_table_and_chart(tmp_path: Path) -> None:
     assert "trainable params" in rows[0] and "train step, ms: CPU (wall)" in rows[0] and "draft forwards / round" in rows[0]
     assert len(rows) == 1 + len(families)
     assert all(len(r.split("|")) == len(header) for r in rows[1:])
+    assert "| 2.424 (2.31-2.54) |" in next(r for r in rows if r.startswith("| eagle1 |"))
+    assert "| 1.610 |" in next(r for r in rows if r.startswith("| eagle3 |"))
     peagle = next(r for r in rows if r.startswith("| peagle |"))
     assert "eagle3 + parallel_drafting" in peagle and "lossless yes" in peagle
     assert "V1 runner refuses it" in next(r for r in rows if r.startswith("| dspark |"))

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from drafters.common.contract import DrafterFamily, EngineFormat, StoreStats, TreeDrafterFamily
-from drafters.common.metrics import AcceptanceStats, tokens_per_target_forward
+from drafters.common.metrics import AcceptanceStats, prompt_bootstrap_interval, tokens_per_target_forward
 from drafters.common.sampling import SamplingParams
 from drafters.common.target import TargetHead
 from drafters.common.tokens import cut_at_end
@@ -80,7 +80,10 @@ def reference_acceptance(target_dir: str | Path, export_dir: str | Path, prompts
     `draft_sampling` (chains): "greedy" drafts argmax tokens (verified against the target's
     sampling); "probabilistic" samples the drafts from the draft's own distribution at the same
     temperature and verifies them by rejection sampling with those probabilities (lossless both
-    ways; DSpark's paper setting at T = 1). `tick()` is called after each prompt (a progress bar)."""
+    ways; DSpark's paper setting at T = 1). `tick()` is called after each prompt (a progress bar).
+    Besides the pooled figures, `per_prompt` holds each prompt's generated and accepted tokens and
+    `tokens_per_target_forward_interval90` the 90% bootstrap interval over prompts
+    (`prompt_bootstrap_interval`; None for a single prompt)."""
     from transformers import AutoModelForCausalLM
 
     from drafters.spec_decode import speculative_generate, tree_speculative_generate
@@ -108,16 +111,21 @@ def reference_acceptance(target_dir: str | Path, export_dir: str | Path, prompts
     else:
         decode = functools.partial(speculative_generate, target_model, family.proposer(model, head.spec),
                                    num_speculative_tokens=k, draft_sampling=draft_sampling, **common)
-    total, outputs = AcceptanceStats(), []
+    total, outputs, accepted = AcceptanceStats(), [], []
     for ids in prompts.token_ids:
         res = decode(torch.tensor(ids))
         total = total.merge(res.stats)
         outputs.append(res.token_ids.tolist())
+        accepted.append(res.stats.num_accepted)
         if tick is not None:
             tick()
-    generated = sum(len(o) for o in outputs)
+    per_prompt = {"generated": [len(o) for o in outputs], "accepted": accepted}
+    generated = sum(per_prompt["generated"])
+    interval = (list(prompt_bootstrap_interval(per_prompt["generated"], accepted))
+                if len(outputs) >= 2 else None)
     return {**_summary(total), "generated_tokens": generated,
             "tokens_per_target_forward": tokens_per_target_forward(generated, total.num_accepted, len(outputs)),
+            "tokens_per_target_forward_interval90": interval, "per_prompt": per_prompt,
             "outputs": outputs, "tree": tree}
 
 

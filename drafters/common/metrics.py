@@ -141,3 +141,37 @@ def tokens_per_target_forward(generated_tokens: int, accepted_tokens: int, reque
                          f"accepted_tokens={accepted_tokens}, requests={requests}; expected requests >= 1, "
                          "generated >= requests and 0 <= accepted <= generated - requests")
     return generated_tokens / (generated_tokens - accepted_tokens)
+
+
+def prompt_bootstrap_interval(generated: list[int], accepted: list[int], level: float = 0.9,
+                              resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """How far the pooled generated tokens per target forward could move with other prompts: a percentile
+    bootstrap over prompts, seeded, so the same figures give the same interval on any machine.
+
+    `generated[i]` / `accepted[i]`: prompt i's generated tokens and accepted draft tokens. Each resample
+    draws len(generated) prompts with replacement and pools them, G / (G - A) as in
+    `tokens_per_target_forward`; the interval is the resamples' (1 - level) / 2 and (1 + level) / 2
+    quantiles (the lower one rounded down, the upper one up, to resample values).
+    Worked example: two prompts, 10 tokens with 5 accepted (2.0) and 10 with 0 (1.0). A resample holds
+    both copies of the first (2.0) with probability 1/4, one of each (20 / 15 = 1.333) with 1/2, both of
+    the second (1.0) with 1/4; so the 90% interval is (1.0, 2.0).
+    """
+    n = len(generated)
+    if n < 2 or len(accepted) != n:
+        raise ValueError(f"prompt_bootstrap_interval: got {n} generated and {len(accepted)} accepted counts; "
+                         "expected the same number, at least 2")
+    if not 0 < level < 1 or resamples < 1:
+        raise ValueError(f"prompt_bootstrap_interval: got level={level}, resamples={resamples}; expected "
+                         "0 < level < 1 and resamples >= 1")
+    for i, (g, a) in enumerate(zip(generated, accepted, strict=True)):
+        if g < 1 or not 0 <= a <= g - 1:
+            raise ValueError(f"prompt_bootstrap_interval: prompt {i} has generated={g}, accepted={a}; "
+                             "expected generated >= 1 and 0 <= accepted <= generated - 1")
+    g_all = torch.tensor(generated, dtype=torch.float64)
+    a_all = torch.tensor(accepted, dtype=torch.float64)
+    draws = torch.randint(n, (resamples, n), generator=torch.Generator().manual_seed(seed))  # [R, n]
+    g_sum, a_sum = g_all[draws].sum(1), a_all[draws].sum(1)  # [R]
+    ratios = g_sum / (g_sum - a_sum)
+    low = torch.quantile(ratios, (1 - level) / 2, interpolation="lower")
+    high = torch.quantile(ratios, (1 + level) / 2, interpolation="higher")
+    return float(low), float(high)

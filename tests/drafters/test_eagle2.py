@@ -193,3 +193,8 @@ def test_reference_acceptance_decodes_eagle2_with_the_tree(tmp_path: Path) -> No
     assert tree["outputs"] == chain["outputs"] == [autoregressive_generate(target, torch.tensor(p), 12,
                                                                            eos_token_id=31).tolist()
                                                    for p in prompts.token_ids]
+    for res in (tree, chain, forced):  # the per-prompt counts add up to the pooled ones
+        per = res["per_prompt"]
+        assert per["generated"] == [len(o) for o in res["outputs"]] and sum(per["accepted"]) == res["num_accepted_tokens"]
+        low, high = res["tokens_per_target_forward_interval90"]
+        assert low <= res["tokens_per_target_forward"] <= high
