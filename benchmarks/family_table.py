@@ -114,6 +114,7 @@ def _fmt_tpf(tpf: float | None, greedy: dict[str, Any]) -> str:
     interval = greedy.get("tokens_per_target_forward_interval90")
     return f"{tpf:.3f}" if interval is None else f"{tpf:.3f} ({interval[0]:.2f}-{interval[1]:.2f})"
 
+
 def speed_table(report: dict[str, Any]) -> str:
     """vLLM greedy, side by side in one run: plain decoding, the n-gram proposer, each served family."""
     speed = report["vllm_side_by_side"]
