@@ -8,7 +8,6 @@ wrote shows; `consumed` lists the export tensor names in the order vLLM drew the
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,12 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -42,6 +35,8 @@ def loaded_by_vllm(model_cls: type, vllm_config: Any, draft_dir: Path) -> Iterat
         initialize_model_parallel,
     )
     from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    from verl_speco.verl_integration.drafter_actor import free_port
 
     ours = not model_parallel_is_initialized()
     with set_current_vllm_config(vllm_config):
