@@ -167,11 +167,11 @@ def prompt_bootstrap_interval(generated: list[int], accepted: list[int], level: 
         if g < 1 or not 0 <= a <= g - 1:
             raise ValueError(f"prompt_bootstrap_interval: prompt {i} has generated={g}, accepted={a}; "
                              "expected generated >= 1 and 0 <= accepted <= generated - 1")
-    g_all = torch.tensor(generated, dtype=torch.float64)
-    a_all = torch.tensor(accepted, dtype=torch.float64)
     draws = torch.randint(n, (resamples, n), generator=torch.Generator().manual_seed(seed))  # [R, n]
-    g_sum, a_sum = g_all[draws].sum(1), a_all[draws].sum(1)  # [R]
-    ratios = g_sum / (g_sum - a_sum)
+    g_sum = torch.tensor(generated)[draws].sum(1).tolist()  # [R] pooled generated tokens
+    a_sum = torch.tensor(accepted)[draws].sum(1).tolist()  # [R] pooled accepted tokens
+    ratios = torch.tensor([tokens_per_target_forward(g, a, n) for g, a in zip(g_sum, a_sum, strict=True)],
+                          dtype=torch.float64)
     low = torch.quantile(ratios, (1 - level) / 2, interpolation="lower")
     high = torch.quantile(ratios, (1 + level) / 2, interpolation="higher")
     return float(low), float(high)
