@@ -55,7 +55,8 @@ class Eagle3Proposer:
         state = model.prefill(ids[1:].to(device)[None], aux.to(device)[None])
         draws = ChainDraws(sampling, generator)
         for i in range(num_tokens):
-            token = draws.draw(draft_logits_to_target(state.logits[0].float(), model.d2t, model.spec.vocab_size))  # [V]
+            logits = draft_logits_to_target(state.logits[0].float(), model.d2t, model.spec.vocab_size)  # [V]
+            token = draws.draw(logits)
             if i + 1 < num_tokens:
                 state = model.step(state, token.view(1))
         return Proposal(*draws.stacked())
