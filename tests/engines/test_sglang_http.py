@@ -20,7 +20,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -40,6 +39,7 @@ from verl_speco.engines.sglang_publish import (
     SGLangPublishError,
     check_draft_update,
 )
+from verl_speco.ports import free_port
 
 API_KEY = "test-admin-key"
 NONE = type(None)
@@ -389,9 +389,7 @@ def test_bodies_sglang_would_not_parse_are_refused_before_sending(sglang: FakeSG
 
 
 def test_unreachable_and_slow_servers_name_the_route(sglang: FakeSGLang) -> None:
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port("127.0.0.1")  # a port nobody listens on
     with pytest.raises(SGLangHTTPError, match=r"POST /begin_weight_update \(http://127\.0\.0\.1:\d+\): no reply: "
                                               r"unreachable") as info:
         SGLangHTTPClient(f"http://127.0.0.1:{port}", timeout_s=5).begin_weight_update(selector="draft")

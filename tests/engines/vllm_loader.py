@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from verl_speco.ports import free_port
+
 
 @dataclass
 class LoadedDraft:
@@ -36,13 +38,11 @@ def loaded_by_vllm(model_cls: type, vllm_config: Any, draft_dir: Path) -> Iterat
     )
     from vllm.distributed.parallel_state import model_parallel_is_initialized
 
-    from verl_speco.verl_integration.drafter_actor import free_port
-
     ours = not model_parallel_is_initialized()
     with set_current_vllm_config(vllm_config):
         if ours:
             init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                         distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
+                                         distributed_init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}")
             initialize_model_parallel(1, 1)
         try:
             model = model_cls(vllm_config=vllm_config)

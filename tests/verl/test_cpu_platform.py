@@ -12,7 +12,6 @@ import ast
 import inspect
 import json
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,8 @@ from typing import Any
 
 import pytest
 from speco_verl_helpers import ROOT
+
+from verl_speco.ports import free_port
 
 SOURCE_PINS: list[tuple[str, str, list[str]]] = [
     ("verl.plugin.platform.platform_manager", "_detect_platform_name", [
@@ -196,10 +197,7 @@ print("RESULT " + json.dumps(out))
 
 
 def _child(env: dict[str, str]) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
+    env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1")), "RANK": "0", "WORLD_SIZE": "1"}
     proc = subprocess.run([sys.executable, "-c", _CHILD], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -16,7 +16,6 @@ share it).
 from __future__ import annotations
 
 import datetime
-import socket
 import time
 from typing import Any
 
@@ -30,6 +29,7 @@ from verl_speco.device import (
     set_current_device,
 )
 from verl_speco.online.config import DrafterRunConfig
+from verl_speco.ports import free_port
 
 ACTOR_NAME_PREFIX = "verl_speco_drafter"
 
@@ -37,12 +37,6 @@ ACTOR_NAME_PREFIX = "verl_speco_drafter"
 def drafter_device() -> str:
     """The accelerator Ray gave this actor (cuda, npu), else the CPU (`verl_speco.device`'s probe)."""
     return accelerator_type()
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        return int(sock.getsockname()[1])
 
 
 class DrafterWorker:
