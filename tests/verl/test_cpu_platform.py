@@ -197,7 +197,8 @@ print("RESULT " + json.dumps(out))
 
 
 def _child(env: dict[str, str]) -> dict[str, Any]:
-    env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1")), "RANK": "0", "WORLD_SIZE": "1"}
+    env = {**env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port("127.0.0.1")), "RANK": "0",
+           "WORLD_SIZE": "1"}
     proc = subprocess.run([sys.executable, "-c", _CHILD], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
