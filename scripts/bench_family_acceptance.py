@@ -134,6 +134,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts decoded by every drafter")
     p.add_argument("--max-new-tokens", type=int, default=96, help="response cap for decoding, and for collection "
                    "unless --collect-new-tokens is given")
+    p.add_argument("--grow-store", default=None,
+                   help="a complete train store of this target, layout and collection settings whose prompts are "
+                        "the first of --train-prompts: only the rest are collected, into a new store that starts "
+                        "as its files (verl_speco/capture/recipe.py)")
     p.add_argument("--collect-new-tokens", type=int, default=None,
                    help="response cap for the self-distilled collection (default: --max-new-tokens); longer answers "
                         "put more of the store's tokens under the loss")
@@ -222,7 +226,7 @@ def _collect(args: argparse.Namespace, families: list[str], target: Path, out: P
 
             # one target build, layout and recipe per store (verl_speco/capture/recipe.py)
             stores[name] = collected_store(out / "stores" / target.name / layout_of.replace(",", "+"), name, jsonl,
-                                           settings, collect)
+                                           settings, collect, args.grow_store if name == "train" else None)
             bar.update()
     if embedded:
         stores["eval_jsonl:heldout"] = data["eval"]

@@ -228,6 +228,23 @@ def test_bench_family_acceptance_store_is_named_by_its_collection_recipe(tmp_pat
     assert collect("--max-new-tokens", "16") == first and calls[-1] == (first["train"], 16)
     assert not (first["train"] / "partial.safetensors").exists()
 
+    # --grow-store: the train store grows from the 4-prompt one, collecting only prompts 5 and 6
+    added: list[tuple[Path, list[str]]] = []
+
+    def grow_collect(target: Path, jsonl: Path, store: Path, **kw: Any) -> Summary:
+        added.append((store, jsonl.read_text().splitlines()))
+        return Summary(rows=len(added[-1][1]))
+
+    monkeypatch.setattr(collect_module, "collect_features", grow_collect)
+    six = tmp_path / "data" / "train.jsonl"
+    grown = collect("--max-new-tokens", "16", "--train-prompts", "6", "--grow-store", str(first["train"]))
+    assert [rows for _, rows in added] == [six.read_text().splitlines()[4:]] and added[0][0] == grown["train"]
+    assert grown["eval"] == first["eval"]                   # only the train store grows
+    marker = json.loads((grown["train"].parent / f"{grown['train'].name}.done").read_text())
+    base = json.loads((first["train"].parent / f"{first['train'].name}.done").read_text())
+    assert marker["base_rows"] == 4 and marker["grown_from"] == base["digest"]
+    assert marker["summary"] == {"base": base["summary"], "added": {"rows": 2}}
+
 
 def test_bench_family_acceptance_real_target_overrides_compose(tmp_path: Path) -> None:
     """Every family's overrides for a real target (depth settings + REAL_TARGET_SETTINGS) compose

@@ -29,8 +29,8 @@ def test_a_store_is_collected_once_per_recipe_and_a_stopped_one_again(tmp_path: 
     prompts.write_text("{}\n")
     seen: list[Path] = []
 
-    def collect(store: Path) -> dict[str, int]:
-        assert not store.exists()
+    def collect(store: Path, data: Path) -> dict[str, int]:
+        assert not store.exists() and data == prompts
         store.mkdir()
         (store / "shard").write_text(str(len(seen)))
         seen.append(store)
@@ -46,7 +46,7 @@ def test_a_store_is_collected_once_per_recipe_and_a_stopped_one_again(tmp_path: 
     assert collected_store(tmp_path / "stores", "train", prompts, {"cap": 1}, collect) == first
     assert (first / "shard").read_text() == "2" and len(seen) == 3
 
-    def fail(store: Path) -> None:
+    def fail(store: Path, data: Path) -> None:
         store.mkdir()
         raise RuntimeError("engine died")
 

@@ -7,20 +7,34 @@ beside the old one instead of silently training on the old one.
 
 Worked example: `collected_store(out / "stores", "train", prompts, {"max_new_tokens": 64}, collect)`
 returns `out/stores/train-1f0c...` (12 hex digits) and writes `out/stores/train-1f0c....done` (the
-recipe as JSON, plus what `collect` returned) once `collect(store)` has returned; a directory found
-without its `.done` marker is what a stopped collection left, and is removed before collecting again.
+recipe as JSON, plus what `collect` returned) once `collect(store, prompts)` has returned; a directory
+found without its `.done` marker is what a stopped collection left, and is removed before collecting again.
+
+Growing (`grow_from`): a complete store whose prompt file is the first lines of this one, collected with
+the same settings, is linked into the new store, and only the remaining prompts are collected, by a
+second writer run into the same store. The base's digest enters the recipe (`grown_from`), so a grown
+store never takes the name of one collected in one go: the two hold the same prompts in another shard
+order, and a recipe always gives the same bytes. Worked example: a base of prompts lines 1-4,000 and a
+prompt file of 8,000 lines collects lines 4,001-8,000 (written to `<store>.rest.jsonl`); the marker
+records `grown_from` (the base's digest), `base_rows` (4,000) and the summary
+`{"base": <the base's summary>, "added": <this collection's>}`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 DIGEST_CHARS = 12
+MARKER_KEYS = ("prompts_sha256", "digest", "summary", "grown_from", "base_rows")  # a marker's keys that are not settings
+TMP_PREFIX = ".tmp-"  # feature_store's in-flight temporaries: never linked into a grown store
+
+Collect = Callable[[Path, Path], Mapping[str, Any] | None]  # (store directory, prompt file) -> summary
 
 
 def collection_recipe(prompts: str | Path, settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -47,8 +61,66 @@ def built_once(directory: str | Path, build: Callable[[Path], Mapping[str, Any] 
 
 
 def collected_store(parent: str | Path, name: str, prompts: str | Path, settings: Mapping[str, Any],
-                    collect: Callable[[Path], Mapping[str, Any] | None]) -> Path:
-    """The store `parent/<name>-<digest>` of this recipe, collected by `collect(store)` unless a
-    complete one (its `.done` marker written) is already there."""
-    recipe = collection_recipe(prompts, settings)
-    return built_once(Path(parent) / f"{name}-{recipe['digest']}", collect, recipe)
+                    collect: Collect, grow_from: str | Path | None = None) -> Path:
+    """The store `parent/<name>-<digest>` of this recipe, collected by `collect(store, prompts)` unless a
+    complete one (its `.done` marker written) is already there. With `grow_from` (a complete store of
+    the same settings whose prompts are this file's first lines) only the remaining prompts are
+    collected, into a store that starts as the base's files (module docstring)."""
+    prompts = Path(prompts)
+    if grow_from is None:
+        recipe = collection_recipe(prompts, settings)
+        return built_once(Path(parent) / f"{name}-{recipe['digest']}", lambda store: collect(store, prompts), recipe)
+    base = Path(grow_from)
+    marker, rows, rest = _growth(base, prompts, settings)
+    recipe = {**collection_recipe(prompts, {**settings, "grown_from": marker["digest"]}), "base_rows": rows}
+
+    def grow(store: Path) -> dict[str, Any]:
+        link_tree(base, store)
+        remaining = store.parent / f"{store.name}.rest.jsonl"
+        remaining.write_bytes(rest)
+        return {"base": marker.get("summary", {}), "added": dict(collect(store, remaining) or {})}
+
+    return built_once(Path(parent) / f"{name}-{recipe['digest']}", grow, recipe)
+
+
+def _growth(base: Path, prompts: Path, settings: Mapping[str, Any]) -> tuple[dict[str, Any], int, bytes]:
+    """(the base's marker, its prompt lines, the bytes of this file's remaining lines), or ValueError
+    naming what stops `base` from growing into this collection."""
+    done = base.parent / f"{base.name}.done"
+    if not base.is_dir() or not done.is_file():
+        raise ValueError(f"grow_from={base}: expected a complete collected store (a directory with its "
+                         f"{done.name} marker beside it)")
+    marker = json.loads(done.read_text())
+    base_settings = {k: v for k, v in marker.items() if k not in MARKER_KEYS}
+    for key in sorted(set(base_settings) | set(settings)):
+        if base_settings.get(key) != settings.get(key):
+            raise ValueError(f"grow_from={base}: its {key} is {base_settings.get(key)!r}, this collection's is "
+                             f"{settings.get(key)!r}; a store grows only under the same settings")
+    data = prompts.read_bytes()
+    digest, rows, end = hashlib.sha256(), 0, 0
+    for line in data.splitlines(keepends=True):
+        digest.update(line)
+        rows, end = rows + 1, end + len(line)
+        if digest.copy().hexdigest() == marker["prompts_sha256"]:
+            if end == len(data):
+                raise ValueError(f"grow_from={base}: it holds every prompt of {prompts} ({rows} lines); "
+                                 "nothing to grow: collect without grow_from")
+            return marker, rows, data[end:]
+    raise ValueError(f"grow_from={base}: its prompts (sha256 {marker['prompts_sha256'][:12]}...) are not the first "
+                     f"lines of {prompts}; expected a prompt file that extends the base's")
+
+
+def link_tree(source: Path, dest: Path) -> None:
+    """Give `dest` every file of `source` (a store: store.json and its shards), hard-linked where the
+    file system allows (shards are never rewritten in place) and copied where it does not; in-flight
+    temporaries are skipped."""
+    for path in sorted(source.rglob("*")):
+        target = dest / path.relative_to(source)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        elif not path.name.startswith(TMP_PREFIX):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(path, target)
+            except OSError:
+                shutil.copy2(path, target)
