@@ -160,6 +160,8 @@ def footnotes(report: dict[str, Any]) -> list[str]:
              + (", ".join(f"{f} {n:,}" for f, n in frozen) if frozen else "none")
              + " parameters) and the target LM head / the block drafters' target embedding (buffers). "
              "EAGLE-3 / P-EAGLE's own draft-vocab head is trained and counted.",
+             "Train step: not timed in this run (--time-steps 0); each family's training log has its step times."
+             if not timing.get("timed_steps") else
              f"Train step: a dedicated timing pass after all training, on one fixed micro-batch "
              f"({timing.get('batch_sequences', '?')} sequences, the same samples for every family): "
              f"{timing.get('warmup_steps', '?')} warm-up steps per family, then {timing.get('timed_steps', '?')} "

@@ -139,7 +139,9 @@ def test_bench_family_acceptance_table_and_chart(tmp_path: Path) -> None:
     assert "eagle3 + parallel_drafting" in peagle and "lossless yes" in peagle
     assert "V1 runner refuses it" in next(r for r in rows if r.startswith("| dspark |"))
     assert "no Domino" in next(r for r in rows if r.startswith("| domino |"))
-    assert "Trainable params" in text and "Train step" in text
+    assert "Trainable params" in text and "8 sequences" in text and "not timed" not in text
+    untimed = bench.table({**report, "timing": {"warmup_steps": 3, "timed_steps": 0, "batch_sequences": None}})
+    assert "Train step: not timed in this run (--time-steps 0)" in untimed and "None" not in untimed
     png = bench.plot(report, tmp_path / "chart.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from benchmarks.family_table import chart_series  # importable once the script put the root on sys.path
