@@ -30,9 +30,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from feature_store.store import TMP_PREFIX  # in-flight temporaries: never linked into a grown store
+
 DIGEST_CHARS = 12
 MARKER_KEYS = ("prompts_sha256", "digest", "summary", "grown_from", "base_rows")  # a marker's keys that are not settings
-TMP_PREFIX = ".tmp-"  # feature_store's in-flight temporaries: never linked into a grown store
 
 Collect = Callable[[Path, Path], Mapping[str, Any] | None]  # (store directory, prompt file) -> summary
 
@@ -78,7 +79,7 @@ def collected_store(parent: str | Path, name: str, prompts: str | Path, settings
         link_tree(base, store)
         remaining = store.parent / f"{store.name}.rest.jsonl"
         remaining.write_bytes(rest)
-        return {"base": marker.get("summary", {}), "added": dict(collect(store, remaining) or {})}
+        return {"base": marker["summary"], "added": dict(collect(store, remaining) or {})}
 
     return built_once(Path(parent) / f"{name}-{recipe['digest']}", grow, recipe)
 
