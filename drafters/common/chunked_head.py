@@ -22,7 +22,7 @@ the rows per rank differ. The trainer runs objectives inside `chunk_count_sync(s
 `chunked_rows` call then runs sync(local count) chunks (the max over ranks), the
 extra ones empty (0 rows).
 
-Fused paths (common/fused_head.py: DFlash's frozen-head CE, DSpark's head loss, EAGLE-3 / P-EAGLE's
+Fused paths (common/fused_head.py: DFlash's frozen-head CE, DSpark's and EAGLE-1's head loss, EAGLE-3 / P-EAGLE's
 soft-CE head) use each chunk's logits once, in the forward, keep the gradient they need and only scale
 it in the backward (no recompute). `head_weight` gives a frozen head in the dtype its matmul runs in
 (under autocast: autocast's dtype, so a bf16 head is not copied to float32). `draft_vocab_targets`

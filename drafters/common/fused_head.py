@@ -4,8 +4,9 @@ the gradient the backward needs; the backward only scales it by the incoming gra
 `frozen_head_ce_rows` (DFlash): a FROZEN head with a per-row hard CE; the forward keeps d CE_i / d row_i
 [N, H] (Liger-style).
 
-`fused_head_loss` (DSpark): a frozen head's logits plus a trainable low-rank bias, and a weighted loss over them, fused chunk by
-chunk with the frozen target head's logits (DSpark's loss, issue 21).
+`fused_head_loss` (DSpark, EAGLE-1): a frozen head's logits plus an optional trainable low-rank bias, and a weighted loss
+over them, fused chunk by chunk with the frozen target head's logits (DSpark's loss, issue 21; EAGLE-1's soft CE of
+the target head on the predicted feature against the same head on the true one, no bias).
 
 Rows i = 0..N-1: draft logits z_i = W h_i + B^T e_i ([V]: W the FROZEN head [V, H], e_i [r] and B [r, V]
 trainable, the bias optional), target logits t_i = W g_i (frozen: no grad). A caller's `RowLoss` maps one

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from drafters.common.chunked_head import chunked_rows, soft_ce_rows
+from drafters.common.chunked_head import head_weight, row_argmax, soft_ce_rows
+from drafters.common.fused_head import fused_head_loss
 from drafters.common.losses import ObjectiveOutput, masked_match_count, smooth_l1_rows
 from drafters.common.masks import shift_left
 from drafters.common.metrics import simulated_acceptance_length
@@ -100,14 +101,14 @@ def eagle1_objective(model: Eagle1Model, batch: dict[str, Tensor],
     ones = torch.ones(b.shape[0], dtype=torch.bool, device=predicted.device)
     vnum, den = smooth_l1_rows(pred_rows, target_rows.detach(), ones)
 
-    def head_terms(pred: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        draft_logits = model.head_logits(pred)  # [n, V]
-        target_logits = model.head_logits(target)  # [n, V], no grad (target rows are detached)
-        return soft_ce_rows(draft_logits, target_logits), draft_logits.detach().argmax(-1), target_logits.argmax(-1)
+    head = head_weight(model.target_lm_head, pred_rows)  # [V, H], cast once (if at all), not per chunk
 
-    ploss, draft_argmax, target_argmax = chunked_rows(head_terms, [pred_rows, target_rows.detach()],
-                                                      model.cfg.loss_chunk_rows)  # [N] each
-    pnum = ploss.sum()
+    def row_loss(z: Tensor, t: Tensor, start: int, stop: int) -> tuple[Tensor, tuple[Tensor, ...]]:
+        return soft_ce_rows(z, t).sum(), (row_argmax(z), row_argmax(t))
+
+    # fused (common/fused_head.py): each chunk's draft and target logits are computed once, in the forward
+    pnum, (draft_argmax, target_argmax) = fused_head_loss(pred_rows, target_rows.detach(), head, head, None, None,
+                                                          row_loss, model.cfg.loss_chunk_rows)  # [N] each
     cfg = model.cfg
     hits, count = masked_match_count(draft_argmax, target_argmax, ones)
     correct = torch.zeros_like(rows.row_mask)

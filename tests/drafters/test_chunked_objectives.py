@@ -85,7 +85,7 @@ def test_objective_chunked_equals_unchunked(name: str, settings: dict[str, Any],
         monkeypatch.setattr(module, "chunked_rows", _unchunked)
     for module in fused_users:  # the fused frozen-head CE against plain autograd over all rows at once
         monkeypatch.setattr(module, "frozen_head_ce_rows", _unfused_frozen_head_ce)
-    for module in head_users:  # the fused head loss (DSpark) against plain autograd over all rows at once
+    for module in head_users:  # the fused head loss (DSpark, EAGLE-1) against plain autograd over all rows at once
         monkeypatch.setattr(module, "fused_head_loss", _unfused_head_loss)
     for module in soft_users:  # the soft-CE head (EAGLE-3 / P-EAGLE) against plain autograd over all rows
         monkeypatch.setattr(module, "soft_ce_head_rows", _unfused_soft_ce_head)
