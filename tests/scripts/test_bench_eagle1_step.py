@@ -44,4 +44,3 @@ def test_check_line_and_table() -> None:
     assert chunked_s > 0 and fused_s > 0, lines
     slack = ratio * 5e-4 * (1 / fused_s + 1 / chunked_s) + 1e-3  # the medians are printed to 1 ms
     assert abs(ratio - fused_s / chunked_s) <= slack, lines
-
