@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the project's virtual environment (.venv) on a fresh CPU machine.
-# Never pulls a CUDA torch: every install goes through constraints.txt (torch==2.13.0).
+# Never pulls a CUDA torch: every install goes through constraints.txt (torch==2.13.0), which also locks
+# every other distribution at the version it was verified with (scripts/lock_env.py writes that part).
 # GPU users bring their own vLLM/SGLang builds: see README "GPU install".
 set -euo pipefail
 cd "$(dirname "$0")/.."
