@@ -68,8 +68,8 @@ def installed() -> dict[str, str]:
 
 def split(text: str) -> tuple[str, str]:
     """constraints.txt -> (hand-written part, lock part); the lock part is empty before the first lock."""
-    head, sep, tail = text.partition(MARKER + "\n")
-    return (head.rstrip("\n") + "\n", tail) if sep else (text.rstrip("\n") + "\n", "")
+    head, _, tail = text.partition(MARKER + "\n")  # no marker: (text, "", "")
+    return head.rstrip("\n") + "\n", tail
 
 
 def render(text: str, env: dict[str, str]) -> str:
@@ -84,12 +84,13 @@ def problems(text: str, env: dict[str, str]) -> list[str]:
     """Where the environment and constraints.txt disagree: an installed distribution without a pin, a pin
     another version than the installed one, a lock line for a distribution that is not installed."""
     head, lock = split(text)
-    pins = {**parse_pins(lock), **parse_pins(head)}
+    locked = parse_pins(lock)
+    pins = {**locked, **parse_pins(head)}
     out = [f"{name} {version} is installed and not pinned" for name, version in sorted(env.items())
            if name not in pins]
     out += [f"{name} is pinned to {pins[name]} and installed at {env[name]}" for name in sorted(pins)
             if name in env and not SpecifierSet(f"=={pins[name]}").contains(env[name], prereleases=True)]
-    out += [f"{name}=={version} is in the lock and not installed" for name, version in sorted(parse_pins(lock).items())
+    out += [f"{name}=={version} is in the lock and not installed" for name, version in sorted(locked.items())
             if name not in env]
     return out
 
@@ -99,16 +100,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", action="store_true", help="compare only; exit 1 naming each difference")
     p.add_argument("--constraints", type=Path, default=CONSTRAINTS, help="(default: %(default)s)")
     args = p.parse_args(argv)
-    text = args.constraints.read_text()
+    text, env = args.constraints.read_text(), installed()
     if args.check:
-        found = problems(text, installed())
+        found = problems(text, env)
         for line in found:
             print(f"{args.constraints.name}: {line}")
         print(f"{args.constraints.name}: {'disagrees with' if found else 'locks'} the environment "
-              f"({len(installed())} distributions)")
+              f"({len(env)} distributions)")
         return 1 if found else 0
-    args.constraints.write_text(render(text, installed()))
-    print(f"{args.constraints.name}: lock written ({len(installed())} distributions)")
+    args.constraints.write_text(render(text, env))
+    print(f"{args.constraints.name}: lock written ({len(env)} distributions)")
     return 0
 
 

@@ -10,6 +10,7 @@ Dockerfiles: tests/deploy/test_dockerfiles.py. Each check is run on a planted di
 from __future__ import annotations
 
 import re
+import sys
 import tomllib
 from pathlib import Path
 
@@ -19,6 +20,10 @@ from verl_speco.deploy.support import render_table
 from verl_speco.deploy.versions import DISTRIBUTIONS, Versions, load_versions
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import lock_env  # noqa: E402  (constraints.txt's one parser)
+
 PACKAGES = {dist: key for key, dist in DISTRIBUTIONS.items()}  # distribution -> line key
 PIN = re.compile(r"^([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==([A-Za-z0-9_.+-]+)$")
 
@@ -46,7 +51,7 @@ def pyproject_problems(text: str, v: Versions) -> list[str]:
 
 
 def constraints_problems(text: str, v: Versions) -> list[str]:
-    pins = dict(_pins([line.split("#")[0] for line in text.splitlines()]))
+    pins = lock_env.parse_pins(text)
     cpu = v.line("cpu-vllm")
     return [f"constraints.txt: {key}=={pins.get(key)}, the CPU line has {cpu[key]}"
             for key in ("torch", "transformers") if pins.get(key) != cpu[key]]
