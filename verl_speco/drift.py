@@ -49,8 +49,6 @@ from verl_speco.online.publish import load_outcome, write_version
 from verl_speco.online.session import DrafterSession, TargetHeadSnapshot
 from verl_speco.train.config import OptimConfig
 
-# per-family drafter settings of the harness (training choices only: they apply to a loaded export)
-DRIFT_SETTINGS: dict[str, dict[str, Any]] = {"eagle3": {"ttt_steps": 3}}
 STEP_PARTS = ("finetune_seconds", "target_sync_seconds", "rollout_seconds", "capture_seconds", "train_seconds",
               "publish_seconds")
 
@@ -71,8 +69,14 @@ class DriftConfig:
     drafter: DrafterRunConfig = field(default_factory=lambda: DrafterRunConfig(
         enable=True, mode="online", train_steps_per_round=60, micro_batch_size=8, max_staleness=0,
         capture_pass="post_update",
-        settings=dict(DRIFT_SETTINGS["eagle3"]), optim=OptimConfig(lr=1e-3, warmup_steps=0),
+        optim=OptimConfig(lr=1e-3, warmup_steps=0),
         caps=CaptureCaps(max_rows=64, max_tokens=65536)))
+
+    def __post_init__(self) -> None:
+        # the drafter trains the depth it is served at (`served_depth_settings`): both must be this run's k
+        if self.drafter.num_speculative_tokens != self.num_speculative_tokens:
+            raise ValueError(f"drafter.num_speculative_tokens: got {self.drafter.num_speculative_tokens}, expected "
+                             f"num_speculative_tokens ({self.num_speculative_tokens})")
 
 
 def _plain_greedy(model: Any, prompts: list[list[int]], eos: int, max_new_tokens: int) -> list[list[int]]:
@@ -407,7 +411,6 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     use_in_process_vllm_env()
     drafter = dataclasses.replace(d.drafter, family=args.family,
-                                  settings=dict(DRIFT_SETTINGS.get(args.family, {})),
                                   train_steps_per_round=args.train_steps, schedule=args.schedule,
                                   max_staleness=args.max_staleness, capture_pass=args.capture_pass,
                                   optim=dataclasses.replace(d.drafter.optim, lr=args.lr))

@@ -95,6 +95,36 @@ def simulated_acceptance_length(step_correct: Tensor, step_valid: Tensor,
     return (1 + leading[rows]).sum().float(), rows.sum().float()
 
 
+def reachable_chain_counts(draftable: list[bool], k: int) -> tuple[int, int]:
+    """(accepted draft tokens, drafts) of vLLM's counters for the greedy chain decode (k drafts a forward) of one
+    response whose target tokens are known, by the best draft that cannot propose the tokens marked
+    not `draftable` deeper than the first draft position: at position 1 it proposes the target's own token
+    (it reads the target's features of that very step), at positions 2..k the target's token where
+    `draftable`, else something the target rejects.
+
+    draftable[i] for response token i (its last entry the end-of-sequence token when the response has one).
+    Token 0 comes from the prefill, which drafts nothing; each forward then checks k drafts from token i,
+    accepts the leading run (never past the response's end) and adds one token of its own unless the run
+    reached the end. Worked example, k = 3, "7 + 4 = 11<eos>" as [7, ' +', ' ', 4, ' =', ' ', 1, 1, <eos>]
+    with the two digits of the sum not draftable:
+        forward 1 from token 1: ' +', ' ', 4 accepted (3), then ' =' -> next token 5
+        forward 2 from token 5: ' ' accepted, 1 (depth 2) rejected (1), then 1 -> next token 7
+        forward 3 from token 7: 1 (depth 1), <eos> accepted (2), the end -> (6, 3)
+    so no such draft makes more than 1 + 6 / 3 = 3.0 tokens per target forward on this response."""
+    if k < 1:
+        raise ValueError(f"k: got {k}, expected >= 1")
+    accepted = drafts = 0
+    i, n = 1, len(draftable)
+    while i < n:
+        run = 0
+        while run < min(k, n - i) and (run == 0 or draftable[i + run]):
+            run += 1
+        accepted += run
+        drafts += 1
+        i += run + 1
+    return accepted, drafts
+
+
 TOP_K = 5  # block_row_metrics' top-k accuracy
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from drafters.common.losses import ObjectiveOutput, geometric_weights, masked_ma
 from drafters.common.metrics import (
     AcceptanceStats,
     prompt_bootstrap_interval,
+    reachable_chain_counts,
     simulated_acceptance_length,
     tokens_per_target_forward,
 )
@@ -92,3 +95,37 @@ def test_prompt_bootstrap_interval_refuses_bad_counts() -> None:
         prompt_bootstrap_interval([10, 4], [2, 4])
     with pytest.raises(ValueError, match="level=1.0"):
         prompt_bootstrap_interval([10, 4], [2, 1], level=1.0)
+
+
+def _verify_loop(target: list[int], draftable: list[bool], k: int) -> tuple[int, int]:
+    """vLLM-style greedy verification with explicit proposals: the draft proposes target[j] at depth 1 or where
+    draftable, else -1; the target accepts proposals equal to its own tokens, then emits its own next token."""
+    out, accepted, drafts = [target[0]], 0, 0
+    while len(out) < len(target):
+        i = len(out)
+        proposals = [target[j] if j < len(target) and (d == 0 or draftable[j]) else -1
+                     for d, j in enumerate(range(i, i + k))]
+        run = 0
+        for d, tok in enumerate(proposals):
+            if i + d >= len(target) or tok != target[i + d]:
+                break
+            run += 1
+        accepted, drafts = accepted + run, drafts + 1
+        out += target[i: i + run + 1]
+    assert out == target  # lossless
+    return accepted, drafts
+
+
+def test_reachable_chain_counts_worked_example_and_reference() -> None:
+    sum_digits = [True] * 6 + [False, False, True]  # "7 + 4 = 11<eos>": the two digits of the sum
+    assert reachable_chain_counts(sum_digits, 3) == (6, 3)
+    assert reachable_chain_counts([True] * 9, 3) == (6, 2)  # everything draftable: 3 + bonus, twice
+    assert reachable_chain_counts([True], 3) == (0, 0)  # the prefill's token only
+    assert reachable_chain_counts([False] * 5, 3) == (2, 2)  # depth 1 only: 1 + bonus per forward
+    rng = random.Random(0)
+    for _ in range(300):
+        n, k = rng.randint(1, 40), rng.randint(1, 7)
+        draftable = [rng.random() < 0.7 for _ in range(n)]
+        assert reachable_chain_counts(draftable, k) == _verify_loop(list(range(n)), draftable, k), (draftable, k)
+    with pytest.raises(ValueError, match="k: got 0"):
+        reachable_chain_counts([True], 0)

@@ -293,6 +293,19 @@ def test_loading_from_an_export(tmp_path: Path, target_dir: Path, target_model, 
     assert not torch.equal(session.engine_state()["fc.weight"], exported["fc.weight"])
 
 
+@pytest.mark.parametrize(("k", "settings", "loaded", "ttt"), [
+    (3, {}, True, 3), (5, {}, False, 5), (1, {"ttt_decay": 0.5}, True, 1),  # unset: the depth the rollout drafts
+    (3, {"ttt_steps": 7}, True, 7), (4, {"ttt_steps": 2}, False, 2)])  # set: kept as given
+def test_unroll_depth_defaults_to_the_served_depth(tmp_path: Path, target_dir: Path, k: int, settings: dict[str, Any],
+                                                   loaded: bool, ttt: int) -> None:
+    export_dir, _ = _export(tmp_path, target_dir)  # its config would give the offline default, 7
+    assert Eagle3Config().ttt_steps == 7
+    cfg = _cfg(tmp_path, num_speculative_tokens=k, settings=settings, model_path=str(export_dir) if loaded else None)
+    session = DrafterSession(cfg, target_dir)
+    assert session.fam_cfg.ttt_steps == ttt
+    assert cfg.settings == settings  # the run's config is not rewritten
+
+
 @pytest.mark.parametrize("settings", [{"num_layers": 2}, {"ttt_steps": 2, "draft_vocab_size": 100},
                                       {"aux_layer_ids": [1, 3, 5]}, {"lm_head_init": "target"}])
 def test_architecture_settings_rejected_with_model_path(tmp_path: Path, target_dir: Path,

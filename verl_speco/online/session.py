@@ -32,7 +32,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +152,23 @@ class FeatureBuffer:
             return self.heads[version]
 
 
+def served_depth_settings(config_cls: type, cfg: DrafterRunConfig) -> dict[str, Any]:
+    """`cfg.settings`, where a family with a training-time-test unroll (`ttt_steps`: EAGLE-3) that the settings
+    leave unset trains exactly the depth the rollout drafts, `num_speculative_tokens`.
+
+    The rollout engine only ever runs the draft `num_speculative_tokens` steps deep, so deeper unroll steps
+    cost a round its time and take the loss's weight away from the served positions. Worked example, k = 3
+    and the offline default ttt_steps = 7 with decay 0.8: steps 4-7 carry 0.8^3 + ... + 0.8^6 = 1.54 of the
+    3.95 total weight (39%) and 4/7 of the unroll's compute; with ttt_steps = 3 none. On the real target, a
+    draft trained offline with 3 steps met 7 online, and the untrained steps' losses (online loss 18 at the
+    first round, against 2.9 offline) pulled the served positions down in the first round
+    (docs/results/smollm2/drift/README.md)."""
+    settings = dict(cfg.settings)
+    if "ttt_steps" not in settings and "ttt_steps" in {f.name for f in fields(config_cls)}:
+        settings["ttt_steps"] = cfg.num_speculative_tokens
+    return settings
+
+
 class DrafterSession:
     """Drafter model, optimizer and buffer of an online run. Single device; see module docstring."""
 
@@ -161,15 +178,16 @@ class DrafterSession:
         self.device = torch.device(device)
         self.family = get_family(cfg.family)
         target = TargetHead.from_pretrained(target_dir)
+        settings = served_depth_settings(self.family.config_cls, cfg)
         if cfg.model_path:  # the architecture comes from the export; settings may change training only
             try:
                 model: Any = self.family.with_settings(self.family.load_export(cfg.model_path, target),
-                                                       **cfg.settings)
+                                                       **settings)
             except ValueError as e:
                 raise ValueError(f"actor_rollout_ref.rollout.drafter.{e} (model_path={cfg.model_path!r})") from None
             self.fam_cfg = self.family.config_of(model)
         else:
-            raw = build_family_config(self.family.config_cls, dict(cfg.settings), cfg.family)
+            raw = build_family_config(self.family.config_cls, settings, cfg.family)
             self.fam_cfg = self.family.resolve(raw, target.spec)
             with torch.random.fork_rng(devices=[]):  # a fresh init is a function of drafter.seed
                 torch.manual_seed(cfg.seed)

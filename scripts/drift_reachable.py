@@ -1,0 +1,120 @@
+"""How far any draft could lift a drift study's paired gain, from the validation answers themselves.
+
+The drift study's goal is a paired gain (served draft over initial draft, on the same policy) of 1.3. On a
+rule-reward arithmetic task the answers are short ("7 + 4 = 11"), and the numbers the target computes
+cannot be drafted beyond the first draft position: there the draft reads the target's own features of
+that step, deeper it has only its own. This script takes the greedy validation answers verl dumped at
+every step (`trainer.validation_data_dir=DIR`: `DIR/<step>.jsonl`, fields `input` and `output`), marks
+the tokens of every integer the answer states that its prompt does not hold as not draftable, and
+counts what the best such draft would make (`drafters.common.metrics.reachable_chain_counts`: the
+draft proposes every other token right). Dividing by the initial draft's measured acceptance on the
+same policy gives the largest gain any draft could have shown at that step.
+
+    python scripts/drift_reachable.py --valgen runs/drift/valgen --results runs/drift/results/metrics.jsonl \
+        --target smollm2-135m
+
+Assumptions, stated in the table's note: the answers are re-tokenized from their text (digits are
+single tokens in the targets here), an answer shorter than `--max-response-tokens` ended with the
+end-of-sequence token (drafted like any other token), and vLLM's counters stop at the answer's end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from drafters.common.metrics import reachable_chain_counts  # noqa: E402
+
+INTEGER = re.compile(r"\d+")
+GOAL = 1.3
+
+
+def draftable_tokens(tokenizer: Any, prompt: str, answer: str, max_response_tokens: int) -> list[bool]:
+    """Per answer token (plus the end-of-sequence token when the answer ended before the length limit):
+    False for the tokens of an integer the answer states that the prompt does not hold, else True.
+    Example: prompt "What is 7 plus 4?", answer "7 + 4 = 11" -> 7 and 4 draftable, the 1 and 1 of 11 not."""
+    given = set(INTEGER.findall(prompt))
+    computed = [m.span() for m in INTEGER.finditer(answer) if m.group() not in given]
+    enc = tokenizer(answer, add_special_tokens=False, return_offsets_mapping=True)
+    marks = [not any(start < end_c and start_c < end for start_c, end_c in computed)
+             for start, end in enc["offset_mapping"]]
+    if len(marks) < max_response_tokens:
+        marks.append(True)  # the end-of-sequence token
+    return marks
+
+
+def step_reachable(rows: list[dict[str, Any]], tokenizer: Any, k: int, max_response_tokens: int) -> dict[str, float]:
+    """The reachable mean acceptance length over one step's answers (vLLM's 1 + accepted / drafts)."""
+    accepted = drafts = 0
+    for row in rows:
+        a, d = reachable_chain_counts(draftable_tokens(tokenizer, row["input"], row["output"], max_response_tokens), k)
+        accepted, drafts = accepted + a, drafts + d
+    return {"answers": len(rows), "drafts": drafts, "reachable": 1 + accepted / drafts if drafts else float("nan")}
+
+
+def read_dumps(valgen: Path) -> dict[int, list[dict[str, Any]]]:
+    """verl's validation dumps: `<step>.jsonl` -> the step's rows; a line without `input`/`output` is refused."""
+    steps: dict[int, list[dict[str, Any]]] = {}
+    for path in sorted(valgen.glob("*.jsonl"), key=lambda p: int(p.stem) if p.stem.isdigit() else -1):
+        if not path.stem.isdigit():
+            continue
+        rows = []
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            row = json.loads(line)
+            if not isinstance(row.get("input"), str) or not isinstance(row.get("output"), str):
+                raise ValueError(f"{path}:{n}: expected string fields 'input' and 'output' (verl's validation dump)")
+            rows.append(row)
+        steps[int(path.stem)] = rows
+    if not steps:
+        raise ValueError(f"--valgen {valgen}: no <step>.jsonl files (run with trainer.validation_data_dir={valgen})")
+    return steps
+
+
+def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--valgen", type=Path, required=True, help="verl's trainer.validation_data_dir of the co-trained arm")
+    p.add_argument("--results", type=Path, required=True,
+                   help="the drift study's metrics.jsonl (scripts/drift_real_grpo.py --paired)")
+    p.add_argument("--target", default="embedded", help="named target or HF directory: its tokenizer")
+    p.add_argument("--arm", default="cotrained")
+    p.add_argument("--k", type=int, default=3, help="drafts per forward (the run's num_speculative_tokens)")
+    p.add_argument("--max-response-tokens", type=int, default=64, help="the run's max_response_length")
+    p.add_argument("--json", type=Path, help="also write the table here")
+    args = p.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from verl_speco.target.named import resolve_target
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_target(args.target)))
+    measured = {}
+    for line in args.results.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("arm") == args.arm and "heldout_baseline_acceptance" in rec:
+            measured[int(rec["step"])] = rec
+    table: dict[int, dict[str, float]] = {}
+    for step, rows in read_dumps(args.valgen).items():
+        row = step_reachable(rows, tokenizer, args.k, args.max_response_tokens)
+        if step in measured:
+            initial, served = measured[step]["heldout_baseline_acceptance"], measured[step]["heldout_acceptance"]
+            row.update(served=served, initial=initial, gain=served / initial, reachable_gain=row["reachable"] / initial)
+        table[step] = row
+    print(f"{'step':>4} {'answers':>7} {'reachable':>9} {'served':>7} {'initial':>7} {'gain':>6} {'reachable gain':>14}")
+    for step, row in table.items():
+        cells = [f"{row[key]:.3f}" if key in row else "-" for key in ("served", "initial", "gain", "reachable_gain")]
+        mark = " <" if row.get("reachable_gain", GOAL) < GOAL else ""
+        print(f"{step:>4} {row['answers']:>7} {row['reachable']:>9.3f} {cells[0]:>7} {cells[1]:>7} {cells[2]:>6} "
+              f"{cells[3]:>14}{mark}")
+    print(f"< : no draft that misses the computed numbers past the first draft position reaches a {GOAL}x gain here")
+    if args.json:
+        args.json.write_text(json.dumps({str(s): r for s, r in table.items()}, indent=1))
+    return table
+
+
+if __name__ == "__main__":
+    main()
