@@ -1,19 +1,21 @@
-"""How far any draft could lift a drift study's paired gain, from the validation answers themselves.
+"""What a draft that never predicts the computed numbers past the first draft position could make, from a
+drift study's validation answers, against the paired gain it measured.
 
 The drift study's goal is a paired gain (served draft over initial draft, on the same policy) of 1.3. On a
-rule-reward arithmetic task the answers are short ("7 + 4 = 11"), and the numbers the target computes
-cannot be drafted beyond the first draft position: there the draft reads the target's own features of
-that step, deeper it has only its own. This script takes the greedy validation answers verl dumped at
-every step (`trainer.validation_data_dir=DIR`: `DIR/<step>.jsonl`, fields `input` and `output`), marks
-the tokens of every integer the answer states that its prompt does not hold as not draftable, and
-counts what the best such draft would make (`drafters.common.metrics.reachable_chain_counts`: the
-draft proposes every other token right). Dividing by the initial draft's measured acceptance on the
-same policy gives the largest gain any draft could have shown at that step.
+rule-reward arithmetic task the answers are short ("7 + 4 = 11"), and the number the target computes can
+only be drafted past the first draft position by a draft that has learned the policy's own sums: at the
+first position the draft reads the target's features of that step, deeper it has only its own. This
+script takes the greedy validation answers verl dumped at every step (`trainer.validation_data_dir=DIR`:
+`DIR/<step>.jsonl`, fields `input` and `output`), marks the tokens of every integer the answer states that
+its prompt does not hold as not draftable past the first position, and counts what a draft that gets every
+other token right would make (`drafters.common.metrics.reachable_chain_counts`). Divided by the initial
+draft's measured acceptance on the same policy, it is the largest gain a draft that does not know the
+policy's sums could show at that step. A served draft above it has learned some of them.
 
     python scripts/drift_reachable.py --valgen runs/drift/valgen --results runs/drift/results/metrics.jsonl \
         --target smollm2-135m
 
-Assumptions, stated in the table's note: the answers are re-tokenized from their text (digits are
+Assumptions: the answers are re-tokenized from their text (digits are
 single tokens in the targets here), an answer shorter than `--max-response-tokens` ended with the
 end-of-sequence token (drafted like any other token), and vLLM's counters stop at the answer's end.
 """
@@ -110,7 +112,8 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
         mark = " <" if row.get("reachable_gain", GOAL) < GOAL else ""
         print(f"{step:>4} {row['answers']:>7} {row['reachable']:>9.3f} {cells[0]:>7} {cells[1]:>7} {cells[2]:>6} "
               f"{cells[3]:>14}{mark}")
-    print(f"< : no draft that misses the computed numbers past the first draft position reaches a {GOAL}x gain here")
+    print(f"< : under {GOAL}x even for a draft that gets every token but the computed numbers right "
+          "(past the first draft position)")
     if args.json:
         args.json.write_text(json.dumps({str(s): r for s, r in table.items()}, indent=1))
     return table

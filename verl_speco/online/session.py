@@ -158,11 +158,11 @@ def served_depth_settings(config_cls: type, cfg: DrafterRunConfig) -> dict[str, 
 
     The rollout engine only ever runs the draft `num_speculative_tokens` steps deep, so deeper unroll steps
     cost a round its time and take the loss's weight away from the served positions. Worked example, k = 3
-    and the offline default ttt_steps = 7 with decay 0.8: steps 4-7 carry 0.8^3 + ... + 0.8^6 = 1.54 of the
-    3.95 total weight (39%) and 4/7 of the unroll's compute; with ttt_steps = 3 none. On the real target, a
-    draft trained offline with 3 steps met 7 online, and the untrained steps' losses (online loss 18 at the
-    first round, against 2.9 offline) pulled the served positions down in the first round
-    (docs/results/smollm2/drift/README.md)."""
+    and the offline default ttt_steps = 7 with decay 0.8: steps 4-7 carry 0.8^3 + ... + 0.8^6 = 1.51 of the
+    3.95 total weight (38%) and 4/7 of the unroll's compute; with ttt_steps = 3 none. On the real target a
+    draft trained offline with 3 steps met 7 online: its first round lowered the served draft (paired gain
+    0.92 at step 1); with 3 the step-1 gain was 1.10, 1.11 and 0.97 in three runs, and a round took half the time
+    per token (docs/results/smollm2/drift/README.md, section 'Sixty held-out problems')."""
     settings = dict(cfg.settings)
     if "ttt_steps" not in settings and "ttt_steps" in {f.name for f in fields(config_cls)}:
         settings["ttt_steps"] = cfg.num_speculative_tokens
