@@ -78,6 +78,31 @@ def read_dumps(valgen: Path) -> dict[int, list[dict[str, Any]]]:
     return steps
 
 
+def plot(table: dict[int, dict[str, float]], path: Path, title: str) -> None:
+    """Per step: the served and the initial draft's measured acceptance, the goal (1.3 x initial) and what a
+    draft that knows everything but the computed numbers would make."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [s for s, row in table.items() if "initial" in row]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    ax.plot(steps, [table[s]["served"] for s in steps], "o-", label="co-trained draft (served)")
+    ax.plot(steps, [table[s]["initial"] for s in steps], "s--", label="initial draft, same policy")
+    ax.plot(steps, [GOAL * table[s]["initial"] for s in steps], ":", color="gray", label=f"{GOAL} x initial (the goal)")
+    ax.plot(steps, [table[s]["reachable"] for s in steps], "^-", color="black", alpha=0.6,
+            label="every token right but the computed numbers")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("held-out mean acceptance length")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--valgen", type=Path, required=True, help="verl's trainer.validation_data_dir of the co-trained arm")
@@ -88,6 +113,7 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     p.add_argument("--k", type=int, default=3, help="drafts per forward (the run's num_speculative_tokens)")
     p.add_argument("--max-response-tokens", type=int, default=64, help="the run's max_response_length")
     p.add_argument("--json", type=Path, help="also write the table here")
+    p.add_argument("--png", type=Path, help="also draw the table here")
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -116,6 +142,8 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
           "(past the first draft position)")
     if args.json:
         args.json.write_text(json.dumps({str(s): r for s, r in table.items()}, indent=1))
+    if args.png:
+        plot(table, args.png, f"{args.arm} arm, k = {args.k}: measured and reachable acceptance")
     return table
 
 

@@ -57,7 +57,8 @@ def test_table_divides_the_reachable_acceptance_by_the_initial_one(tmp_path: Pat
                {"arm": "cotrained", "step": 1, "heldout_acceptance": 2.6, "heldout_baseline_acceptance": 1.5},
                {"arm": "frozen", "step": 1, "heldout_acceptance": 9.0, "heldout_baseline_acceptance": 9.0}]
     results.write_text("".join(json.dumps(r) + "\n" for r in records))
-    table = reach.main(["--valgen", str(valgen), "--results", str(results), "--json", str(tmp_path / "t.json")])
+    table = reach.main(["--valgen", str(valgen), "--results", str(results), "--json", str(tmp_path / "t.json"),
+                        "--png", str(tmp_path / "t.png")])
     for step, rows in answers.items():
         counts = [reachable_chain_counts(reach.draftable_tokens(tokenizer, q, a, 64), 3) for q, a in rows]
         expected = 1 + sum(a for a, _ in counts) / sum(d for _, d in counts)
@@ -71,6 +72,7 @@ def test_table_divides_the_reachable_acceptance_by_the_initial_one(tmp_path: Pat
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split()[0] == "0" and lines[1].endswith(" <") and not lines[2].endswith(" <")
     assert json.loads((tmp_path / "t.json").read_text())["1"]["answers"] == 1
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_malformed_dump_line_is_refused_with_its_place(tmp_path: Path) -> None:
