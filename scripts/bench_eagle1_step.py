@@ -198,5 +198,6 @@ def main() -> None:
     for name in med:
         print(f"{name:>8} {med[name]:>9.3f} {med[name] / med[base]:>6.3f}")
 
+
 if __name__ == "__main__":
     main()

@@ -63,9 +63,7 @@ def step_reachable(rows: list[dict[str, Any]], tokenizer: Any, k: int, max_respo
 def read_dumps(valgen: Path) -> dict[int, list[dict[str, Any]]]:
     """verl's validation dumps: `<step>.jsonl` -> the step's rows; a line without `input`/`output` is refused."""
     steps: dict[int, list[dict[str, Any]]] = {}
-    for path in sorted(valgen.glob("*.jsonl"), key=lambda p: int(p.stem) if p.stem.isdigit() else -1):
-        if not path.stem.isdigit():
-            continue
+    for path in sorted((p for p in valgen.glob("*.jsonl") if p.stem.isdigit()), key=lambda p: int(p.stem)):
         rows = []
         for n, line in enumerate(path.read_text().splitlines(), 1):
             row = json.loads(line)

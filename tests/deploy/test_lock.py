@@ -4,15 +4,13 @@ its installed version, and the lock written from an environment reads back as th
 from __future__ import annotations
 
 import importlib.metadata
-import sys
 from pathlib import Path
 
 import pytest
+from file_modules import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import lock_env  # noqa: E402
+lock_env = load_script("lock_env")
 
 HEAD = "# by hand\ntorch==2.13.0\ndatasets<=5.1.0\n"
 

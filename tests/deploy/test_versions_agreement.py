@@ -10,19 +10,17 @@ Dockerfiles: tests/deploy/test_dockerfiles.py. Each check is run on a planted di
 from __future__ import annotations
 
 import re
-import sys
 import tomllib
 from pathlib import Path
 
 import pytest
+from file_modules import load_script
 
 from verl_speco.deploy.support import render_table
 from verl_speco.deploy.versions import DISTRIBUTIONS, Versions, load_versions
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import lock_env  # noqa: E402  (constraints.txt's one parser)
+lock_env = load_script("lock_env")  # constraints.txt's one parser
 
 PACKAGES = {dist: key for key, dist in DISTRIBUTIONS.items()}  # distribution -> line key
 PIN = re.compile(r"^([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==([A-Za-z0-9_.+-]+)$")
