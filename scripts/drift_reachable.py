@@ -60,13 +60,24 @@ def step_reachable(rows: list[dict[str, Any]], tokenizer: Any, k: int, max_respo
     return {"answers": len(rows), "drafts": drafts, "reachable": 1 + accepted / drafts if drafts else float("nan")}
 
 
+def json_line(path: Path, n: int, line: str) -> dict[str, Any]:
+    """One JSON object per line; anything else is refused with its file:line."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{n}: not a JSON line ({err.msg}); expected one JSON object per line") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}:{n}: a JSON {type(row).__name__}; expected one JSON object per line")
+    return row
+
+
 def read_dumps(valgen: Path) -> dict[int, list[dict[str, Any]]]:
     """verl's validation dumps: `<step>.jsonl` -> the step's rows; a line without `input`/`output` is refused."""
     steps: dict[int, list[dict[str, Any]]] = {}
     for path in sorted((p for p in valgen.glob("*.jsonl") if p.stem.isdigit()), key=lambda p: int(p.stem)):
         rows = []
         for n, line in enumerate(path.read_text().splitlines(), 1):
-            row = json.loads(line)
+            row = json_line(path, n, line)
             if not isinstance(row.get("input"), str) or not isinstance(row.get("output"), str):
                 raise ValueError(f"{path}:{n}: expected string fields 'input' and 'output' (verl's validation dump)")
             rows.append(row)
@@ -119,8 +130,8 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_target(args.target)))
     measured = {}
-    for line in args.results.read_text().splitlines():
-        rec = json.loads(line)
+    for n, line in enumerate(args.results.read_text().splitlines(), 1):
+        rec = json_line(args.results, n, line)
         if rec.get("arm") == args.arm and "heldout_baseline_acceptance" in rec:
             measured[int(rec["step"])] = rec
     table: dict[int, dict[str, float]] = {}

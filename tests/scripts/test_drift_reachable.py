@@ -85,3 +85,10 @@ def test_a_malformed_dump_line_is_refused_with_its_place(tmp_path: Path) -> None
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no <step>.jsonl files"):
         reach.read_dumps(tmp_path / "empty")
+    with open(valgen / "3.jsonl", "w") as fh:
+        fh.write(json.dumps({"input": "q", "output": "a"}) + "\n{truncated\n")
+    with pytest.raises(ValueError, match=r"3\.jsonl:2: not a JSON line"):
+        reach.read_dumps(valgen)
+    (valgen / "3.jsonl").write_text("[1, 2]\n")
+    with pytest.raises(ValueError, match=r"3\.jsonl:1: a JSON list; expected one JSON object per line"):
+        reach.read_dumps(valgen)
