@@ -58,12 +58,13 @@ KEYS = {  # metrics.jsonl field -> verl / trainer metric
 }
 
 
-def val_reward_key(target: str) -> str:
-    """verl's validation reward metric of the target's rule-reward task (named by its data source)."""
+def val_reward_key(target: str, task: str | None = None) -> str:
+    """verl's validation reward metric of the run's rule-reward task (`task`, else the target's default),
+    named by its data source."""
     from verl_speco.cpu_port.launch import rl_task
     from verl_speco.target.rl_data import task_rows
 
-    [row] = task_rows(rl_task(target, None), 1)  # the rows written to val.parquet carry the source
+    [row] = task_rows(rl_task(target, task), 1)  # the rows written to val.parquet carry the source
     return f"val-core/{row['data_source']}/acc/mean@1"
 
 
@@ -82,7 +83,7 @@ def arm_overrides(arm: str, args: argparse.Namespace) -> list[str]:
 def arm_command(arm: str, work: Path, drafter: Path, args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-m", "verl_speco.cpu_port.launch", "--target", args.target, "--out", str(work / arm),
             "--drafter", str(drafter), "--val-prompts", str(args.val_prompts), "--seed", str(args.seed),
-            *arm_overrides(arm, args), *args.overrides]
+            *(["--task", args.task] if args.task else []), *arm_overrides(arm, args), *args.overrides]
 
 
 def run_arm(arm: str, work: Path, drafter: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -100,9 +101,9 @@ def run_arm(arm: str, work: Path, drafter: Path, args: argparse.Namespace) -> di
     return {"command": cmd, "wall_seconds": round(wall, 1)}
 
 
-def arm_records(arm: str, work: Path, target: str = "embedded") -> list[dict[str, Any]]:
+def arm_records(arm: str, work: Path, target: str = "embedded", task: str | None = None) -> list[dict[str, Any]]:
     """One record per logged step (step 0: the validation before training)."""
-    keys = {**KEYS, "val_reward": val_reward_key(target)}
+    keys = {**KEYS, "val_reward": val_reward_key(target, task)}
     by_step: dict[int, dict[str, Any]] = {}
     for line in (work / arm / "metrics.jsonl").read_text().splitlines():
         if line.strip():
@@ -155,8 +156,8 @@ def summarize(records: list[dict[str, Any]], runs: dict[str, Any], args: argpars
                          "heldout_acceptance_step0": first["heldout_acceptance"],
                          "served_version": end.get("heldout_served_version"),
                          "val_reward_step0": first.get("val_reward"), "val_reward_last": end.get("val_reward")}
-    summary: dict[str, Any] = {"target": args.target, "steps": args.steps, "actor_lr": args.lr, "batch": args.batch, "n": args.n,
-                               "val_prompts": args.val_prompts,
+    summary: dict[str, Any] = {"target": args.target, "task": args.task, "steps": args.steps, "actor_lr": args.lr,
+                               "batch": args.batch, "n": args.n, "val_prompts": args.val_prompts,
                                "seed": args.seed, "initial_drafter": str(drafter), "runs": runs, "last_step": last}
     gains = {arm: {str(r["step"]): round(r["heldout_gain"], 4) for r in records
                    if r["arm"] == arm and "heldout_gain" in r} for arm in ARMS}
@@ -181,6 +182,8 @@ def summarize(records: list[dict[str, Any]], runs: dict[str, Any], args: argpars
 
 
 def main(argv: list[str] | None = None) -> int:
+    from verl_speco.target.rl_data import TASKS
+
     p = argparse.ArgumentParser(prog="drift_real_grpo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="embedded",
@@ -193,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n", type=int, default=4, help="rollouts per prompt (default: %(default)s)")
     p.add_argument("--val-prompts", type=int, default=16, help="held-out problems (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--task", choices=TASKS, default=None,
+                   help="the launcher's rule-reward task (default: the target's, plain for smollm2-135m)")
     p.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of %(default)s")
     p.add_argument("--drafter", default=None, help="initial drafter export (default: train one under <work>)")
     p.add_argument("--paired", action="store_true",
@@ -213,13 +218,13 @@ def main(argv: list[str] | None = None) -> int:
         from verl_speco.cpu_port.initial_drafter import initial_drafter
         from verl_speco.cpu_port.launch import rl_task
 
-        drafter = initial_drafter(work / "drafter", args.target, rl_task(args.target, None), seed=args.seed)
+        drafter = initial_drafter(work / "drafter", args.target, rl_task(args.target, args.task), seed=args.seed)
     if not args.report_only:
         for arm in arms:
             runs[arm] = run_arm(arm, work, drafter, args)
             runs_file.write_text(json.dumps(runs, indent=1))
     records = [r for arm in ARMS if (work / arm / "metrics.jsonl").is_file()
-               for r in arm_records(arm, work, args.target)]
+               for r in arm_records(arm, work, args.target, args.task)]
     with open(results / "metrics.jsonl", "w") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in records)
     summary = summarize(records, runs, args, drafter)

@@ -18,7 +18,7 @@ def _script() -> Any:
 
 
 def _args(**kw: Any) -> argparse.Namespace:
-    base = {"target": "smollm2-135m", "steps": 12, "lr": 1e-4, "batch": 4, "n": 4, "val_prompts": 16, "seed": 1,
+    base = {"target": "smollm2-135m", "steps": 12, "lr": 1e-4, "batch": 4, "n": 4, "val_prompts": 16, "seed": 1, "task": None,
             "paired": True, "overrides": ["actor_rollout_ref.rollout.drafter.schedule=serial"]}
     return argparse.Namespace(**{**base, **kw})
 
@@ -36,6 +36,9 @@ def test_every_arm_launches_the_named_target(tmp_path: Path) -> None:
         assert baseline not in drift.arm_command(arm, tmp_path, tmp_path / "export", _args(paired=False))
     frozen = drift.arm_command("frozen", tmp_path, tmp_path / "export", _args())
     assert "actor_rollout_ref.rollout.drafter.train_interval=13" in frozen
+    assert "--task" not in frozen  # the launcher's own default task for the target
+    steps = drift.arm_command("cotrained", tmp_path, tmp_path / "export", _args(task="plain_steps"))
+    assert steps[steps.index("--task") + 1] == "plain_steps"
 
 
 def test_validation_reward_is_read_under_the_tasks_data_source(tmp_path: Path) -> None:
@@ -51,6 +54,7 @@ def test_validation_reward_is_read_under_the_tasks_data_source(tmp_path: Path) -
     assert rec["val_reward"] == 0.5 and rec["heldout_acceptance"] == 1.25
     [rec] = drift.arm_records("cotrained", tmp_path, "embedded")
     assert rec["val_reward"] == 0.9
+    assert drift.val_reward_key("smollm2-135m", "plain_steps") == "val-core/verl_speco/plain_arithmetic_steps/acc/mean@1"
 
 
 def test_the_default_initial_drafter_is_trained_on_the_targets_task(tmp_path: Path,
@@ -71,6 +75,10 @@ def test_the_default_initial_drafter_is_trained_on_the_targets_task(tmp_path: Pa
     assert asked == [(work / "drafter", "smollm2-135m", "plain", 4)]
     summary = json.loads((results / "summary.json").read_text())
     assert summary["target"] == "smollm2-135m" and summary["initial_drafter"] == str(work / "drafter" / "export")
+    assert drift.main(["--target", "smollm2-135m", "--task", "plain_steps", "--work", str(work),
+                       "--results", str(results), "--report-only"]) == 0
+    assert asked[-1] == (work / "drafter", "smollm2-135m", "plain_steps", 0)
+    assert json.loads((results / "summary.json").read_text())["task"] == "plain_steps"
 
 
 def test_summary_keeps_the_same_draft_gain_apart(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ def test_rl_dataset_has_verls_columns_and_disjoint_splits(tmp_path: Path) -> Non
 def test_plain_arithmetic_rows_and_reward(tmp_path: Path) -> None:
     import pandas as pd
 
-    from verl_speco.target.rl_data import PLAIN_SOURCE, compute_score, write_rl_dataset
+    from verl_speco.target.rl_data import PLAIN_SOURCE, PLAIN_STEPS_SOURCE, compute_score, write_rl_dataset
 
     paths = write_rl_dataset(tmp_path, n_train=40, n_val=10, task="plain")
     train, val = pd.read_parquet(paths["train"]), pd.read_parquet(paths["val"])
@@ -49,6 +49,17 @@ def test_plain_arithmetic_rows_and_reward(tmp_path: Path) -> None:
     assert compute_score(PLAIN_SOURCE, "no idea", "55") == 0.0
     with pytest.raises(ValueError, match="task: got 'poems'"):
         write_rl_dataset(tmp_path, task="poems")
+    steps = write_rl_dataset(tmp_path / "steps", n_train=40, n_val=10, task="plain_steps")
+    for split in ("train", "val"):  # the very problems of task plain, asked for a worked answer
+        plain_rows, steps_rows = pd.read_parquet(paths[split]), pd.read_parquet(steps[split])
+        for plain_row, row in zip(plain_rows.itertuples(), steps_rows.itertuples(), strict=True):
+            question = plain_row.prompt[0]["content"].removesuffix(" Reply with the number.")
+            assert row.prompt[0]["content"] == f"{question} Think step by step, then give the answer."
+            assert row.reward_model["ground_truth"] == plain_row.reward_model["ground_truth"]
+            assert row.data_source == PLAIN_STEPS_SOURCE
+    worked = "1. Add 7 to 8: 7 + 8 = 15\n\nSo, the answer is 15."
+    assert compute_score(PLAIN_STEPS_SOURCE, worked, "15") == 1.0
+    assert compute_score(PLAIN_STEPS_SOURCE, worked, "8") == 0.25
 
 
 def test_rule_reward() -> None:
@@ -135,6 +146,7 @@ def test_a_real_target_gets_plain_english_problems() -> None:
     assert rl_task("embedded", None) == "corpus" and rl_task("smollm2-135m", None) == "plain"
     assert rl_task("smollm2-135m", "corpus") == "corpus"
     assert build_parser().parse_args(["--task", "plain"]).task == "plain"
+    assert build_parser().parse_args(["--task", "plain_steps"]).task == "plain_steps"
 
 
 def test_the_launcher_refuses_a_drafter_directory_without_an_export(tmp_path: Path) -> None:

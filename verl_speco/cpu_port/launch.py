@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_speco.console import Console
+from verl_speco.target.rl_data import TASKS
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = "+speco_cpu=grpo_embedded"
@@ -63,9 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-prompts", type=int, default=64, help="rows of train.parquet (default: %(default)s)")
     p.add_argument("--val-prompts", type=int, default=8,
                    help="rows of val.parquet, held-out problems (verl's validation; default: %(default)s)")
-    p.add_argument("--task", choices=("corpus", "plain"), default=None,
-                   help="rule-reward problems: the embedded corpus's, or plain-English arithmetic (default: corpus "
-                        "for the embedded target, plain for any other, which never saw the corpus's format)")
+    p.add_argument("--task", choices=TASKS, default=None,
+                   help="rule-reward problems: the embedded corpus's, plain-English arithmetic answered with the "
+                        "number (plain) or step by step (plain_steps) (default: corpus for the embedded target, "
+                        "plain for any other, which never saw the corpus's format)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--verbose", action="store_true",
                    help=f"verl, Ray and vLLM logs on the terminal (default: in <out>/{LOG})")

@@ -25,6 +25,11 @@ small additions and subtractions in plain English instead, data source `PLAIN_SO
 
 and `compute_score` gives such a row 1.0 when the last integer of the response is the answer, 0.25
 when the answer appears elsewhere in it, else 0.
+
+`task="plain_steps"` asks the same problems for worked answers ("What is 7 plus 8? Think step by step,
+then give the answer.", data source `PLAIN_STEPS_SOURCE`), scored the same way. SmolLM2-135M-Instruct
+answers them in 40 to 100 tokens of numbered steps, so the policy's answers are long text that GRPO
+reshapes, where `plain`'s are a short equation.
 """
 
 from __future__ import annotations
@@ -37,7 +42,11 @@ from typing import Any
 
 DATA_SOURCE = "verl_speco/embedded"
 PLAIN_SOURCE = "verl_speco/plain_arithmetic"
-TASKS = ("corpus", "plain")
+PLAIN_STEPS_SOURCE = "verl_speco/plain_arithmetic_steps"
+TASKS = ("corpus", "plain", "plain_steps")
+# plain-English arithmetic tasks: (data source, the instruction after the question)
+PLAIN_TASKS = {"plain": (PLAIN_SOURCE, "Reply with the number."),
+               "plain_steps": (PLAIN_STEPS_SOURCE, "Think step by step, then give the answer.")}
 _ANSWER_LEADS = ("The answer is ", "Sorted: ", "Result: ")
 _INTEGER = re.compile(r"-?\d+")
 
@@ -57,11 +66,13 @@ def rl_rows(n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]
 PLAIN_POOL = 81 + 45  # distinct problems: a + b and a - b (a >= b) for digits a, b in 1..9
 
 
-def plain_rows(n: int, split: str = "train", seed: int = 0) -> list[dict[str, Any]]:
+def plain_rows(n: int, split: str = "train", seed: int = 0, task: str = "plain") -> list[dict[str, Any]]:
     """`n` plain-English arithmetic problems of `split`: sums and differences of the digits 1..9
-    (differences never negative; SmolLM2-135M answers about half of them). All `PLAIN_POOL`
-    problems are shuffled with `seed`; train takes them from the front, test from the back, so the
-    splits share no problem while train + test <= PLAIN_POOL."""
+    (differences never negative; SmolLM2-135M answers about half of them), asked with `task`'s
+    instruction (`PLAIN_TASKS`). All `PLAIN_POOL` problems are shuffled with `seed`; train takes them
+    from the front, test from the back, so the splits share no problem while train + test <= PLAIN_POOL.
+    The tasks share the pool and its order: `plain_steps` asks the very problems `plain` does."""
+    source, instruction = PLAIN_TASKS[task]
     if not 1 <= n <= PLAIN_POOL:
         raise ValueError(f"plain arithmetic rows: got n={n}, expected 1..{PLAIN_POOL} (distinct problems)")
     pool = [(a, b, "add") for a in range(1, 10) for b in range(1, 10)]
@@ -71,8 +82,8 @@ def plain_rows(n: int, split: str = "train", seed: int = 0) -> list[dict[str, An
     rows: list[dict[str, Any]] = []
     for a, b, op in picked:
         word, answer = ("plus", a + b) if op == "add" else ("minus", a - b)
-        rows.append({"data_source": PLAIN_SOURCE,
-                     "prompt": [{"role": "user", "content": f"What is {a} {word} {b}? Reply with the number."}],
+        rows.append({"data_source": source,
+                     "prompt": [{"role": "user", "content": f"What is {a} {word} {b}? {instruction}"}],
                      "ability": op, "reward_model": {"style": "rule", "ground_truth": str(answer)},
                      "extra_info": {"index": len(rows), "split": split, "a": a, "b": b}})
     return rows
@@ -93,13 +104,14 @@ def write_parquet(path: str | Path, rows: list[dict[str, Any]]) -> Path:
 def write_rl_dataset(out_dir: str | Path, n_train: int = 64, n_val: int = 8, seed: int = 0,
                      task: str = "corpus") -> dict[str, Path]:
     """`{"train": <dir>/train.parquet, "val": <dir>/val.parquet}`, written; `task` is "corpus"
-    (the embedded corpus's problems) or "plain" (plain-English arithmetic)."""
+    (the embedded corpus's problems), "plain" (plain-English arithmetic) or "plain_steps" (the same,
+    answered step by step)."""
     if n_train < 1 or n_val < 1:
         raise ValueError(f"n_train={n_train}, n_val={n_val}: expected both >= 1")
     if task not in TASKS:
         raise ValueError(f"task: got {task!r}, expected one of {TASKS}")
-    if task == "plain" and n_train + n_val > PLAIN_POOL:
-        raise ValueError(f"n_train + n_val: got {n_train} + {n_val}, expected <= {PLAIN_POOL} for task 'plain' "
+    if task in PLAIN_TASKS and n_train + n_val > PLAIN_POOL:
+        raise ValueError(f"n_train + n_val: got {n_train} + {n_val}, expected <= {PLAIN_POOL} for task {task!r} "
                          "(disjoint splits of its distinct problems)")
     out = Path(out_dir)
     return {"train": write_parquet(out / "train.parquet", task_rows(task, n_train, "train", seed)),
@@ -110,7 +122,7 @@ def task_rows(task: str, n: int, split: str = "train", seed: int = 0) -> list[di
     """The rows of `n` problems of `task`'s `split`: what write_rl_dataset writes, in the same order."""
     if task not in TASKS:
         raise ValueError(f"task: got {task!r}, expected one of {TASKS}")
-    return rl_rows(n, split, seed) if task == "corpus" else plain_rows(n, split, seed)
+    return rl_rows(n, split, seed) if task == "corpus" else plain_rows(n, split, seed, task)
 
 
 def _states_answer(text: str, answer: str) -> bool:
@@ -132,7 +144,7 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
                   **kwargs: Any) -> float:
     """The rule reward of one response (see the module docstring)."""
     answer = str(ground_truth).strip()
-    if data_source == PLAIN_SOURCE:
+    if data_source in (PLAIN_SOURCE, PLAIN_STEPS_SOURCE):
         numbers = _INTEGER.findall(solution_str)
         if numbers and numbers[-1] == answer:
             return 1.0
