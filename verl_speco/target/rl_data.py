@@ -43,10 +43,11 @@ from typing import Any
 DATA_SOURCE = "verl_speco/embedded"
 PLAIN_SOURCE = "verl_speco/plain_arithmetic"
 PLAIN_STEPS_SOURCE = "verl_speco/plain_arithmetic_steps"
-TASKS = ("corpus", "plain", "plain_steps")
 # plain-English arithmetic tasks: (data source, the instruction after the question)
 PLAIN_TASKS = {"plain": (PLAIN_SOURCE, "Reply with the number."),
                "plain_steps": (PLAIN_STEPS_SOURCE, "Think step by step, then give the answer.")}
+_PLAIN_SOURCES = frozenset(source for source, _ in PLAIN_TASKS.values())  # scored by the last integer
+TASKS = ("corpus", *PLAIN_TASKS)
 _ANSWER_LEADS = ("The answer is ", "Sorted: ", "Result: ")
 _INTEGER = re.compile(r"-?\d+")
 
@@ -144,7 +145,7 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
                   **kwargs: Any) -> float:
     """The rule reward of one response (see the module docstring)."""
     answer = str(ground_truth).strip()
-    if data_source in (PLAIN_SOURCE, PLAIN_STEPS_SOURCE):
+    if data_source in _PLAIN_SOURCES:
         numbers = _INTEGER.findall(solution_str)
         if numbers and numbers[-1] == answer:
             return 1.0
