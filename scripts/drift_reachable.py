@@ -32,9 +32,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafters.common.metrics import reachable_chain_counts  # noqa: E402
+from verl_speco.drift_stats import GOAL_FROM_STEP, GOAL_RATIO, goal_window  # noqa: E402
 
 INTEGER = re.compile(r"\d+")
-GOAL = 1.3
 
 
 def draftable_tokens(tokenizer: Any, prompt: str, answer: str, max_response_tokens: int) -> list[bool]:
@@ -99,7 +99,7 @@ def plot(table: dict[int, dict[str, float]], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     ax.plot(steps, [table[s]["served"] for s in steps], "o-", label="co-trained draft (served)")
     ax.plot(steps, [table[s]["initial"] for s in steps], "s--", label="initial draft, same policy")
-    ax.plot(steps, [GOAL * table[s]["initial"] for s in steps], ":", color="gray", label=f"{GOAL} x initial (the goal)")
+    ax.plot(steps, [GOAL_RATIO * table[s]["initial"] for s in steps], ":", color="gray", label=f"{GOAL_RATIO} x initial (the goal)")
     ax.plot(steps, [table[s]["reachable"] for s in steps], "^-", color="black", alpha=0.6,
             label="every token right but the computed numbers")
     ax.set_xlabel("GRPO step")
@@ -121,6 +121,9 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     p.add_argument("--arm", default="cotrained")
     p.add_argument("--k", type=int, default=3, help="drafts per forward (the run's num_speculative_tokens)")
     p.add_argument("--max-response-tokens", type=int, default=64, help="the run's max_response_length")
+    p.add_argument("--goal-from", type=int, default=GOAL_FROM_STEP,
+                   help="first validation step of the goal's window: the third after the policy started moving "
+                        "(default: %(default)s, for a first update at step 1)")
     p.add_argument("--json", type=Path, help="also write the table here")
     p.add_argument("--png", type=Path, help="also draw the table here")
     args = p.parse_args(argv)
@@ -144,11 +147,16 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     print(f"{'step':>4} {'answers':>7} {'reachable':>9} {'served':>7} {'initial':>7} {'gain':>6} {'reachable gain':>14}")
     for step, row in table.items():
         cells = [f"{row[key]:.3f}" if key in row else "-" for key in ("served", "initial", "gain", "reachable_gain")]
-        mark = " <" if row.get("reachable_gain", GOAL) < GOAL else ""
+        mark = " <" if row.get("reachable_gain", GOAL_RATIO) < GOAL_RATIO else ""
         print(f"{step:>4} {row['answers']:>7} {row['reachable']:>9.3f} {cells[0]:>7} {cells[1]:>7} {cells[2]:>6} "
               f"{cells[3]:>14}{mark}")
-    print(f"< : under {GOAL}x even for a draft that gets every token but the computed numbers right "
+    print(f"< : under {GOAL_RATIO}x even for a draft that gets every token but the computed numbers right "
           "(past the first draft position)")
+    if any(step >= args.goal_from for step in measured):
+        w = goal_window(measured.values(), args.goal_from)
+        print(f"steps {w['steps'][0]} to {w['steps'][-1]}: margin {w['margin_mean']:.2f} (sd {w['margin_sd']:.2f}), "
+              f"gain {w['gain_min']:.3f} min / {w['gain_mean']:.3f} mean, {w['at_or_above']} of {len(w['steps'])} "
+              f"steps at {GOAL_RATIO} or more" + (": the goal, met" if w["met"] else ""))
     if args.json:
         args.json.write_text(json.dumps({str(s): r for s, r in table.items()}, indent=1))
     if args.png:

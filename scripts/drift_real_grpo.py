@@ -145,6 +145,8 @@ def plot(records: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def summarize(records: list[dict[str, Any]], runs: dict[str, Any], args: argparse.Namespace,
               drafter: Path) -> dict[str, Any]:
+    from verl_speco.drift_stats import GOAL_FROM_STEP, goal_window
+
     last: dict[str, Any] = {}
     for arm in ARMS:
         rows = [r for r in records if r["arm"] == arm and "heldout_acceptance" in r]
@@ -168,6 +170,9 @@ def summarize(records: list[dict[str, Any]], runs: dict[str, Any], args: argpars
         # still makes 2.5, the same margin is a gain of 1.24.
         summary["paired_margin"] = {str(r["step"]): round(r["heldout_acceptance"] - r["heldout_baseline_acceptance"], 4)
                                     for r in records if r["arm"] == "cotrained" and "heldout_baseline_acceptance" in r}
+        paired = [r for r in records if r["arm"] == "cotrained" and "heldout_baseline_acceptance" in r]
+        if any(r["step"] >= GOAL_FROM_STEP for r in paired):  # the goal's window (verl_speco/drift_stats.py)
+            summary["goal_window"] = goal_window(paired)
     same = {arm: g for arm, g in gains.items() if arm != "cotrained" and g}
     if same:  # the served draft is the initial one: the paired comparison's own noise
         summary["same_draft_gain"] = same

@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +40,7 @@ import torch
 
 from drafters.common.tokens import cut_at_end
 from verl_speco.cpu_port.env import use_in_process_vllm_env
+from verl_speco.drift_stats import paired_difference
 from verl_speco.engines.spec_metrics import SpecCounters, acceptance_summary
 from verl_speco.online.capture import CapturedRows, OnlineCapture
 from verl_speco.online.config import CAPTURE_PASSES, SCHEDULES, CaptureCaps, DrafterRunConfig
@@ -326,26 +325,6 @@ class DriftHarness:
             "per_step": [{"step": r["step"], "frozen": r["frozen"]["mean_acceptance_length"],
                           "cotrained": r["cotrained"]["mean_acceptance_length"]} for r in records],
         }
-
-
-def paired_difference(base: list[list[int]], other: list[list[int]]) -> dict[str, float]:
-    """Per-prompt acceptance lengths of two drafters on the same prompts: `other` minus `base`.
-
-    Each entry is a prompt's `[num_drafts, num_accepted_tokens]`; its acceptance length is
-    1 + accepted / drafts (vLLM's convention). Prompts either drafter never drafted for (a reply of
-    at most one token) are left out. Returns `prompts` (the number used), the `mean_difference`,
-    its `standard_error` (sample standard deviation / sqrt(prompts)) and `t` = mean / standard error.
-    """
-    if len(base) != len(other):
-        raise ValueError(f"paired_difference: {len(base)} vs {len(other)} prompts")
-    diffs = [a_other / d_other - a_base / d_base
-             for (d_base, a_base), (d_other, a_other) in zip(base, other) if d_base > 0 and d_other > 0]
-    if len(diffs) < 2:
-        raise ValueError(f"paired_difference: {len(diffs)} prompt(s) with drafts on both sides, expected >= 2")
-    mean = statistics.fmean(diffs)
-    se = statistics.stdev(diffs) / math.sqrt(len(diffs))
-    return {"prompts": len(diffs), "mean_difference": mean, "standard_error": se,
-            "t": mean / se if se > 0 else math.copysign(math.inf, mean)}
 
 
 def plot_acceptance(records: list[dict[str, Any]], summary: dict[str, Any], path: Path,

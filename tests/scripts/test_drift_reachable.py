@@ -73,6 +73,11 @@ def test_table_divides_the_reachable_acceptance_by_the_initial_one(tmp_path: Pat
     assert lines[1].split()[0] == "0" and lines[1].endswith(" <") and not lines[2].endswith(" <")
     assert json.loads((tmp_path / "t.json").read_text())["1"]["answers"] == 1
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not any(line.startswith("steps ") for line in lines)  # no step in the goal's window (from 4)
+    reach.main(["--valgen", str(valgen), "--results", str(results), "--goal-from", "1"])
+    # step 1 only: margin 2.6 - 1.5, gain 2.6 / 1.5 (verl_speco/drift_stats.py goal_window)
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "steps 1 to 1: margin 1.10 (sd 0.00), gain 1.733 min / 1.733 mean, 1 of 1 steps at 1.3 or more: the goal, met")
 
 
 def test_a_malformed_dump_line_is_refused_with_its_place(tmp_path: Path) -> None:

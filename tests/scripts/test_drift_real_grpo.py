@@ -93,3 +93,16 @@ def test_summary_keeps_the_same_draft_gain_apart(tmp_path: Path) -> None:
     assert summary["paired_margin"] == {"3": 0.75}  # 2.0 served - 1.25 initial, tokens per target forward
     assert summary["same_draft_gain"] == {"frozen": {"3": 0.95}}
     assert summary["cotrained_over_frozen"] == 2.0 / 1.4
+    assert "goal_window" not in summary  # no paired step in the goal's window (from step 4)
+
+
+def test_summary_reports_the_goal_window(tmp_path: Path) -> None:
+    drift = _script()
+    records = [{"arm": "cotrained", "step": s, "heldout_acceptance": served, "heldout_baseline_acceptance": 2.0,
+                "heldout_gain": served / 2.0} for s, served in ((3, 2.0), (4, 2.8), (5, 2.5))]
+    records.append({"arm": "frozen", "step": 4, "heldout_acceptance": 2.0, "heldout_gain": 1.0,
+                    "heldout_baseline_acceptance": 2.0})
+    window = drift.summarize(records, {}, _args(), tmp_path)["goal_window"]
+    assert window["steps"] == [4, 5]  # the co-trained arm only, from step 4
+    assert window["margin_mean"] == pytest.approx(0.65) and window["gain_min"] == pytest.approx(1.25)
+    assert (window["at_or_above"], window["met"]) == (1, False)

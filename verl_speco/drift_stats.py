@@ -1,0 +1,67 @@
+"""Statistics of the drift studies, in one place: the paired per-prompt difference of two drafts
+(`verl_speco.drift`, the embedded harness) and the goal window of a paired verl run
+(`scripts/drift_real_grpo.py`, `scripts/drift_reachable.py`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+GOAL_RATIO = 1.3  # co-trained over frozen (the served draft over the initial one, on the same policy)
+GOAL_FROM_STEP = 4  # the policy's first update lands at step 1; the goal counts from the third step after it
+
+
+def paired_difference(base: list[list[int]], other: list[list[int]]) -> dict[str, float]:
+    """Per-prompt acceptance lengths of two drafters on the same prompts: `other` minus `base`.
+
+    Each entry is a prompt's `[num_drafts, num_accepted_tokens]`; its acceptance length is
+    1 + accepted / drafts (vLLM's convention). Prompts either drafter never drafted for (a reply of
+    at most one token) are left out. Returns `prompts` (the number used), the `mean_difference`,
+    its `standard_error` (sample standard deviation / sqrt(prompts)) and `t` = mean / standard error.
+    """
+    if len(base) != len(other):
+        raise ValueError(f"paired_difference: {len(base)} vs {len(other)} prompts")
+    diffs = [a_other / d_other - a_base / d_base
+             for (d_base, a_base), (d_other, a_other) in zip(base, other) if d_base > 0 and d_other > 0]
+    if len(diffs) < 2:
+        raise ValueError(f"paired_difference: {len(diffs)} prompt(s) with drafts on both sides, expected >= 2")
+    mean = statistics.fmean(diffs)
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs))
+    return {"prompts": len(diffs), "mean_difference": mean, "standard_error": se,
+            "t": mean / se if se > 0 else math.copysign(math.inf, mean)}
+
+
+
+def goal_window(records: Iterable[Mapping[str, Any]], from_step: int = GOAL_FROM_STEP,
+                ratio: float = GOAL_RATIO) -> dict[str, Any]:
+    """The drift goal over the validation steps >= `from_step` of one paired arm.
+
+    Each record is one validation step: `step`, `heldout_acceptance` (the served draft, tokens per target
+    forward) and `heldout_baseline_acceptance` (the initial draft on the same policy); the gain is served
+    over initial. Records without the initial draft's figure are skipped.
+    Returns `steps` (the steps counted, in order), the margin (served minus initial) `margin_mean` and
+    `margin_sd` (sample sd; 0.0 for one step), `gain_min`, `gain_mean`, `at_or_above` (steps whose gain
+    is >= `ratio`) and `met` (every counted step is, and there is at least one).
+
+    Worked example, from_step 4, ratio 1.3: steps 3, 4, 5 with served / initial 2.0 / 2.0, 2.6 / 2.0 and
+    2.4 / 2.0 (gains 1.0, 1.3, 1.2) count steps 4 and 5: margins 0.6 and 0.4 (mean 0.5, sd 0.1414),
+    gain min 1.2, mean 1.25, 1 step at or above 1.3, not met.
+    """
+    rows = sorted((r for r in records if "heldout_baseline_acceptance" in r and int(r["step"]) >= from_step),
+                  key=lambda r: int(r["step"]))
+    if not rows:
+        raise ValueError(f"goal_window: no paired validation step >= {from_step}")
+    steps = [int(r["step"]) for r in rows]
+    if len(set(steps)) != len(steps):
+        raise ValueError(f"goal_window: steps {steps} repeat; pass the records of one arm")
+    margins = [float(r["heldout_acceptance"]) - float(r["heldout_baseline_acceptance"]) for r in rows]
+    gains = [float(r["heldout_acceptance"]) / float(r["heldout_baseline_acceptance"]) for r in rows]
+    above = sum(g >= ratio for g in gains)
+    return {"from_step": from_step, "ratio": ratio, "steps": steps,
+            "margin_mean": statistics.fmean(margins),
+            "margin_sd": statistics.stdev(margins) if len(margins) > 1 else 0.0,
+            "gain_min": min(gains), "gain_mean": statistics.fmean(gains),
+            "at_or_above": above, "met": above == len(gains)}
