@@ -168,9 +168,9 @@ def summarize(records: list[dict[str, Any]], runs: dict[str, Any], args: argpars
         # what co-training adds, in tokens per target forward: served minus initial draft on the same policy.
         # Example: served 2.6, initial 2.0 -> margin 0.6 (gain 1.3); on a policy where the initial draft
         # still makes 2.5, the same margin is a gain of 1.24.
-        summary["paired_margin"] = {str(r["step"]): round(r["heldout_acceptance"] - r["heldout_baseline_acceptance"], 4)
-                                    for r in records if r["arm"] == "cotrained" and "heldout_baseline_acceptance" in r}
         paired = [r for r in records if r["arm"] == "cotrained" and "heldout_baseline_acceptance" in r]
+        summary["paired_margin"] = {str(r["step"]): round(r["heldout_acceptance"] - r["heldout_baseline_acceptance"], 4)
+                                    for r in paired}
         if any(r["step"] >= GOAL_FROM_STEP for r in paired):  # the goal's window (verl_speco/drift_stats.py)
             summary["goal_window"] = goal_window(paired)
     same = {arm: g for arm, g in gains.items() if arm != "cotrained" and g}
