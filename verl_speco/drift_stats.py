@@ -34,7 +34,6 @@ def paired_difference(base: list[list[int]], other: list[list[int]]) -> dict[str
             "t": mean / se if se > 0 else math.copysign(math.inf, mean)}
 
 
-
 def goal_window(records: Iterable[Mapping[str, Any]], from_step: int = GOAL_FROM_STEP,
                 ratio: float = GOAL_RATIO) -> dict[str, Any]:
     """The drift goal over the validation steps >= `from_step` of one paired arm.
