@@ -32,7 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafters.common.metrics import reachable_chain_counts  # noqa: E402
-from verl_speco.drift_stats import GOAL_FROM_STEP, GOAL_RATIO, goal_window  # noqa: E402
+from verl_speco.drift_stats import GOAL_FROM_STEP, GOAL_RATIO, goal_window, json_line, paired_records  # noqa: E402
 
 INTEGER = re.compile(r"\d+")
 
@@ -58,17 +58,6 @@ def step_reachable(rows: list[dict[str, Any]], tokenizer: Any, k: int, max_respo
         a, d = reachable_chain_counts(draftable_tokens(tokenizer, row["input"], row["output"], max_response_tokens), k)
         accepted, drafts = accepted + a, drafts + d
     return {"answers": len(rows), "drafts": drafts, "reachable": 1 + accepted / drafts if drafts else float("nan")}
-
-
-def json_line(path: Path, n: int, line: str) -> dict[str, Any]:
-    """One JSON object per line; anything else is refused with its file:line."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path}:{n}: not a JSON line ({err.msg}); expected one JSON object per line") from None
-    if not isinstance(row, dict):
-        raise ValueError(f"{path}:{n}: a JSON {type(row).__name__}; expected one JSON object per line")
-    return row
 
 
 def read_dumps(valgen: Path) -> dict[int, list[dict[str, Any]]]:
@@ -132,11 +121,7 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
     from verl_speco.target.named import resolve_target
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_target(args.target)))
-    measured = {}
-    for n, line in enumerate(args.results.read_text().splitlines(), 1):
-        rec = json_line(args.results, n, line)
-        if rec.get("arm") == args.arm and "heldout_baseline_acceptance" in rec:
-            measured[int(rec["step"])] = rec
+    measured = {int(rec["step"]): rec for rec in paired_records(args.results, args.arm)}
     table: dict[int, dict[str, float]] = {}
     for step, rows in read_dumps(args.valgen).items():
         row = step_reachable(rows, tokenizer, args.k, args.max_response_tokens)

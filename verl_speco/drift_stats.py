@@ -1,13 +1,16 @@
 """Statistics of the drift studies, in one place: the paired per-prompt difference of two drafts
-(`verl_speco.drift`, the embedded harness) and the goal window of a paired verl run
-(`scripts/drift_real_grpo.py`, `scripts/drift_reachable.py`).
+(`verl_speco.drift`, the embedded harness), the goal window of a paired verl run
+(`scripts/drift_real_grpo.py`, `scripts/drift_reachable.py`), the reader of a run's `metrics.jsonl`,
+and the interval on how often the goal is met over runs (`scripts/drift_seeds.py`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 GOAL_RATIO = 1.3  # co-trained over frozen (the served draft over the initial one, on the same policy)
@@ -64,3 +67,42 @@ def goal_window(records: Iterable[Mapping[str, Any]], from_step: int = GOAL_FROM
             "margin_sd": statistics.stdev(margins) if len(margins) > 1 else 0.0,
             "gain_min": min(gains), "gain_mean": statistics.fmean(gains),
             "at_or_above": above, "met": above == len(gains)}
+
+
+def json_line(path: Path, n: int, line: str) -> dict[str, Any]:
+    """Line `n` of `path`, one JSON object; anything else is refused with its file:line."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}:{n}: not a JSON line ({err.msg}); expected one JSON object per line") from None
+    if not isinstance(row, dict):
+        raise ValueError(f"{path}:{n}: a JSON {type(row).__name__}; expected one JSON object per line")
+    return row
+
+
+def paired_records(path: Path, arm: str = "cotrained") -> list[dict[str, Any]]:
+    """The records of `arm` that carry the initial draft's figure (`heldout_baseline_acceptance`), in file
+    order, from a drift study's `metrics.jsonl` (`scripts/drift_real_grpo.py --paired`). Blank lines are
+    skipped; a line that is not a JSON object is refused with its file:line."""
+    return [rec for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()
+            for rec in (json_line(path, n, line),)
+            if rec.get("arm") == arm and "heldout_baseline_acceptance" in rec]
+
+
+def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval for a rate of `successes` in `trials` (95% at the default z).
+
+    With p = successes / trials and n = trials: centre (p + z^2 / 2n) / (1 + z^2 / n), half-width
+    z sqrt(p (1 - p) / n + z^2 / 4n^2) / (1 + z^2 / n). Unlike p +- z sqrt(p (1 - p) / n) it stays inside
+    [0, 1] and is not empty at 0 or n successes, which is where a handful of runs lands.
+
+    Worked example: 2 met in 7 runs, z = 1.96: p = 0.2857, z^2 / n = 0.5488, centre 0.5601 / 1.5488 =
+    0.3616, half-width 1.96 x sqrt(0.02915 + 0.01960) / 1.5488 = 0.2795: (0.082, 0.641).
+    """
+    if trials < 1 or not 0 <= successes <= trials:
+        raise ValueError(f"wilson_interval: {successes} successes in {trials} trials; expected 0 <= successes "
+                         f"<= trials and trials >= 1")
+    p, n, z2 = successes / trials, trials, z * z
+    centre = (p + z2 / (2 * n)) / (1 + z2 / n)
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / (1 + z2 / n)
+    return max(0.0, centre - half), min(1.0, centre + half)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
-from verl_speco.drift_stats import goal_window, paired_difference
+from verl_speco.drift_stats import goal_window, paired_difference, paired_records, wilson_interval
 
 
 def test_paired_difference_by_hand() -> None:
@@ -67,3 +69,35 @@ def test_goal_window_refuses_no_steps_and_mixed_arms() -> None:
         goal_window([_step(3, 2.0, 2.0)])
     with pytest.raises(ValueError, match="repeat"):
         goal_window([_step(4, 2.0, 2.0), _step(4, 2.6, 2.0)])
+
+
+@pytest.mark.parametrize(("successes", "trials", "low", "high"), [
+    (81, 263, 0.2553, 0.3662), (15, 148, 0.0624, 0.1605), (0, 20, 0.0, 0.1611), (1, 29, 0.0061, 0.1718)])
+def test_wilson_interval_matches_newcombes_table(successes: int, trials: int, low: float, high: float) -> None:
+    # Newcombe (1998), Statistics in Medicine 17:857, Table I, method 3 (score interval without continuity correction)
+    got = wilson_interval(successes, trials)
+    assert got == (pytest.approx(low, abs=5e-5), pytest.approx(high, abs=5e-5))
+
+
+def test_wilson_interval_by_hand_and_at_the_edges() -> None:
+    assert wilson_interval(2, 7) == (pytest.approx(0.0822, abs=5e-5), pytest.approx(0.6411, abs=5e-5))  # docstring
+    low, high = wilson_interval(4, 4)
+    assert high == 1.0 and low == pytest.approx(1 / (1 + 1.96**2 / 4))  # all met: centre + half-width is exactly 1
+    low, high = wilson_interval(3, 6)
+    assert low + high == pytest.approx(1.0)  # half met: symmetric about 0.5
+    for bad in ((1, 0), (5, 4), (-1, 4)):
+        with pytest.raises(ValueError, match="expected 0 <= successes <= trials and trials >= 1"):
+            wilson_interval(*bad)
+
+
+def test_paired_records_keep_one_arm_with_its_initial_draft_and_refuse_a_bad_line(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"arm": "cotrained", "step": 0, "heldout_acceptance": 2.0, "heldout_baseline_acceptance": 2.0},
+            {"arm": "frozen", "step": 0, "heldout_acceptance": 9.0, "heldout_baseline_acceptance": 9.0},
+            {"arm": "cotrained", "step": 1, "heldout_acceptance": 2.5}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    assert paired_records(path) == rows[:1]
+    assert paired_records(path, "frozen") == rows[1:2]
+    path.write_text(json.dumps(rows[0]) + "\n{cut\n")
+    with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON line"):
+        paired_records(path)

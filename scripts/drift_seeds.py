@@ -1,0 +1,120 @@
+"""The drift goal over several runs of a setting: how often it is met, and each run's gain per step.
+
+One paired run (`scripts/drift_real_grpo.py --paired`) meets the goal or not (`goal_window`: every
+validation step from the window's first at a gain of 1.3 or more). Whether a setting meets it reliably is
+a rate over runs that differ only in their seed, and a handful of runs bounds that rate loosely. This
+script reads the runs' `metrics.jsonl`, groups them by a label, and prints one line per run (the goal
+window's figures) and one per group: the runs that met the goal, those that missed it by one step, and
+the 95% Wilson interval on the met rate (`verl_speco.drift_stats.wilson_interval`). `--png` draws every
+run's gain per step, one colour per group, with the goal's ratio and the window's first step.
+
+    python scripts/drift_seeds.py --run 32=runs/lever/steps_b8_s0/results \\
+        --run 64=runs/lever/steps_b16_s0/results --png runs/lever/seeds.png
+
+A `--run` path is a `metrics.jsonl` or a directory holding one. Runs keep the order given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from verl_speco.drift_stats import GOAL_FROM_STEP, GOAL_RATIO, goal_window, paired_records, wilson_interval  # noqa: E402
+
+
+def parse_run(spec: str) -> tuple[str, Path]:
+    """`LABEL=PATH` -> (label, the metrics.jsonl). PATH may be the file or a directory holding it."""
+    label, sep, path = spec.partition("=")
+    if not sep or not label or not path:
+        raise ValueError(f"--run {spec!r}: expected LABEL=PATH (a metrics.jsonl or a directory holding one)")
+    file = Path(path) / "metrics.jsonl" if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise ValueError(f"--run {spec!r}: {file} is not a file; expected a metrics.jsonl or a directory holding one")
+    return label, file
+
+
+def run_name(file: Path) -> str:
+    """The run's name: the directory above `results/metrics.jsonl`, else the file's own directory."""
+    parent = file.parent
+    return parent.parent.name if parent.name == "results" else parent.name
+
+
+def group_summary(windows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Runs that met the goal, those short of it by exactly one step, and the Wilson interval on the met rate."""
+    met = sum(w["met"] for w in windows)
+    one_short = sum(w["at_or_above"] == len(w["steps"]) - 1 for w in windows)
+    low, high = wilson_interval(met, len(windows))
+    return {"runs": len(windows), "met": met, "one_step_short": one_short, "met_rate_low": low, "met_rate_high": high}
+
+
+def plot(rows: list[dict[str, Any]], path: Path, goal_from: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    colours: dict[str, str] = {}
+    for row in rows:
+        first = row["group"] not in colours  # one legend entry per group
+        colour = colours.setdefault(row["group"], f"C{len(colours)}")
+        ax.plot(row["curve_steps"], row["curve_gains"], "o-", ms=3, color=colour, alpha=0.8,
+                label=row["group"] if first else None)
+    ax.axhline(GOAL_RATIO, ls="--", color="gray", label=f"{GOAL_RATIO}x (the goal)")
+    ax.axvline(goal_from - 0.5, ls=":", color="black", alpha=0.6, label="the goal's window starts")
+    ax.set_xlabel("GRPO step")
+    ax.set_ylabel("served / initial draft, same policy")
+    ax.set_title("co-trained draft's gain per step, one line per run")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", action="append", required=True, metavar="LABEL=PATH",
+                   help="a run: its group's label and its metrics.jsonl (or a directory holding one); repeat")
+    p.add_argument("--arm", default="cotrained")
+    p.add_argument("--goal-from", type=int, default=GOAL_FROM_STEP,
+                   help="first validation step of the goal's window (default: %(default)s)")
+    p.add_argument("--json", type=Path, help="also write the runs and groups here")
+    p.add_argument("--png", type=Path, help="also draw every run's gain per step here")
+    args = p.parse_args(argv)
+    rows: list[dict[str, Any]] = []
+    for spec in args.run:
+        group, file = parse_run(spec)
+        records = paired_records(file, args.arm)
+        try:
+            window = goal_window(records, args.goal_from)
+        except ValueError as err:
+            raise ValueError(f"--run {spec!r}: {err} in {file} (arm {args.arm!r})") from None
+        curve = sorted((int(r["step"]), r["heldout_acceptance"] / r["heldout_baseline_acceptance"]) for r in records)
+        rows.append({"group": group, "run": run_name(file), **window,
+                     "curve_steps": [s for s, _ in curve], "curve_gains": [g for _, g in curve]})
+    groups = {g: group_summary([r for r in rows if r["group"] == g]) for g in dict.fromkeys(r["group"] for r in rows)}
+    width = max(len(r["run"]) for r in rows)
+    print(f"{'group':<8} {'run':<{width}}  {'margin (sd)':<12} {'gain min / mean':<16} steps >= {GOAL_RATIO}")
+    for r in rows:
+        print(f"{r['group']:<8} {r['run']:<{width}}  {r['margin_mean']:.2f} ({r['margin_sd']:.2f})  "
+              f"{r['gain_min']:.2f} / {r['gain_mean']:.2f}      {r['at_or_above']} of {len(r['steps'])}"
+              + ("  met" if r["met"] else ""))
+    for g, s in groups.items():
+        print(f"{g}: met in {s['met']} of {s['runs']} runs (95% Wilson interval {s['met_rate_low']:.2f} to "
+              f"{s['met_rate_high']:.2f}), one step short in {s['one_step_short']}")
+    result = {"goal_from": args.goal_from, "ratio": GOAL_RATIO, "runs": rows, "groups": groups}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    if args.png:
+        plot(rows, args.png, args.goal_from)
+    return result
+
+
+if __name__ == "__main__":
+    main()
