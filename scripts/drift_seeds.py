@@ -99,11 +99,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rows.append({"group": group, "run": run_name(file), **window,
                      "curve_steps": [s for s, _ in curve], "curve_gains": [g for _, g in curve]})
     groups = {g: group_summary([r for r in rows if r["group"] == g]) for g in dict.fromkeys(r["group"] for r in rows)}
-    width = max(len(r["run"]) for r in rows)
-    print(f"{'group':<8} {'run':<{width}}  {'margin (sd)':<12} {'gain min / mean':<16} steps >= {GOAL_RATIO}")
-    for r in rows:
-        print(f"{r['group']:<8} {r['run']:<{width}}  {r['margin_mean']:.2f} ({r['margin_sd']:.2f})  "
-              f"{r['gain_min']:.2f} / {r['gain_mean']:.2f}      {r['at_or_above']} of {len(r['steps'])}"
+    gw, rw = max(len("group"), *(len(r["group"]) for r in rows)), max(len(r["run"]) for r in rows)
+    print(f"{'group':<{gw}}  {'run':<{rw}}  {'margin (sd)':<12} {'gain min / mean':<16} steps >= {GOAL_RATIO}")
+    for r in rows:  # the gain to 3 decimals: a step at 1.297 misses the goal
+        print(f"{r['group']:<{gw}}  {r['run']:<{rw}}  {r['margin_mean']:.2f} ({r['margin_sd']:.2f})  "
+              f"{r['gain_min']:.3f} / {r['gain_mean']:.3f}  {r['at_or_above']} of {len(r['steps'])}"
               + ("  met" if r["met"] else ""))
     for g, s in groups.items():
         print(f"{g}: met in {s['met']} of {s['runs']} runs (95% Wilson interval {s['met_rate_low']:.2f} to "

@@ -39,7 +39,7 @@ def test_groups_count_met_and_one_step_short_runs(tmp_path: Path, capsys: pytest
     assert (a["met_rate_low"], a["met_rate_high"]) == (pytest.approx(0.0945, abs=1e-4), pytest.approx(0.9055, abs=1e-4))
     lines = capsys.readouterr().out.splitlines()
     # margins 0.6 and 1.0: mean 0.8, sample sd sqrt(0.2^2 + 0.2^2) = 0.28
-    assert lines[1].split() == ["a", "met", "0.80", "(0.28)", "1.30", "/", "1.40", "2", "of", "2", "met"]
+    assert lines[1].split() == ["a", "met", "0.80", "(0.28)", "1.300", "/", "1.400", "2", "of", "2", "met"]
     assert lines[-2] == "a: met in 1 of 2 runs (95% Wilson interval 0.09 to 0.91), one step short in 1"
     assert json.loads((tmp_path / "s.json").read_text())["groups"]["b"]["met"] == 0
     assert (tmp_path / "s.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
