@@ -24,7 +24,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from verl_speco.drift_stats import GOAL_FROM_STEP, GOAL_RATIO, goal_window, paired_records, wilson_interval  # noqa: E402
+from verl_speco.drift_stats import (  # noqa: E402
+    GOAL_FROM_STEP,
+    GOAL_RATIO,
+    goal_window,
+    paired_gains,
+    paired_records,
+    wilson_interval,
+)
 
 
 def parse_run(spec: str) -> tuple[str, Path]:
@@ -95,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             window = goal_window(records, args.goal_from)
         except ValueError as err:
             raise ValueError(f"--run {spec!r}: {err} in {file} (arm {args.arm!r})") from None
-        curve = sorted((int(r["step"]), r["heldout_acceptance"] / r["heldout_baseline_acceptance"]) for r in records)
+        curve = paired_gains(records)
         rows.append({"group": group, "run": run_name(file), **window,
                      "curve_steps": [s for s, _ in curve], "curve_gains": [g for _, g in curve]})
     groups = {g: group_summary([r for r in rows if r["group"] == g]) for g in dict.fromkeys(r["group"] for r in rows)}

@@ -60,13 +60,19 @@ def goal_window(records: Iterable[Mapping[str, Any]], from_step: int = GOAL_FROM
     if len(set(steps)) != len(steps):
         raise ValueError(f"goal_window: steps {steps} repeat; pass the records of one arm")
     margins = [float(r["heldout_acceptance"]) - float(r["heldout_baseline_acceptance"]) for r in rows]
-    gains = [float(r["heldout_acceptance"]) / float(r["heldout_baseline_acceptance"]) for r in rows]
+    gains = [gain for _, gain in paired_gains(rows)]
     above = sum(g >= ratio for g in gains)
     return {"from_step": from_step, "ratio": ratio, "steps": steps,
             "margin_mean": statistics.fmean(margins),
             "margin_sd": statistics.stdev(margins) if len(margins) > 1 else 0.0,
             "gain_min": min(gains), "gain_mean": statistics.fmean(gains),
             "at_or_above": above, "met": above == len(gains)}
+
+
+def paired_gains(records: Iterable[Mapping[str, Any]]) -> list[tuple[int, float]]:
+    """(step, served over initial draft on the same policy) for every record with both figures, by step."""
+    return sorted((int(r["step"]), float(r["heldout_acceptance"]) / float(r["heldout_baseline_acceptance"]))
+                  for r in records if "heldout_baseline_acceptance" in r)
 
 
 def json_line(path: Path, n: int, line: str) -> dict[str, Any]:

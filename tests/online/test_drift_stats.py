@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from verl_speco.drift_stats import goal_window, paired_difference, paired_records, wilson_interval
+from verl_speco.drift_stats import (
+    goal_window,
+    paired_difference,
+    paired_gains,
+    paired_records,
+    wilson_interval,
+)
 
 
 def test_paired_difference_by_hand() -> None:
@@ -101,3 +107,8 @@ def test_paired_records_keep_one_arm_with_its_initial_draft_and_refuse_a_bad_lin
     path.write_text(json.dumps(rows[0]) + "\n{cut\n")
     with pytest.raises(ValueError, match=r"metrics\.jsonl:2: not a JSON line"):
         paired_records(path)
+
+
+def test_paired_gains_by_step_skipping_unpaired_records() -> None:
+    records = [_step(5, 3.0, 2.0), {"step": 4, "heldout_acceptance": 9.0}, _step(2, 2.0, 2.5)]
+    assert paired_gains(records) == [(2, pytest.approx(0.8)), (5, pytest.approx(1.5))]
