@@ -32,7 +32,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafters.common.metrics import reachable_chain_counts  # noqa: E402
-from verl_speco.drift_stats import GOAL_FROM_STEP, GOAL_RATIO, goal_window, json_line, paired_records  # noqa: E402
+from verl_speco.drift_stats import (  # noqa: E402
+    GOAL_FROM_STEP,
+    GOAL_RATIO,
+    goal_window,
+    json_line,
+    paired_gains,
+    paired_records,
+)
 
 INTEGER = re.compile(r"\d+")
 
@@ -122,12 +129,13 @@ def main(argv: list[str] | None = None) -> dict[int, dict[str, float]]:
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_target(args.target)))
     measured = {int(rec["step"]): rec for rec in paired_records(args.results, args.arm)}
+    gains = dict(paired_gains(measured.values()))
     table: dict[int, dict[str, float]] = {}
     for step, rows in read_dumps(args.valgen).items():
         row = step_reachable(rows, tokenizer, args.k, args.max_response_tokens)
         if step in measured:
             initial, served = measured[step]["heldout_baseline_acceptance"], measured[step]["heldout_acceptance"]
-            row.update(served=served, initial=initial, gain=served / initial, reachable_gain=row["reachable"] / initial)
+            row.update(served=served, initial=initial, gain=gains[step], reachable_gain=row["reachable"] / initial)
         table[step] = row
     print(f"{'step':>4} {'answers':>7} {'reachable':>9} {'served':>7} {'initial':>7} {'gain':>6} {'reachable gain':>14}")
     for step, row in table.items():

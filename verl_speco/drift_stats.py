@@ -90,9 +90,13 @@ def paired_records(path: Path, arm: str = "cotrained") -> list[dict[str, Any]]:
     """The records of `arm` that carry the initial draft's figure (`heldout_baseline_acceptance`), in file
     order, from a drift study's `metrics.jsonl` (`scripts/drift_real_grpo.py --paired`). Blank lines are
     skipped; a line that is not a JSON object is refused with its file:line."""
-    return [rec for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()
-            for rec in (json_line(path, n, line),)
-            if rec.get("arm") == arm and "heldout_baseline_acceptance" in rec]
+    records = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            rec = json_line(path, n, line)
+            if rec.get("arm") == arm and "heldout_baseline_acceptance" in rec:
+                records.append(rec)
+    return records
 
 
 def wilson_interval(successes: int, trials: int, z: float = 1.96) -> tuple[float, float]:
