@@ -55,6 +55,8 @@ KEYS = {  # metrics.jsonl field -> verl / trainer metric
     "probs_diff_max": "training/rollout_probs_diff_max",
     "step_seconds": "timing_s/step",
     "drafter_seconds": "timing_s/drafter",
+    "fresh_acceptance": "drafter/fresh/mean_acceptance_length",  # drafter.fresh_samples > 0 only
+    "fresh_seconds": "drafter/fresh/seconds",
 }
 
 

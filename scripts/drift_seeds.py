@@ -12,6 +12,11 @@ run's gain per step, one colour per group, with the goal's ratio and the window'
         --run 64=runs/lever/steps_b16_s0/results --png runs/lever/seeds.png
 
 A `--run` path is a `metrics.jsonl` or a directory holding one. Runs keep the order given.
+
+`--reachable` also reads each run's `reachable.json` (`scripts/drift_reachable.py`: beside the
+`metrics.jsonl`, or above its `results/` directory) and prints, for every step that missed the goal, the gain
+of a draft that gets every token right but the computed numbers (`verl_speco.drift_stats.reachability`),
+then how many missed steps had a ceiling below the lowest ceiling of any step that met the goal.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from verl_speco.drift_stats import (  # noqa: E402
     goal_window,
     paired_gains,
     paired_records,
+    reachability,
     wilson_interval,
 )
 
@@ -49,6 +55,22 @@ def run_name(file: Path) -> str:
     """The run's name: the directory above `results/metrics.jsonl`, else the file's own directory."""
     parent = file.parent
     return parent.parent.name if parent.name == "results" else parent.name
+
+
+def reachable_gains(file: Path) -> dict[int, float]:
+    """Step -> reachable gain from the `reachable.json` of the run whose metrics are `file`."""
+    candidates = [file.parent / "reachable.json"]
+    if file.parent.name == "results":
+        candidates.append(file.parent.parent / "reachable.json")
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        raise ValueError(f"--reachable: no reachable.json beside {file} (looked at {', '.join(map(str, candidates))}); "
+                         "write it with scripts/drift_reachable.py --json")
+    try:
+        return {int(step): float(row["reachable_gain"]) for step, row in json.loads(found.read_text()).items()}
+    except (ValueError, TypeError, KeyError, AttributeError) as err:
+        raise ValueError(f"{found}: expected {{step: {{'reachable_gain': number, ...}}}} as drift_reachable.py "
+                         f"writes it ({type(err).__name__}: {err})") from None
 
 
 def group_summary(windows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -84,6 +106,21 @@ def plot(rows: list[dict[str, Any]], path: Path, goal_from: int) -> None:
     plt.close(fig)
 
 
+def print_reachability(rows: list[dict[str, Any]]) -> None:
+    """Each run's missed steps with the gain any draft could reach there, and how many missed steps had a
+    ceiling below every met step's."""
+    for r in rows:
+        missed = r["reachability"]["missed"]
+        if missed:
+            print(f"{r['run']} missed: " + ", ".join(f"step {s} {g:.3f} (reachable {c:.3f})" for s, g, c in missed))
+    met = [c for r in rows for _, _, c in r["reachability"]["met"]]
+    missed = [c for r in rows for _, _, c in r["reachability"]["missed"]]
+    if met and missed:
+        floor = min(met)
+        print(f"every step that met the goal had a reachable gain of {floor:.3f} or more; "
+              f"{sum(c < floor for c in missed)} of the {len(missed)} missed steps had less")
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run", action="append", required=True, metavar="LABEL=PATH",
@@ -91,6 +128,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--arm", default="cotrained")
     p.add_argument("--goal-from", type=int, default=GOAL_FROM_STEP,
                    help="first validation step of the goal's window (default: %(default)s)")
+    p.add_argument("--reachable", action="store_true",
+                   help="also print each missed step's reachable gain, from the run's reachable.json")
     p.add_argument("--json", type=Path, help="also write the runs and groups here")
     p.add_argument("--png", type=Path, help="also draw every run's gain per step here")
     args = p.parse_args(argv)
@@ -105,6 +144,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         curve = paired_gains(records)
         rows.append({"group": group, "run": run_name(file), **window,
                      "curve_steps": [s for s, _ in curve], "curve_gains": [g for _, g in curve]})
+        if args.reachable:
+            rows[-1]["reachability"] = reachability(curve, reachable_gains(file), args.goal_from)
     groups = {g: group_summary([r for r in rows if r["group"] == g]) for g in dict.fromkeys(r["group"] for r in rows)}
     gw, rw = max(len("group"), *(len(r["group"]) for r in rows)), max(len(r["run"]) for r in rows)
     print(f"{'group':<{gw}}  {'run':<{rw}}  {'margin (sd)':<12} {'gain min / mean':<16} steps >= {GOAL_RATIO}")
@@ -115,6 +156,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for g, s in groups.items():
         print(f"{g}: met in {s['met']} of {s['runs']} runs (95% Wilson interval {s['met_rate_low']:.2f} to "
               f"{s['met_rate_high']:.2f}), one step short in {s['one_step_short']}")
+    if args.reachable:
+        print_reachability(rows)
     result = {"goal_from": args.goal_from, "ratio": GOAL_RATIO, "runs": rows, "groups": groups}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

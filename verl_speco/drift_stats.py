@@ -75,6 +75,30 @@ def paired_gains(records: Iterable[Mapping[str, Any]]) -> list[tuple[int, float]
                   for r in records if "heldout_baseline_acceptance" in r)
 
 
+def reachability(gains: Iterable[tuple[int, float]], reachable_gains: Mapping[int, float],
+                 from_step: int = GOAL_FROM_STEP, ratio: float = GOAL_RATIO) -> dict[str, Any]:
+    """How far each window step's gain was from what any draft could reach on that step.
+
+    `gains` are (step, served over initial) as `paired_gains` gives them; `reachable_gains` maps a step
+    to the gain of a draft that gets every token right but the computed numbers (`scripts/drift_reachable.py`,
+    its `reachable_gain`). Window steps without a reachable figure are refused by step. Returns `met` and
+    `missed`: (step, gain, reachable gain) of the steps >= `from_step` at or above `ratio`, and below it.
+
+    Worked example, from_step 4, ratio 1.3: gains {3: 1.0, 4: 1.25, 5: 1.4} and reachable {3: 1.9, 4: 1.32,
+    5: 1.8}: step 3 is outside the window; met [(5, 1.4, 1.8)], missed [(4, 1.25, 1.32)] (a step where even
+    a draft perfect on the text would make only 1.32x).
+    """
+    met: list[tuple[int, float, float]] = []
+    missed: list[tuple[int, float, float]] = []
+    for step, gain in gains:
+        if step < from_step:
+            continue
+        if step not in reachable_gains:
+            raise ValueError(f"reachability: no reachable gain for step {step}")
+        (met if gain >= ratio else missed).append((step, gain, float(reachable_gains[step])))
+    return {"met": met, "missed": missed}
+
+
 def json_line(path: Path, n: int, line: str) -> dict[str, Any]:
     """Line `n` of `path`, one JSON object; anything else is refused with its file:line."""
     try:

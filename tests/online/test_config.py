@@ -28,7 +28,7 @@ def test_defaults_from_none_and_empty() -> None:
         assert (cfg.num_speculative_tokens, cfg.collect_interval, cfg.train_interval, cfg.publish_interval) == (3, 1, 1, 1)
         assert (cfg.train_steps_per_round, cfg.train_passes_per_round) == (None, 4.0)
         assert (cfg.micro_batch_size, cfg.max_staleness) == (8, 1)
-        assert cfg.capture_pass == "post_update"
+        assert cfg.capture_pass == "post_update" and cfg.fresh_samples == 0
         assert (cfg.buffer_max_tokens, cfg.seed) == (262144, 0)
         assert cfg.caps == CaptureCaps(max_rows=64, max_tokens=32768, min_response_tokens=1, max_seq_len=4096)
         assert cfg.optim == OptimConfig(lr=1e-3, betas=[0.9, 0.95], weight_decay=0.0, warmup_steps=0, grad_clip=1.0)
@@ -124,6 +124,14 @@ BAD_VALUES: list[tuple[dict[str, Any], str, str, str]] = [
      "false unless mode=online (it compares the served draft with the initial one)"),
     ({"enable": True, "mode": "collect_only", "feature_store": {"path": ""}}, "feature_store.path", "''",
      "a store directory in collect_only mode"),
+    *[({"fresh_samples": v}, "fresh_samples", repr(v), "an integer >= 0 (0: off)") for v in (-1, 2.0, True)],
+    *[({"enable": True, "fresh_samples": 4, **other}, "fresh_samples", "4",
+       f"0 with mode={mode}, schedule={schedule}, capture_source={source} (fresh samples train the round that "
+       "blocks the step: mode=online, schedule=serial, capture_source=actor)")
+      for other, mode, schedule, source in (
+          ({"schedule": "overlap"}, "online", "overlap", "actor"),
+          ({"capture_source": "auto"}, "online", "serial", "auto"),
+          ({"mode": "collect_only", "feature_store": {"path": "/s"}}, "collect_only", "serial", "actor"))],
 ]
 
 
@@ -140,6 +148,8 @@ def test_validate_names_key_value_and_expectation(raw: dict[str, Any], key: str,
     {"mode": "collect_only"},  # not enabled: no store needed
     {"enable": True, "mode": "collect_only", "feature_store": {"path": "/x"}},
     {"enable": True, "mode": "offline"},
+    {"enable": True, "fresh_samples": 4},
+    {"fresh_samples": 4, "schedule": "overlap"},  # not enabled: nothing runs
 ])
 def test_boundary_values_pass(raw: dict[str, Any]) -> None:
     DrafterRunConfig.from_dict(raw)

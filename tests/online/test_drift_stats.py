@@ -13,6 +13,7 @@ from verl_speco.drift_stats import (
     paired_difference,
     paired_gains,
     paired_records,
+    reachability,
     wilson_interval,
 )
 
@@ -112,3 +113,12 @@ def test_paired_records_keep_one_arm_with_its_initial_draft_and_refuse_a_bad_lin
 def test_paired_gains_by_step_skipping_unpaired_records() -> None:
     records = [_step(5, 3.0, 2.0), {"step": 4, "heldout_acceptance": 9.0}, _step(2, 2.0, 2.5)]
     assert paired_gains(records) == [(2, pytest.approx(0.8)), (5, pytest.approx(1.5))]
+
+
+def test_reachability_splits_the_window_and_keeps_each_steps_ceiling() -> None:
+    gains = [(3, 1.0), (4, 1.25), (5, 1.4), (6, 1.3)]
+    out = reachability(gains, {3: 1.9, 4: 1.32, 5: 1.8, 6: 1.5})
+    assert out == {"met": [(5, 1.4, 1.8), (6, 1.3, 1.5)], "missed": [(4, 1.25, 1.32)]}  # 1.3 itself meets it
+    assert reachability(gains, {4: 1.32, 5: 1.8, 6: 1.5})["missed"] == [(4, 1.25, 1.32)]  # step 3: outside
+    with pytest.raises(ValueError, match="no reachable gain for step 5"):
+        reachability(gains, {4: 1.32, 6: 1.5})

@@ -54,3 +54,26 @@ def test_a_bad_run_is_refused_by_name(tmp_path: Path) -> None:
     early = _run(tmp_path, "early", {1: 1.5, 2: 1.5})
     with pytest.raises(ValueError, match=r"--run 'a=.*early': goal_window: no paired validation step >= 4 in .*"):
         seeds.main(["--run", f"a={early}"])
+
+
+def test_reachable_prints_each_missed_step_with_its_ceiling(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    seeds = load_script("drift_seeds")
+    met = _run(tmp_path, "met", {4: 1.3, 5: 1.5}, nested=True)  # reachable.json above results/
+    short = _run(tmp_path, "short", {4: 1.4, 5: 1.29, 6: 1.1})  # reachable.json beside metrics.jsonl
+    (tmp_path / "met" / "reachable.json").write_text(json.dumps(
+        {"4": {"reachable_gain": 1.6, "gain": 1.3}, "5": {"reachable_gain": 1.9, "gain": 1.5}}))
+    (short / "reachable.json").write_text(json.dumps(
+        {"4": {"reachable_gain": 1.7}, "5": {"reachable_gain": 1.55}, "6": {"reachable_gain": 1.8}}))
+    out = seeds.main(["--run", f"a={met}", "--run", f"a={short}", "--reachable"])
+    assert out["runs"][1]["reachability"]["missed"] == [(5, pytest.approx(1.29), 1.55), (6, pytest.approx(1.1), 1.8)]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2] == "short missed: step 5 1.290 (reachable 1.550), step 6 1.100 (reachable 1.800)"
+    # met steps' ceilings 1.6, 1.9, 1.7: the lowest 1.6; of the missed (1.55, 1.8) one is below it
+    assert lines[-1] == ("every step that met the goal had a reachable gain of 1.600 or more; "
+                         "1 of the 2 missed steps had less")
+    (short / "reachable.json").write_text(json.dumps({"4": {"gain": 1.4}}))
+    with pytest.raises(ValueError, match=r"short/reachable.json: expected \{step: \{'reachable_gain'"):
+        seeds.main(["--run", f"a={short}", "--reachable"])
+    (short / "reachable.json").unlink()
+    with pytest.raises(ValueError, match=r"--reachable: no reachable.json beside .*short/metrics.jsonl"):
+        seeds.main(["--run", f"a={short}", "--reachable"])

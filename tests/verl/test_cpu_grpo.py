@@ -208,3 +208,38 @@ def test_collect_only_fills_a_store_that_inspects_clean_and_trains(tmp_path_fact
                            cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert train.returncode == 0, train.stderr[-4000:]
     assert list((out / "draft").glob("**/export/config.json")), "draft-train wrote no export"
+
+
+FRESH = 4  # drafter.fresh_samples of the fresh-sample run (its rollout: 2 prompts x 2)
+# a step's rollout tokens decoded with drafts: the counters' accepted + 1 per draft (num_drafts x mean
+# acceptance length) against the responses' tokens less each response's first (prefill); measured equal to
+# 1.5% (a response cut at max length overshoots by its last draft). The fresh samples' counters counted as
+# rollout would add about as many again.
+ROLLOUT_TOKENS_REL_BOUND = 0.10
+
+
+def test_fresh_samples_are_captured_trained_on_in_the_round_and_served(
+        tmp_path_factory: pytest.TempPathFactory, trained_drafter: Path) -> None:
+    """`drafter.fresh_samples`: after each update the servers answer FRESH training prompts with the updated
+    policy; the actor captures them, the step's one round trains on them with the step's rows (its step
+    count is derived from both), the publish is served by validation, and the fresh decodes' spec-decode
+    counters stay out of the rollout's."""
+    out = tmp_path_factory.mktemp("cpu_grpo_fresh")
+    run = _launch(out, "--drafter", str(trained_drafter), "trainer.total_training_steps=2", "trainer.test_freq=2",
+                  "actor_rollout_ref.rollout.drafter.schedule=serial",
+                  f"actor_rollout_ref.rollout.drafter.fresh_samples={FRESH}")
+    steps = _train_steps(run)
+    assert sorted(steps) == [1, 2]
+    for s, m in sorted(steps.items()):
+        assert m["drafter/fresh/capture/seen"] == FRESH and m["drafter/fresh/rows_added"] > 0, (s, m)
+        assert m["drafter/fresh/num_drafts"] > 0 and m["drafter/fresh/mean_acceptance_length"] >= 1.0, (s, m)
+        rows = m["drafter/rows_added"] + m["drafter/fresh/rows_added"]
+        assert m["drafter/steps"] == math.ceil(4.0 * rows / 8), (s, m)  # passes 4, micro-batch 8: the defaults
+        assert int(m["drafter/version"]) == 1 + s and int(m["drafter/served_version_min"]) == 1 + s, (s, m)
+        responses = m["response_length/mean"] * 4
+        decoded = m["drafter/accept/num_drafts"] * m["drafter/accept/mean_acceptance_length"]
+        assert abs(decoded - (responses - 4)) <= ROLLOUT_TOKENS_REL_BOUND * (responses - 4), (s, decoded, responses)
+    assert int(steps[2]["drafter/heldout/served_version"]) == 3
+    print("fresh samples per step: " + "; ".join(
+        f"step {s}: {m['drafter/fresh/seconds']:.1f} s, acceptance {m['drafter/fresh/mean_acceptance_length']:.3f}, "
+        f"{m['drafter/steps']:.0f} optimizer steps" for s, m in sorted(steps.items())))

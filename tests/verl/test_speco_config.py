@@ -191,7 +191,7 @@ def test_capture_source_in_a_verl_run(tmp_path: Path, caplog: pytest.LogCaptureF
 
     from verl_speco.verl_integration.rollout_rows import arm_rollout_capture
     from verl_speco.verl_integration.sglang_agent_loop import AGENT_LOOP_NAME
-    from verl_speco.verl_integration.trainer import speco_capture_source
+    from verl_speco.verl_integration.trainer_setup import speco_capture_source
 
     target = tmp_path / "target"
     tiny_qwen3().save_pretrained(target)

@@ -107,6 +107,14 @@ class DrafterRunConfig:
     # acceptance length), a paired measure of what co-training buys; costs one more validation pass
     # (online mode, vLLM rollout: SGLang reports no acceptance counters)
     heldout_baseline: bool = False
+    # fresh samples: after every actor update (and its weight sync), the rollout engine samples one response
+    # for each of this many training prompts from the UPDATED policy (the rollout's sampling parameters,
+    # a prompt order of its own, seeded by `seed`: the RL data order is untouched), the actor captures them,
+    # and the round trains on them with the step's rows. Without them the served draft has seen only
+    # text of the policy before the update, so it lags a format change by one step. Costs a generation of
+    # that many responses, one actor forward over them and a second weight sync a step. 0: off.
+    # Online, schedule=serial, capture_source=actor, verl's sync trainer.
+    fresh_samples: int = 0
     # rows of versions older than (newest - max_staleness) are evicted: 0 keeps the newest version only,
     # 1 the newest and the one before it
     max_staleness: int = 1
@@ -164,6 +172,13 @@ class DrafterRunConfig:
         for key, (fixed, expected) in ONLINE_OPTIM.items():
             if getattr(self.optim, key) != fixed:
                 raise bad(f"optim.{key}", getattr(self.optim, key), expected)
+        if isinstance(self.fresh_samples, bool) or not isinstance(self.fresh_samples, int) or self.fresh_samples < 0:
+            raise bad("fresh_samples", self.fresh_samples, "an integer >= 0 (0: off)")
+        if self.fresh_samples and self.enable and (self.mode, self.schedule, self.capture_source) != (
+                "online", "serial", "actor"):
+            raise bad("fresh_samples", self.fresh_samples, f"0 with mode={self.mode}, schedule={self.schedule}, "
+                      f"capture_source={self.capture_source} (fresh samples train the round that blocks the step: "
+                      "mode=online, schedule=serial, capture_source=actor)")
         if self.heldout_baseline and self.mode != "online":
             raise bad("heldout_baseline", self.heldout_baseline, "false unless mode=online (it compares the served "
                       "draft with the initial one)")

@@ -41,7 +41,6 @@ from verl.trainer.ppo.utils import Role
 from verl.utils.ray_utils import auto_await
 
 from drafters.registry import engine_format_from_dict
-from verl_speco.engines.sglang_capture import RolloutCapturePlan
 from verl_speco.engines.spec_metrics import SpecCounters, acceptance_summary
 from verl_speco.online.config import DrafterConfigError, DrafterRunConfig
 from verl_speco.online.publish import load_outcome
@@ -49,6 +48,12 @@ from verl_speco.verl_integration.config_bridge import (
     apply_speculative_config,
     extract_drafter,
     rollout_engine,
+)
+from verl_speco.verl_integration.trainer_setup import (
+    installed,
+    keep_baseline,
+    local_layout,
+    speco_capture_source,
 )
 from verl_speco.verl_integration.worker import (
     COUNT_KEYS,
@@ -112,6 +117,10 @@ class SpecoTrainerMixin:
     total_training_steps: int
     role_worker_mapping: dict[Any, Any]
     actor_rollout_wg: Any
+    agent_loop_manager: Any
+    _balance_batch: Callable[..., Any]
+    replay_buffer: Any
+    train_dataset: Any
     checkpoint_manager: Any
     llm_server_manager: Any
     # set by `_setup` when in use (class defaults: a trainer built without them behaves as before)
@@ -119,6 +128,7 @@ class SpecoTrainerMixin:
     _speco_sink: Any = None  # collect_only from the rollout: the driver writes the store
     _speco_pending: tuple[Any, Any] | None = None  # this step's rollout rows and head snapshot
     _speco_baseline: tuple[str, int] | None = None  # (path, version) of the kept initial draft
+    _speco_fresh: Any = None  # FreshPrompts when drafter.fresh_samples > 0 (online)
 
     def __init__(self, config: Any):
         self.speco: DrafterRunConfig = extract_drafter(config)
@@ -141,6 +151,10 @@ class SpecoTrainerMixin:
                                          "actor_rollout_ref.rollout.drafter.capture_pass=old_logprob (capture "
                                          "runs in the old-logprob pass, which bypass mode skips; "
                                          "capture_pass=post_update works with it)")
+        if self.speco_online:
+            from verl_speco.verl_integration.fresh_samples import check_trainer_mode
+
+            check_trainer_mode(self.speco, str(config.trainer.v1.trainer_mode))
 
     @property
     def speco_active(self) -> bool:
@@ -172,7 +186,7 @@ class SpecoTrainerMixin:
             return
         target_dir = self._speco_target_dir()
         engine = rollout_engine(self.config)
-        plan = speco_capture_source(self.speco, engine, target_dir, _installed("sglang"))
+        plan = speco_capture_source(self.speco, engine, target_dir, installed("sglang"))
         if plan is not None:
             from drafters.common.target import TargetSpec
             from verl_speco.verl_integration.rollout_rows import arm_rollout_capture
@@ -212,7 +226,7 @@ class SpecoTrainerMixin:
 
                 install_sglang_replica_class()
         else:
-            layer_ids, shape = _local_layout(self.speco, target_dir)
+            layer_ids, shape = local_layout(self.speco, target_dir)
         super()._setup()  # type: ignore[misc]
         if self._speco_rollout is None:  # the workers capture
             self.actor_rollout_wg.speco_init(layer_ids, shape["hidden_size"], shape["vocab_size"],
@@ -231,6 +245,10 @@ class SpecoTrainerMixin:
                     setattr(self, attr, SpecoCheckpointEngineManager.wrap(manager, self._speco_after_weights))
             # v1 = the initial draft: loaded by on_init_end's weight sync, so re-apply always has a source
             self._speco_publish_now()
+            if self.speco.fresh_samples:
+                from verl_speco.verl_integration.fresh_samples import FreshPrompts
+
+                self._speco_fresh = FreshPrompts(self.train_dataset, self.speco.fresh_samples, self.speco.seed)
             if self.speco.heldout_baseline and self._speco_latest is not None:
                 self._speco_baseline = keep_baseline(str(self._speco_latest["path"]))
 
@@ -318,6 +336,49 @@ class SpecoTrainerMixin:
             timing_raw["drafter"] = time.perf_counter() - started
         return batch
 
+    def on_step_end(self) -> None:
+        super().on_step_end()  # type: ignore[misc]  # the weight sync: the servers run the updated policy
+        if self.speco_online and self.speco.fresh_samples:
+            self._speco_sync_metrics.update(self._speco_fresh_round())
+
+    def _speco_fresh_round(self) -> dict[str, float]:
+        """`drafter.fresh_samples` (`verl_integration.fresh_samples`): one response of the updated policy to
+        each of that many training prompts, captured by the updated actor and added to the step's rows; then
+        the round, the publish, and a weight sync that hands the servers the new draft."""
+        import transfer_queue as tq
+
+        started = time.perf_counter()
+        count, steps = self.speco.fresh_samples, self.global_steps
+        prompts = self._speco_fresh.next_batch(steps)
+        tags = [{"is_prompt": True, "status": "pending", "global_steps": steps} for _ in range(count)]
+        before = self._speco_read_counters()
+        tq.kv_batch_put(keys=list(prompts["uid"]), partition_id="train", tags=tags)
+        self.agent_loop_manager.generate_sequences(prompts)
+        batch, _ = self.replay_buffer.sample(global_steps=steps, partition_id="train", batch_size=count)
+        after = self._speco_read_counters()
+        out: dict[str, float] = {"drafter/fresh/generate_seconds": time.perf_counter() - started}
+        if before is not None and after is not None:
+            self._speco_counters = self._speco_counters + (after - before)  # not counted as rollout
+            out.update(_acceptance_metrics(after - before, "drafter/fresh"))
+        self.checkpoint_manager.sleep_replicas()  # as before verl's own actor passes
+        try:
+            batch = self._balance_batch(batch, metrics={})
+            batch.extra_info.update({"calculate_entropy": True, "compute_loss": False,
+                                     "temperature": self.config.actor_rollout_ref.rollout.temperature,
+                                     POLICY_VERSION_KEY: steps})  # rows of the updated policy, version `steps`
+            self.actor_rollout_wg.compute_log_prob(batch)
+        finally:
+            tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
+        results = self.actor_rollout_wg.speco_end_step(steps)
+        out.update({f"drafter/fresh/capture/{k}": float(v) for k, v in _sum_counts(results).items()})
+        heads = [r["head"] for r in results if r.get("head") is not None]
+        rows = [ref for r in results for ref in r.get("rows", [])]
+        out.update(self._speco_add_rows(rows, heads[0] if heads else None, "drafter/fresh"))
+        out.update(self._speco_maybe_train())
+        self.checkpoint_manager.update_weights(steps)  # wakes the servers; `_speco_after_weights` loads the draft
+        out["drafter/fresh/seconds"] = time.perf_counter() - started
+        return out
+
     def _consume_sync_metrics(self) -> dict:
         out = dict(super()._consume_sync_metrics())  # type: ignore[misc]
         out.update(self._speco_sync_metrics)
@@ -370,16 +431,27 @@ class SpecoTrainerMixin:
         """Hand this step's rows (object refs of `CapturedRows.to_bytes`) to the drafter group, train
         every `train_interval` steps, publish every `publish_interval` rounds."""
         out: dict[str, float] = {}
-        heads = [head] if head is not None else []
-        last = self.global_steps >= self.total_training_steps
         out.update(self._speco_acceptance())
         if self._speco_round_ref is not None:  # an overlapped round started last step
             out.update(self._speco_finish_round())
-        if rows:
-            if not heads:
-                raise RuntimeError("drafter capture: rows without a target-head snapshot (rank 0 captured nothing)")
-            add = ray.get(self._speco_drafter.add.remote(rows, heads[0]))
-            out.update({f"drafter/{k}": float(v) for k, v in add.items()})
+        out.update(self._speco_add_rows(rows, head, "drafter"))
+        if not self.speco.fresh_samples:  # else the round runs after the fresh samples (`on_step_end`)
+            out.update(self._speco_maybe_train())
+        return out
+
+    def _speco_add_rows(self, rows: list[Any], head: Any, prefix: str) -> dict[str, float]:
+        if not rows:
+            return {}
+        if head is None:
+            raise RuntimeError("drafter capture: rows without a target-head snapshot (rank 0 captured nothing)")
+        add = ray.get(self._speco_drafter.add.remote(rows, head))
+        return {f"{prefix}/{k}": float(v) for k, v in add.items()}
+
+    def _speco_maybe_train(self) -> dict[str, float]:
+        """A training round every `train_interval` steps (`schedule=serial`, or the last step: waited for
+        now; `overlap`: collected at the next step), published every `publish_interval` rounds."""
+        out: dict[str, float] = {}
+        last = self.global_steps >= self.total_training_steps
         if self.global_steps % self.speco.train_interval == 0:
             if ray.get(self._speco_drafter.next_round_steps.remote()) > 0:
                 self._speco_round_ref = self._speco_drafter.train_round.remote()
@@ -491,65 +563,9 @@ async def _call_replicas(replicas: list[Any], method: str, args: tuple = ()) -> 
     return await SpecoTrainerMixin._speco_replica_call(replicas, method, args)
 
 
-def keep_baseline(version_dir: str) -> tuple[str, int]:
-    """A copy of published version `version_dir` (`.../v000001`) that pruning never removes:
-    `<publish root>/baseline/v000001`, complete or absent. Returns (its path, its version)."""
-    import shutil
-    from pathlib import Path
-
-    src = Path(version_dir)
-    dst = src.parent / "baseline" / src.name
-    if not dst.is_dir():
-        tmp = dst.with_name(dst.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(src, tmp)
-        tmp.replace(dst)
-    return str(dst), int(src.name[1:])
-
-
 @auto_await
 async def _gather_counters(replicas: list[Any]) -> list[SpecCounters]:
     return list(await asyncio.gather(*[r.speco_spec_counters() for r in replicas]))
-
-
-def _local_layout(drafter: DrafterRunConfig, target_dir: str) -> tuple[list[int], dict[str, int]]:
-    """Layer ids and target shape without a drafter actor (collect_only)."""
-    from drafters.common.target import TargetSpec
-    from drafters.registry import get_family
-    from verl_speco.train.config import build_family_config
-
-    spec = TargetSpec.from_pretrained(target_dir)
-    family = get_family(drafter.family)
-    cfg = family.resolve(build_family_config(family.config_cls, dict(drafter.settings), drafter.family), spec)
-    ids = [int(i) for i in family.required_layout(cfg, spec).layer_ids]
-    return ids, {"hidden_size": int(spec.hidden_size), "vocab_size": int(spec.vocab_size)}
-
-
-def _installed(distribution: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(distribution)
-    except PackageNotFoundError:
-        return None
-
-
-def speco_capture_source(drafter: DrafterRunConfig, engine: str, target_dir: str,
-                         sglang_version: str | None) -> RolloutCapturePlan | None:
-    """The rollout capture plan of this verl run, or None to capture from the actor; decided before
-    anything starts (`online.rollout_capture.choose_capture_source`: a family or setting the rollout
-    cannot serve is refused under `rollout`, falls back with a log line under `auto`)."""
-    if drafter.capture_source == "actor" or not drafter.enable or drafter.mode == "offline":
-        return None
-    from drafters.common.target import TargetSpec
-    from drafters.registry import get_family
-    from verl_speco.online.rollout_capture import choose_capture_source
-    from verl_speco.train.config import build_family_config
-
-    spec = TargetSpec.from_pretrained(target_dir)
-    family = get_family(drafter.family)
-    fam_cfg = family.resolve(build_family_config(family.config_cls, dict(drafter.settings), drafter.family), spec)
-    return choose_capture_source(drafter, engine, family, fam_cfg, spec, sglang_version)
 
 
 _CLASSES: dict[type, type] = {}
