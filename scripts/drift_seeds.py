@@ -11,7 +11,9 @@ run's gain per step, one colour per group, with the goal's ratio and the window'
     python scripts/drift_seeds.py --run 32=runs/lever/steps_b8_s0/results \\
         --run 64=runs/lever/steps_b16_s0/results --png runs/lever/seeds.png
 
-A `--run` path is a `metrics.jsonl` or a directory holding one. Runs keep the order given.
+A `--run` path is a `metrics.jsonl` or a directory holding one. Runs keep the order given. A run whose
+`summary.json` (beside the `metrics.jsonl`) planned more steps than its metrics reach was stopped early:
+it is printed as partial and left out of its group's counts.
 
 `--reachable` also reads each run's `reachable.json` (`scripts/drift_reachable.py`: beside the
 `metrics.jsonl`, or above its `results/` directory) and prints, for every step that missed the goal, the gain
@@ -73,8 +75,26 @@ def reachable_gains(file: Path) -> dict[int, float]:
                          f"writes it ({type(err).__name__}: {err})") from None
 
 
+def planned_steps(file: Path) -> int | None:
+    """The GRPO steps the run was launched for (`steps` of the `summary.json` that drift_real_grpo.py writes
+    beside `file`), or None where there is no summary."""
+    summary = file.parent / "summary.json"
+    if not summary.is_file():
+        return None
+    try:
+        steps = json.loads(summary.read_text())["steps"]
+    except (ValueError, TypeError, KeyError) as err:
+        raise ValueError(f"{summary}: expected a JSON object with an integer 'steps' as drift_real_grpo.py "
+                         f"writes it ({type(err).__name__}: {err})") from None
+    if not isinstance(steps, int) or isinstance(steps, bool):
+        raise ValueError(f"{summary}: 'steps' is {steps!r}, expected an integer")
+    return steps
+
+
 def group_summary(windows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Runs that met the goal, those short of it by exactly one step, and the Wilson interval on the met rate."""
+    """Runs that met the goal, those short of it by exactly one step, and the Wilson interval on the met rate;
+    a partial run (stopped before its planned last step) is left out: its window is not the goal's."""
+    windows = [w for w in windows if not w["partial"]]
     met = sum(w["met"] for w in windows)
     one_short = sum(w["at_or_above"] == len(w["steps"]) - 1 for w in windows)
     low, high = wilson_interval(met, len(windows))
@@ -142,7 +162,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         except ValueError as err:
             raise ValueError(f"--run {spec!r}: {err} in {file} (arm {args.arm!r})") from None
         curve = paired_gains(records)
-        rows.append({"group": group, "run": run_name(file), **window,
+        planned = planned_steps(file)
+        rows.append({"group": group, "run": run_name(file), **window, "planned_steps": planned,
+                     "partial": planned is not None and curve[-1][0] < planned,
                      "curve_steps": [s for s, _ in curve], "curve_gains": [g for _, g in curve]})
         if args.reachable:
             rows[-1]["reachability"] = reachability(curve, reachable_gains(file), args.goal_from)
@@ -152,7 +174,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for r in rows:  # the gain to 3 decimals: a step at 1.297 misses the goal
         print(f"{r['group']:<{gw}}  {r['run']:<{rw}}  {r['margin_mean']:.2f} ({r['margin_sd']:.2f})  "
               f"{r['gain_min']:.3f} / {r['gain_mean']:.3f}  {r['at_or_above']} of {len(r['steps'])}"
-              + ("  met" if r["met"] else ""))
+              + (f"  partial: stopped at step {r['curve_steps'][-1]} of {r['planned_steps']}" if r["partial"]
+                 else "  met" if r["met"] else ""))
     for g, s in groups.items():
         print(f"{g}: met in {s['met']} of {s['runs']} runs (95% Wilson interval {s['met_rate_low']:.2f} to "
               f"{s['met_rate_high']:.2f}), one step short in {s['one_step_short']}")

@@ -77,3 +77,24 @@ def test_reachable_prints_each_missed_step_with_its_ceiling(tmp_path: Path, caps
     (short / "reachable.json").unlink()
     with pytest.raises(ValueError, match=r"--reachable: no reachable.json beside .*short/metrics.jsonl"):
         seeds.main(["--run", f"a={short}", "--reachable"])
+
+
+def test_a_partial_run_is_printed_and_left_out_of_its_group(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    seeds = load_script("drift_seeds")
+    done = _run(tmp_path, "done", {4: 1.3, 5: 1.5, 6: 1.4})
+    stopped = _run(tmp_path, "stopped", {4: 1.6, 5: 1.7})  # every step it reached met the goal
+    (done / "summary.json").write_text(json.dumps({"steps": 6}))
+    (stopped / "summary.json").write_text(json.dumps({"steps": 6}))
+    out = seeds.main(["--run", f"a={done}", "--run", f"a={stopped}"])
+    runs = {r["run"]: r for r in out["runs"]}
+    assert not runs["done"]["partial"] and runs["stopped"]["partial"] and runs["stopped"]["met"]
+    assert (out["groups"]["a"]["runs"], out["groups"]["a"]["met"]) == (1, 1)  # the partial one is not counted
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].endswith("2 of 2  partial: stopped at step 5 of 6")
+    assert lines[-1].startswith("a: met in 1 of 1 runs")
+    (stopped / "summary.json").write_text(json.dumps({"steps": "six"}))
+    with pytest.raises(ValueError, match=r"stopped/summary.json: 'steps' is 'six', expected an integer"):
+        seeds.main(["--run", f"a={stopped}"])
+    (stopped / "summary.json").write_text("[]")
+    with pytest.raises(ValueError, match=r"stopped/summary.json: expected a JSON object with an integer 'steps'"):
+        seeds.main(["--run", f"a={stopped}"])
