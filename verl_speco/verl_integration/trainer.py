@@ -109,6 +109,12 @@ def _sum_counts(results: list[dict[str, Any]]) -> dict[str, int]:
     return total
 
 
+def _rows_and_head(results: list[dict[str, Any]]) -> tuple[list[Any], Any]:
+    """The workers' `speco_end_step` results -> (every rank's row refs, the first target-head snapshot or None)."""
+    heads = [r["head"] for r in results if r.get("head") is not None]
+    return [ref for r in results for ref in r.get("rows", [])], heads[0] if heads else None
+
+
 class SpecoTrainerMixin:
     """Mixed in front of a verl v1 `PPOTrainer` subclass (see the module docstring)."""
 
@@ -371,9 +377,7 @@ class SpecoTrainerMixin:
             tq.kv_clear(keys=batch.keys, partition_id=batch.partition_id)
         results = self.actor_rollout_wg.speco_end_step(steps)
         out.update({f"drafter/fresh/capture/{k}": float(v) for k, v in _sum_counts(results).items()})
-        heads = [r["head"] for r in results if r.get("head") is not None]
-        rows = [ref for r in results for ref in r.get("rows", [])]
-        out.update(self._speco_add_rows(rows, heads[0] if heads else None, "drafter/fresh"))
+        out.update(self._speco_add_rows(*_rows_and_head(results), "drafter/fresh"))
         out.update(self._speco_maybe_train())
         self.checkpoint_manager.update_weights(steps)  # wakes the servers; `_speco_after_weights` loads the draft
         out["drafter/fresh/seconds"] = time.perf_counter() - started
@@ -397,9 +401,7 @@ class SpecoTrainerMixin:
             out["drafter/store/seconds_max"] = max((float(r.get("store_seconds", 0.0)) for r in results), default=0.0)
             out["drafter/store/samples"] = float(sum(int(r.get("store_samples", 0)) for r in results))
             return out
-        rows = [ref for r in results for ref in r.get("rows", [])]
-        heads = [r["head"] for r in results if r.get("head") is not None]
-        return {**out, **self._speco_online_round(rows, heads[0] if heads else None)}
+        return {**out, **self._speco_online_round(*_rows_and_head(results))}
 
     def _speco_after_rollout_step(self) -> dict[str, float]:
         """`_speco_after_step` when the rows came from the rollout (`_speco_take_rollout_rows`)."""

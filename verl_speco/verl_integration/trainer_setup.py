@@ -3,6 +3,8 @@ layer layout without a drafter actor, and the kept copy of the initial draft."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from verl_speco.engines.sglang_capture import RolloutCapturePlan
 from verl_speco.online.config import DrafterRunConfig
 
@@ -25,13 +27,7 @@ def keep_baseline(version_dir: str) -> tuple[str, int]:
 
 def local_layout(drafter: DrafterRunConfig, target_dir: str) -> tuple[list[int], dict[str, int]]:
     """Layer ids and target shape without a drafter actor (collect_only)."""
-    from drafters.common.target import TargetSpec
-    from drafters.registry import get_family
-    from verl_speco.train.config import build_family_config
-
-    spec = TargetSpec.from_pretrained(target_dir)
-    family = get_family(drafter.family)
-    cfg = family.resolve(build_family_config(family.config_cls, dict(drafter.settings), drafter.family), spec)
+    spec, family, cfg = _resolved_family(drafter, target_dir)
     ids = [int(i) for i in family.required_layout(cfg, spec).layer_ids]
     return ids, {"hidden_size": int(spec.hidden_size), "vocab_size": int(spec.vocab_size)}
 
@@ -52,12 +48,18 @@ def speco_capture_source(drafter: DrafterRunConfig, engine: str, target_dir: str
     cannot serve is refused under `rollout`, falls back with a log line under `auto`)."""
     if drafter.capture_source == "actor" or not drafter.enable or drafter.mode == "offline":
         return None
+    from verl_speco.online.rollout_capture import choose_capture_source
+
+    spec, family, fam_cfg = _resolved_family(drafter, target_dir)
+    return choose_capture_source(drafter, engine, family, fam_cfg, spec, sglang_version)
+
+
+def _resolved_family(drafter: DrafterRunConfig, target_dir: str) -> tuple[Any, Any, Any]:
+    """(the target's spec, the drafter's family, its config from `drafter.settings` resolved on that target)."""
     from drafters.common.target import TargetSpec
     from drafters.registry import get_family
-    from verl_speco.online.rollout_capture import choose_capture_source
     from verl_speco.train.config import build_family_config
 
     spec = TargetSpec.from_pretrained(target_dir)
     family = get_family(drafter.family)
-    fam_cfg = family.resolve(build_family_config(family.config_cls, dict(drafter.settings), drafter.family), spec)
-    return choose_capture_source(drafter, engine, family, fam_cfg, spec, sglang_version)
+    return spec, family, family.resolve(build_family_config(family.config_cls, dict(drafter.settings), drafter.family), spec)
