@@ -3,11 +3,22 @@
 # drafter family, this runs `python -m verl_speco.launchers` from the repository root. The family
 # recipes, the engine settings for speculative decoding and the device selection (DEVICE=gpu|npu|cpu)
 # live in verl_speco/launchers/; the environment each device needs is set here. Inputs and flags:
-#   .venv/bin/python -m verl_speco.launchers --help
+#   python3 -m verl_speco.launchers --help
+# The interpreter: PYTHON when set, else the checkout's .venv (scripts/setup_env.sh), else python3 on
+# PATH (the GPU and Ascend images install verl-speco into their own interpreter and have no .venv).
 # --print prints the commands, --check validates their configs; neither starts anything.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-PYTHON=${PYTHON:-.venv/bin/python}
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x .venv/bin/python ]; then
+        PYTHON=.venv/bin/python
+    elif command -v python3 >/dev/null 2>&1; then
+        PYTHON=python3
+    else
+        echo "launcher: error: no interpreter: PYTHON is unset, there is no .venv/bin/python in $PWD and no python3 on PATH" >&2
+        exit 2
+    fi
+fi
 case "${DEVICE:-gpu}" in
 cpu)
     export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 TOKENIZERS_PARALLELISM=false
