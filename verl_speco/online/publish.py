@@ -13,7 +13,8 @@ A published version is a directory, written atomically (temp dir + rename):
 Buckets bound the memory a receiver holds at once (each is read and loaded in turn).
 Tensors never travel pickled: the engine worker opens the files (a file handle on /dev/shm,
 i.e. shared memory, when `publish_dir` is under it) and reads the tensors with safetensors.
-Older versions are deleted once a newer one is written (`keep` newest are kept).
+Older versions are deleted once a newer one is written (`keep` newest are kept, `KEEP` by default):
+while one is being written, KEEP + 1 versions take room (`publish_room` checks that room at start-up).
 
 Receivers never trust a version: `verify_version` checks it completely before an engine is
 touched (manifest parses and names this version and directory, every bucket present with its
@@ -44,6 +45,12 @@ from feature_store.checksum import SectorSumHasher
 FORMAT = "verl_speco.draft_publish/2"
 MANIFEST = "manifest.json"
 DEFAULT_BUCKET_BYTES = 256 << 20
+KEEP = 2  # published versions kept on disk (`write_version` prunes the older ones)
+
+
+def publish_dir_of(publish_dir: str | None, run_name: str) -> Path:
+    """Where a run publishes: `drafter.publish_dir` when set, else `default_publish_dir(run_name)`."""
+    return Path(publish_dir) if publish_dir else default_publish_dir(run_name)
 
 
 def default_publish_dir(run_name: str) -> Path:
@@ -83,7 +90,7 @@ def plan_buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[l
 
 def write_version(publish_dir: str | Path, version: int, state: Mapping[str, torch.Tensor],
                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, meta: dict[str, Any] | None = None,
-                  keep: int = 2) -> PublishedDraft:
+                  keep: int = KEEP) -> PublishedDraft:
     """Write `state` (checkpoint names -> CPU tensors) as version `version`; returns its handle."""
     if version < 0:
         raise ValueError(f"version: got {version}, expected >= 0")

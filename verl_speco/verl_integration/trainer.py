@@ -43,7 +43,8 @@ from verl.utils.ray_utils import auto_await
 from drafters.registry import engine_format_from_dict
 from verl_speco.engines.spec_metrics import SpecCounters, acceptance_summary
 from verl_speco.online.config import DrafterConfigError, DrafterRunConfig
-from verl_speco.online.publish import load_outcome
+from verl_speco.online.publish import load_outcome, publish_dir_of
+from verl_speco.online.publish_room import require_publish_room
 from verl_speco.verl_integration.config_bridge import (
     apply_speculative_config,
     extract_drafter,
@@ -219,6 +220,8 @@ class SpecoTrainerMixin:
             if not draft_dir:
                 out = tempfile.mkdtemp(prefix="verl_speco_initial_draft_")
                 draft_dir = ray.get(self._speco_drafter.export_initial.remote(out))
+            # before the engines start: room for the versions the run will publish (/dev/shm in a container)
+            require_publish_room(publish_dir_of(self.speco.publish_dir, run_name), draft_dir)
             fmt = engine_format_from_dict(ray.get(self._speco_drafter.engine_format.remote()))
             apply_speculative_config(self.config, self.speco, str(draft_dir), fmt)
             if engine == "vllm":
