@@ -1,51 +1,189 @@
-"""scripts/gpu_check.sh (-> scripts/gpu_check.py, benchmarks/attention_checks.py): the GPU check's code
-path on CPU with tiny shapes (SDPA training, flex only in the mask checks, FSDP2 over gloo), and its
-instruments against planted faults. The CUDA run itself needs an H100/H200 (see the script)."""
+"""scripts/gpu_check.sh (-> scripts/gpu_check.py, benchmarks/device_check_*.py, attention_checks.py): the
+GPU check's code path on CPU with tiny shapes (SDPA training, flex only in the mask checks, FSDP2 over
+gloo) with the modules the bare GPU machine lacks made unimportable; its supervisor (per-unit timeouts,
+rows written as they finish) against a fake worker; its instruments against planted faults. The CUDA
+run itself needs an H100/H200 (see the script)."""
 
 from __future__ import annotations
 
-import importlib.metadata
+import importlib.util
 import json
 import math
 import os
-import re
 import subprocess
+import sys
+import time
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
 from benchmarks import attention_checks as checks
+from benchmarks.device_check_runner import Report, Unit, supervise
 from drafters.common.attention import attend
 from drafters.common.masks import AttentionMask, ttt_attention_mask
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 FAMILIES = ("eagle1", "eagle2", "eagle3", "dflash", "dspark", "domino", "peagle")
+# what the GPU machine (torch, transformers, safetensors, numpy, pyyaml, triton) does not have, and
+# heavy optional packages the check has no business importing
+ABSENT = ("omegaconf", "hydra", "antlr4", "vllm", "ray", "verl", "sglang", "tqdm", "accelerate", "speculators",
+          "peft", "datasets", "tensordict", "torchdata", "pandas", "matplotlib")
+BLOCKER = f"""import sys
+ABSENT = frozenset({ABSENT!r})
+class _Absent:  # every finder answers None for these names: find_spec is None, import raises
+    def __init__(self, inner):
+        self.inner = inner
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ABSENT:
+            return None
+        return self.inner.find_spec(name, path, target)
+    def __getattr__(self, item):
+        return getattr(self.inner, item)
+sys.meta_path[:] = [_Absent(f) for f in sys.meta_path]
+"""
 
 
-def run(*args: str, timeout: int = 900) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHON": str(ROOT / ".venv" / "bin" / "python")}
-    env.pop("WHEELS", None)
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env)
+def bare_machine_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a machine without ABSENT: a sitecustomize that hides them from every import."""
+    site = tmp_path / "bare_site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCKER)
+    env = {**os.environ, "PYTHON": str(ROOT / ".venv" / "bin" / "python"), "PYTHONPATH": str(site)}
+    return env
 
 
-def test_cpu_smoke_run_steps_every_family_and_checks_its_masks(tmp_path: Path) -> None:
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    env = env or {**os.environ, "PYTHON": str(ROOT / ".venv" / "bin" / "python")}
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=600, env=env)
+
+
+def test_cpu_smoke_run_on_a_bare_machine_steps_every_family(tmp_path: Path) -> None:
+    env = bare_machine_env(tmp_path)
+    probe = subprocess.run([env["PYTHON"], "-c", "import omegaconf"], env=env,
+                           capture_output=True, text=True)
+    assert "No module named 'omegaconf'" in probe.stderr  # the blocker is in force
     report = tmp_path / "report.json"
-    proc = run("--device", "cpu", "--tiny", "--steps", "1", "--json", str(report))
+    proc = run("--device", "cpu", "--tiny", "--steps", "1", "--json", str(report), env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     data = json.loads(report.read_text())
-    rows = {r["family"]: r for r in data["rows"]}
-    assert tuple(sorted(rows)) == tuple(sorted(FAMILIES)) and data["backend"] == "gloo"
+    assert data["complete"] and data["backend"] == "gloo" and data["device"] == "cpu"
+    rows = {r["unit"]: r for r in data["rows"] if r["kind"] == "family"}
+    assert tuple(sorted(rows)) == tuple(sorted(FAMILIES))
     for name, r in rows.items():
-        assert r["ok"] and all(math.isfinite(x) for x in r["losses"]) and r["step_ms"] > 0, (name, r)
-        assert r["flops_per_step"] > 0 and r["mfu"] is None and r["peak_gib"] is None, (name, r)
+        assert r["status"] == "ok" and r["ok"] and all(math.isfinite(x) for x in r["losses"]), (name, r)
+        assert r["step_ms"] > 0 and r["flops_per_step"] > 0 and r["mfu"] is None and r["peak_gib"] is None, name
         assert r["masks"] and all(m["elementwise"] and m["blocks"] and m["outputs"] for m in r["masks"]), name
         assert r["flex_calls"] == 0  # CPU trains with SDPA; flex runs in the mask checks only
     assert len(rows["eagle3"]["masks"]) == 7  # one TTT mask per step: the recorder sees every attention call
-    assert {k: v for k, v in rows["eagle2"].items() if k != "family"} == \
-        {k: v for k, v in rows["eagle1"].items() if k != "family"}
+    assert rows["eagle2"]["same_as"] == "eagle1"
+    assert {k: v for k, v in rows["eagle2"].items() if k not in ("unit", "same_as")} == \
+        {k: v for k, v in rows["eagle1"].items() if k != "unit"}
     assert "eagle2*" in proc.stdout and "MFU" in proc.stdout and "within" in proc.stdout
+    assert all(f"[gpu_check] {name} (family): OK" in proc.stdout for name in FAMILIES)
+
+
+def test_units_past_their_timeout_are_recorded_and_the_rest_still_run(tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    started = time.perf_counter()  # no worker imports torch within 0.3 s: every family times out
+    proc = run("--device", "cpu", "--tiny", "--families", "eagle1,dflash", "--checks", "", "--family-timeout-s", "0.3",
+               "--json", str(report))
+    assert proc.returncode == 1 and time.perf_counter() - started < 30, proc.stderr[-2000:]
+    data = json.loads(report.read_text())
+    assert data["complete"] and [(r["unit"], r["status"]) for r in data["rows"]] == \
+        [("eagle1", "timeout"), ("eagle2", "timeout"), ("dflash", "timeout")]
+    assert all(not r["ok"] and r["error"] == "stopped after 0.3 s" for r in data["rows"])
+
+
+FAKE_WORKER = """import json, os, shutil, subprocess, sys, time
+names, events, report, out = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+def emit(event):
+    with open(events, "a") as f:
+        f.write(json.dumps(event) + "\\n")
+if names[0] == "mute":  # never ready
+    time.sleep(60)
+emit({"hello": {"device": "fake"}})
+for n in names:
+    if n.startswith("slow"):  # a child of its own (as torch.compile's workers): must die with the worker
+        child = subprocess.Popen(["sleep", "60"])
+        open(os.path.join(out, "child"), "w").write(str(child.pid))
+        time.sleep(60)
+    if n == "crash":
+        os._exit(3)
+    if n == "snap":  # the report as it stands while this unit runs
+        shutil.copy(report, os.path.join(out, "snapshot.json"))
+    emit({"unit": n, "row": {"ok": n != "bad", "status": "ok" if n != "bad" else "fail", "wall_s": 0.0}})
+"""
+
+
+def fake_supervise(tmp_path: Path, units: list[Unit], budget_s: float,
+                   startup_s: float = 20) -> tuple[Report, list[list[str]]]:
+    spawned: list[list[str]] = []
+    report = Report(tmp_path / "report.json", budget_s)
+
+    def spawn(names: list[str], events: Path) -> subprocess.Popen[bytes]:
+        spawned.append(names)
+        return subprocess.Popen([sys.executable, "-c", FAKE_WORKER, json.dumps(names), str(events),
+                                 str(report.path), str(tmp_path)], start_new_session=True)
+
+    supervise(units, spawn, tmp_path, report, startup_s, poll_s=0.02)
+    return report, spawned
+
+
+def dead(pid: int) -> bool:
+    for _ in range(100):
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] in "ZX":
+                return True
+        except (FileNotFoundError, ProcessLookupError):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_supervisor_stops_a_slow_unit_with_its_children_and_restarts_after_a_crash(tmp_path: Path) -> None:
+    units = [Unit("a", "family", 20), Unit("slow", "family", 1.0), Unit("bad", "check", 20), Unit("crash", "check", 20),
+             Unit("snap", "check", 20), Unit("b", "check", 20)]
+    report, spawned = fake_supervise(tmp_path, units, budget_s=60)
+    assert [(r["unit"], r["kind"], r["status"], r["ok"]) for r in report.rows] == [
+        ("a", "family", "ok", True), ("slow", "family", "timeout", False), ("bad", "check", "fail", False),
+        ("crash", "check", "crashed", False), ("snap", "check", "ok", True), ("b", "check", "ok", True)]
+    assert 1.0 <= report.rows[1]["wall_s"] < 5 and "status 3" in report.rows[3]["error"]
+    assert spawned == [["a", "slow", "bad", "crash", "snap", "b"], ["bad", "crash", "snap", "b"], ["snap", "b"]]
+    assert dead(int((tmp_path / "child").read_text()))
+    snapshot = json.loads((tmp_path / "snapshot.json").read_text())  # written before "snap" ran
+    assert not snapshot["complete"] and [r["unit"] for r in snapshot["rows"]] == ["a", "slow", "bad", "crash"]
+    assert snapshot["device"] == "fake"
+
+
+def test_supervisor_stops_at_the_budget_and_records_what_did_not_run(tmp_path: Path) -> None:
+    units = [Unit("a", "family", 20), Unit("slow", "family", 20), Unit("b", "family", 20)]
+    started = time.perf_counter()
+    report, _ = fake_supervise(tmp_path, units, budget_s=2.0)
+    assert time.perf_counter() - started < 4
+    assert [(r["unit"], r["status"]) for r in report.rows] == [("a", "ok"), ("slow", "timeout"), ("b", "not_run")]
+    assert json.loads(report.path.read_text())["rows"] == report.rows  # type: ignore[union-attr]
+
+
+def test_a_worker_that_never_gets_ready_leaves_every_unit_not_run(tmp_path: Path) -> None:
+    started = time.perf_counter()
+    report, spawned = fake_supervise(tmp_path, [Unit("mute", "family", 20), Unit("a", "check", 20)], 60, startup_s=0.5)
+    assert time.perf_counter() - started < 3 and spawned == [["mute", "a"]]
+    assert [(r["unit"], r["status"]) for r in report.rows] == [("mute", "not_run"), ("a", "not_run")]
+    assert "was not ready after 0.5 s" in report.rows[0]["error"]
+
+
+def test_the_schema_sentinel_is_omegaconfs_missing() -> None:
+    """train/config.py spells omegaconf.MISSING itself (so the GPU check imports no omegaconf); Hydra's
+    structured config must still read it as a mandatory value."""
+    from omegaconf import MISSING, OmegaConf
+
+    from verl_speco.train import config
+
+    assert config.MISSING == MISSING
+    assert {"target.path", "data.store"} <= OmegaConf.missing_keys(OmegaConf.structured(config.TrainerConfig))
 
 
 class WrongDense(AttentionMask):
@@ -93,14 +231,20 @@ def test_flex_comparison_flags_a_wrong_kernel(monkeypatch: pytest.MonkeyPatch) -
     assert stats.failures == 1 and stats.max_diff > 0.1
 
 
-def test_the_wheels_it_installs_are_the_venvs_versions() -> None:
-    pins = re.search(r"WHEEL_PINS=\(([^)]*)\)", SCRIPT.read_text())
-    assert pins is not None
-    for pin in pins.group(1).split():
-        name, version = pin.split("==")
-        assert importlib.metadata.version(name) == version, pin
+def load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_check_script", ROOT / "scripts" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_a_bad_flag_fails_naming_it() -> None:
-    proc = run("--device", "cpu", "--families", "eagle4")
-    assert proc.returncode == 2 and "--families: got ['eagle4']" in proc.stderr, proc.stderr[-2000:]
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--families", "eagle4"), "--families: got ['eagle4']"),
+    (("--checks", "nope"), "--checks: got ['nope']"),
+    (("--family-timeout-s", "0"), "--family-timeout-s: got 0.0, expected > 0"),
+    (("--families", "", "--checks", ""), "both empty")])
+def test_a_bad_flag_fails_naming_it(flags: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        load_script().parse_args(["--device", "cpu", *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -13,7 +13,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import MISSING
+# omegaconf.MISSING: OmegaConf (Hydra's structured configs) reads this exact string as a mandatory
+# value not yet set. Spelled out so the schema imports without omegaconf (scripts/gpu_check.py runs
+# on machines without it); tests/scripts/test_gpu_check.py keeps it equal to omegaconf's.
+MISSING: Any = "???"
 
 
 class ConfigError(ValueError):
