@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -148,7 +149,8 @@ def export_untrained_like(export_dir: str | Path, target_dir: str | Path, out_di
 
 def vllm_acceptance(target_dir: str | Path, drafts: dict[str, Path], prompts: EvalPrompts, k: int,
                     max_new_tokens: int, reference_outputs: list[list[int]] | None = None,
-                    temperature: float = 0.0, seed: int = 0, tick: Callable[[], None] | None = None) -> dict[str, Any]:
+                    temperature: float = 0.0, seed: int = 0, tick: Callable[[], None] | None = None,
+                    engine_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Serve the target in vLLM without, then with, each drafter; vLLM's own counters.
 
     Greedy (`temperature` 0): returns {draft name: acceptance summary + `lossless` (outputs identical
@@ -157,18 +159,24 @@ def vllm_acceptance(target_dir: str | Path, drafts: dict[str, Path], prompts: Ev
     they are of garbage unless the engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`),
     where `build_llm`'s `verl_speco.cpu_port.install_cpu_port` fixed speculative sampling (bug A).
     One engine at a time: vLLM keeps one metrics registry per process. `tick()` is called after each
-    engine (plain decoding, then one per draft: `vllm_engine_runs` of them).
+    engine (plain decoding, then one per draft: `vllm_engine_runs` of them). `engine_options`
+    (`dtype`, `enforce_eager`, `max_num_seqs`) go to every engine; absent ones are `build_llm`'s
+    defaults for this device.
     """
     from verl_speco.engines import vllm_engine
 
     def _cut(seqs: list[list[int]]) -> list[list[int]]:
         return [cut_at_end(s, (prompts.eos_token_id,))[0] for s in seqs]
 
+    options = dict(engine_options or {})
+    unknown = sorted(set(options) - {"dtype", "enforce_eager", "max_num_seqs"})
+    if unknown:
+        raise ValueError(f"engine_options: got {unknown}, expected keys among dtype, enforce_eager, max_num_seqs")
     # long enough for the drafter on every step of every request (vllm_engine.context_length)
     context = vllm_engine.context_length(max(len(p) for p in prompts.token_ids), max_new_tokens, k)
     plain: list[list[int]] | None = None
     if temperature == 0.0:
-        llm = vllm_engine.build_llm(target_dir, None, max_model_len=context)
+        llm = vllm_engine.build_llm(target_dir, None, max_model_len=context, **options)
         try:
             plain = _cut(vllm_engine.generate(llm, prompts.token_ids, max_new_tokens, ignore_eos=False))
         finally:
@@ -182,7 +190,7 @@ def vllm_acceptance(target_dir: str | Path, drafts: dict[str, Path], prompts: Ev
         llm = vllm_engine.build_llm(target_dir, draft_dir, method=spec.pop("method"),
                                     num_speculative_tokens=spec.pop("num_speculative_tokens"),
                                     speculative_extra={k_: v for k_, v in spec.items() if k_ != "model"},
-                                    max_model_len=context)
+                                    max_model_len=context, **options)
         try:
             out, metrics = vllm_engine.generate_with_metrics(llm, prompts.token_ids, max_new_tokens, temperature,
                                                              ignore_eos=False, seed=seed if temperature else None)

@@ -22,7 +22,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -50,8 +50,10 @@ from verl_speco.capture.records import (
     pad_batch,
     resolve_layout,
 )
+from verl_speco.engines.vllm_engine import ENGINE_DTYPES
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+VLLM_OPTIONS = {"dtype": "--engine-dtype", "enforce_eager": "--enforce-eager", "max_num_seqs": "--max-num-seqs"}
 
 
 @dataclass
@@ -142,7 +144,8 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
                      last_hidden: bool | None = None, target_model_id: str | None = None,
                      rank: int | None = None, world_size: int | None = None, device: str = "cpu",
                      model: nn.Module | None = None, tokenizer: Any = None,
-                     engine: str = "hf", encoding: str = "raw") -> CollectSummary:
+                     engine: str = "hf", encoding: str = "raw",
+                     vllm_options: Mapping[str, Any] | None = None) -> CollectSummary:
     """Fill ``store`` from the JSONL chats in ``data`` (see the module docstring).
 
     ``families``: one drafter family or several (``"eagle1,eagle3"`` or a list): the union of their
@@ -150,6 +153,8 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
     ``last_hidden``: store it (default: yes, or as the families' layouts say).
     ``engine``: what generates the responses with ``generate``: "hf" (transformers' generate) or
     "vllm" (the target served by vLLM, CPU build here; needs a local target directory).
+    ``vllm_options``: the vLLM engine's ``dtype``, ``enforce_eager``, ``max_num_seqs`` (with ``engine="vllm"``
+    and ``generate`` only; each absent one is ``vllm_engine.build_llm``'s default for this device).
     ``encoding``: how the hidden states are stored: "raw" (``dtype``) or "fp8_e4m3" (e4m3 with a
     per-token scale, about half of bf16's bytes; read back as ``dtype``).
     ``model``/``tokenizer`` may be passed already loaded (used on their device); otherwise they come
@@ -168,6 +173,12 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
         raise ValueError(f"batch_size={batch_size}: expected >= 1")
     if engine not in ("hf", "vllm"):
         raise ValueError(f"engine={engine!r}: expected 'hf' or 'vllm'")
+    unknown = sorted(set(vllm_options or {}) - set(VLLM_OPTIONS))
+    if unknown:
+        raise ValueError(f"vllm_options: got {unknown}, expected keys among {list(VLLM_OPTIONS)}")
+    if vllm_options and not (generate and engine == "vllm"):
+        raise ValueError(f"{', '.join(VLLM_OPTIONS[k] for k in vllm_options)}: apply to --engine vllm with "
+                         f"--generate, got --engine {engine}{'' if generate else ' without --generate'}")
     rank, world_size = _rank_world(rank, world_size)
     chats = load_chats(data, max_samples)[rank::world_size]  # first: the data fails fast, the model loads slowly
     if not layer_ids:
@@ -194,7 +205,7 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
         prompts = [encode_prompt(tokenizer, prompt_messages(c)) for c in chats]
         if engine == "vllm":
             outs = generate_responses_vllm(str(target), prompts, end_ids=end_ids, max_new_tokens=max_new_tokens,
-                                           temperature=temperature, seed=seed + rank)
+                                           temperature=temperature, seed=seed + rank, **(vllm_options or {}))
         else:
             outs = generate_responses(model, prompts, end_ids=end_ids, pad_id=pad_id,
                                       max_new_tokens=max_new_tokens, temperature=temperature,
@@ -248,6 +259,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--generate", action="store_true", help="generate the assistant turn with the target first")
     p.add_argument("--engine", default="hf", choices=("hf", "vllm"),
                    help="what generates with --generate: transformers (hf) or the target served by vLLM")
+    p.add_argument("--engine-dtype", default=None, choices=ENGINE_DTYPES,
+                   help="--engine vllm: the engine's dtype (default: float32 on the CPU, bfloat16 on a GPU or NPU)")
+    p.add_argument("--enforce-eager", default=None, action=argparse.BooleanOptionalAction,
+                   help="--engine vllm: run without CUDA/ACL graphs (default: eager on the CPU only)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="--engine vllm: sequences the engine runs at once (default: 32 on the CPU, vLLM's own "
+                        "elsewhere)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     group = p.add_mutually_exclusive_group()
@@ -280,6 +298,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"verl-speco-collect: error: --layer-ids {args.layers!r}: expected comma-separated integers",
               file=sys.stderr)
         return 2
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        print(f"verl-speco-collect: error: --max-num-seqs {args.max_num_seqs}: expected >= 1", file=sys.stderr)
+        return 2
+    given = {"dtype": args.engine_dtype, "enforce_eager": args.enforce_eager, "max_num_seqs": args.max_num_seqs}
     from feature_store import StoreError
     from verl_speco.target.build import BuildDigestError
     from verl_speco.target.named import is_named_target, resolve_target
@@ -293,7 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             dtype=args.dtype, batch_size=args.batch_size, max_samples=args.max_samples,
             max_length=args.max_length, min_response_tokens=args.min_response_tokens, seed=args.seed,
             last_hidden=False if args.no_last_hidden else None, target_model_id=args.target_model_id, device=args.device,
-            engine=args.engine, encoding=args.encoding)
+            engine=args.engine, encoding=args.encoding,
+            vllm_options={k: v for k, v in given.items() if v is not None})
     except (ValueError, OSError, StoreError, TargetSourceError, BuildDigestError) as e:
         print(f"verl-speco-collect: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -17,6 +17,8 @@ from torch import nn
 
 from drafters.common.tokens import cut_at_end
 
+CPU_MAX_NUM_SEQS = 32  # vLLM sequences at once when `generate_responses_vllm` runs on the CPU
+
 
 @dataclass
 class Generated:
@@ -70,15 +72,18 @@ def generate_responses(model: nn.Module, prompts: Sequence[Sequence[int]], *, en
 
 def generate_responses_vllm(target_dir: str, prompts: Sequence[Sequence[int]], *, end_ids: Sequence[int],
                             max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0,
-                            max_num_seqs: int = 32) -> list[Generated]:
-    """`generate_responses` served by vLLM (the CPU build here): the target regenerates the responses
-    with the engine users deploy (self-distillation as the EAGLE papers do; much faster than HF
-    generate at real model sizes). Greedy by default; with `temperature > 0` each request is seeded
-    from `seed` and its index. The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0
-    unless the caller set it) with a 1 GiB CPU KV cache (`use_in_process_vllm_env`: without it vLLM CPU
-    reserves 92% of the machine's memory and refuses to start when another process holds some) and is
-    shut down before returning."""
+                            max_num_seqs: int | None = None, dtype: str | None = None,
+                            enforce_eager: bool | None = None) -> list[Generated]:
+    """`generate_responses` served by vLLM: the target regenerates the responses with the engine
+    users deploy (self-distillation as the EAGLE papers do; much faster than HF generate at real model
+    sizes). Greedy by default; with `temperature > 0` each request is seeded from `seed` and its index.
+    The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless the caller set it) with a
+    1 GiB CPU KV cache (`use_in_process_vllm_env`: without it vLLM CPU reserves 92% of the machine's
+    memory and refuses to start when another process holds some) and is shut down before returning.
+    `dtype`, `enforce_eager`, `max_num_seqs`: None leaves `vllm_engine.build_llm`'s device defaults,
+    except max_num_seqs on the CPU, 32 (`CPU_MAX_NUM_SEQS`)."""
     from verl_speco.cpu_port.env import use_in_process_vllm_env
+    from verl_speco.device import accelerator_type
     from verl_speco.engines import vllm_engine
 
     if max_new_tokens < 1:
@@ -86,7 +91,10 @@ def generate_responses_vllm(target_dir: str, prompts: Sequence[Sequence[int]], *
     ends = {int(i) for i in end_ids}
     use_in_process_vllm_env()
     longest = max(len(p) for p in prompts) + max_new_tokens
-    llm = vllm_engine.build_llm(target_dir, None, max_model_len=longest, max_num_seqs=max_num_seqs, seed=seed)
+    if max_num_seqs is None and accelerator_type() == "cpu":
+        max_num_seqs = CPU_MAX_NUM_SEQS
+    llm = vllm_engine.build_llm(target_dir, None, max_model_len=longest, max_num_seqs=max_num_seqs, seed=seed,
+                                dtype=dtype, enforce_eager=enforce_eager)
     try:
         rows = vllm_engine.generate(llm, prompts, max_new_tokens, temperature, ignore_eos=False,
                                     seed=seed if temperature > 0 else None)

