@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -19,6 +21,16 @@ import torch
 from benchmarks.device_check_family import run_family
 from benchmarks.device_checks import CHECKS
 from benchmarks.train_step_common import Data, make_data
+
+
+def die_with_parent() -> None:
+    """On Linux, have the kernel kill this worker when its supervisor dies (SIGKILL included), so an
+    orphan never keeps the device busy after the check was stopped from outside."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def emit(path: Path, event: dict[str, Any]) -> None:
@@ -41,6 +53,7 @@ def run_worker(args: argparse.Namespace, names: list[str], events: Path) -> int:
     from verl_speco.train.config import RunSection, TrainerConfig
     from verl_speco.train.distributed import init_distributed
 
+    die_with_parent()
     device, _ = init_distributed(TrainerConfig(run=RunSection(device=args.device)))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
     started = time.perf_counter()

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -173,6 +174,35 @@ def test_a_worker_that_never_gets_ready_leaves_every_unit_not_run(tmp_path: Path
     assert time.perf_counter() - started < 3 and spawned == [["mute", "a"]]
     assert [(r["unit"], r["status"]) for r in report.rows] == [("mute", "not_run"), ("a", "not_run")]
     assert "was not ready after 0.5 s" in report.rows[0]["error"]
+
+
+ORPHAN = """import os, sys, time
+sys.path.insert(0, sys.argv[1])
+from benchmarks.device_check_worker import die_with_parent
+die_with_parent()
+open(sys.argv[2], "w").write(str(os.getpid()))
+time.sleep(60)
+"""
+
+
+def test_a_worker_dies_with_its_supervisor(tmp_path: Path) -> None:
+    """The supervisor killed from outside (SIGKILL: none of its cleanup runs) takes its worker along."""
+    pid_file = tmp_path / "worker.pid"
+    supervisor = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen(sys.argv[1:], "
+                                   "start_new_session=True); time.sleep(60)",
+                                   sys.executable, "-c", ORPHAN, str(ROOT), str(pid_file)])
+    for _ in range(600):
+        if pid_file.exists() and pid_file.read_text():
+            break
+        time.sleep(0.05)
+    supervisor.kill()
+    supervisor.wait()
+    worker = int(pid_file.read_text())
+    try:
+        assert dead(worker)
+    finally:
+        if not dead(worker):  # the test's own orphan on failure
+            os.kill(worker, signal.SIGKILL)
 
 
 def test_the_schema_sentinel_is_omegaconfs_missing() -> None:
