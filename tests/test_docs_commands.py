@@ -15,7 +15,10 @@ command's environment). Each is checked without a GPU, a network or a long run:
   the scripts/*.sh that end in one of them) is asked for `--help`, and every `--flag` the command
   uses must appear in that help (or, for a shell script, in the script itself);
 - `pip install` names existing extras and the versions file's pins; `docker build -f` an existing
-  Dockerfile.
+  Dockerfile; `docker run` an image of ours (`verl-speco:<x>` from docker/Dockerfile.<x>) with known
+  options, a GPU or NPU image with `--ipc=host` or a `--shm-size` that holds the versions a launcher
+  publishes (three of the largest Qwen3-8B block draft, `docker_shm_needed`), and the command it
+  runs checked as if documented alone.
 
 Any other program fails the check, so a new kind of command needs a checker here. The measurement
 recipes of docs/results/ go through the same checks, none of which runs a measurement. All programs
@@ -55,11 +58,16 @@ verl-speco-inspect-features runs/store --no-such-flag
 bash scripts/run_qwen3_8b_eagle3.sh --bogus-launcher-flag
 python scripts/bench_family_acceptance.py --k 3 --not-a-flag
 verl-speco-draft-train target.path=/t data.store=/s drafter.no_such_key=1
+docker run --rm --gpus all verl-speco:gpu-vllm bash scripts/run_qwen3_8b_dflash.sh
+docker run --rm --gpus all --shm-size=2g verl-speco:gpu-vllm bash scripts/run_qwen3_8b_dflash.sh
 rm -rf runs
 ```
 """
 PLANTED_PROBLEMS = ("--no-such-flag", "--bogus-launcher-flag", "--not-a-flag", "drafter.no_such_key",
-                    "no checker")
+                    "needs --ipc=host or --shm-size", "--shm-size=2g: 2147483648 bytes", "no checker")
+DOCKER_RUN_VALUE_OPTIONS = {"--gpus", "-v", "--volume", "-e", "--env", "--shm-size", "--ipc", "--device", "-w",
+                            "--workdir", "--name", "--network"}
+DOCKER_RUN_FLAGS = {"--rm", "-i", "-t", "-it", "--privileged"}
 
 
 @dataclass
@@ -238,12 +246,73 @@ def plan(command: Command, store: Path, recorder: Path) -> Check:
     if prog == "pip" and argv[1:2] == ["install"]:
         check.problems += _pip_problems(argv[2:])
         return check
+    if prog == "docker" and argv[1:2] == ["run"]:
+        return _docker_run(command, store, recorder)
     if prog == "docker" and argv[1:2] == ["build"]:
         dockerfile = argv[argv.index("-f") + 1] if "-f" in argv else "Dockerfile"
         if not (ROOT / dockerfile).is_file():
             check.problems.append(f"{dockerfile}: no such Dockerfile")
         return check
     check.problems.append(f"no checker for {prog!r}: add one to tests/test_docs_commands.py")
+    return check
+
+
+def docker_shm_needed() -> int:
+    """Shared memory the versions of the largest Qwen3-8B block draft take (DFlash, DSpark; bf16)."""
+    import math
+
+    from drafters.registry import get_family
+    from verl_speco.launchers import recipes
+    from verl_speco.online.publish_room import VERSIONS_ALIVE
+
+    sizes = []
+    for name in ("dflash", "dspark"):
+        family = get_family(name)
+        cfg = family.resolve(recipes.family_config(name, recipes.settings(name, "gpu")), recipes.QWEN3_8B)
+        shapes = family.engine_format(cfg, recipes.QWEN3_8B).tensor_shapes()  # type: ignore[attr-defined]
+        sizes.append(2 * sum(math.prod(shape) for shape in shapes.values()))
+    return VERSIONS_ALIVE * max(sizes)
+
+
+def _docker_run(command: Command, store: Path, recorder: Path) -> Check:
+    """`docker run [options] verl-speco:<x> COMMAND...`: the options, the image, shared memory, then
+    COMMAND's own checks."""
+    words, problems, env, ipc, shm = command.argv[2:], [], dict(command.env), None, None
+    i = 0
+    while i < len(words) and words[i].startswith("-"):
+        option, eq, value = words[i].partition("=")
+        if option in DOCKER_RUN_FLAGS:
+            i += 1
+            continue
+        if option not in DOCKER_RUN_VALUE_OPTIONS:
+            problems.append(f"docker run {option}: no checker for this option")
+            i += 1
+            continue
+        value, i = (value, i + 1) if eq else (words[i + 1] if i + 1 < len(words) else "", i + 2)
+        if option in ("-e", "--env") and "=" in value:
+            env[value.split("=", 1)[0]] = value.split("=", 1)[1]
+        ipc = value if option == "--ipc" else ipc
+        shm = value if option == "--shm-size" else shm
+    if i >= len(words):
+        return Check(command, problems=[*problems, "docker run: no image"])
+    image, inner = words[i], words[i + 1:]
+    name, _, tag = image.partition(":")
+    if name != "verl-speco" or not (ROOT / "docker" / f"Dockerfile.{tag}").is_file():
+        problems.append(f"docker run {image}: not an image of docker/Dockerfile.*")
+    elif tag != "cpu" and ipc != "host":
+        size = re.fullmatch(r"(\d+)([gGmM])", shm or "")
+        needed = docker_shm_needed()
+        if shm is None:
+            problems.append(f"docker run {image}: needs --ipc=host or --shm-size (Docker's 64 MiB /dev/shm cannot "
+                            f"hold the {needed} bytes of published drafts)")
+        elif size is None or int(size.group(1)) << (30 if size.group(2) in "gG" else 20) < needed:
+            have = int(size.group(1)) << (30 if size.group(2) in "gG" else 20) if size else 0
+            problems.append(f"docker run --shm-size={shm}: {have} bytes, the published drafts need {needed}")
+    if not inner:
+        return Check(command, problems=problems)
+    check = plan(Command(command.doc, shlex.join(inner), env, inner), store, recorder)
+    check.command = command
+    check.problems = problems + check.problems
     return check
 
 
