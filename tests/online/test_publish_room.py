@@ -82,6 +82,12 @@ def test_a_versions_bytes_are_its_exports_safetensors_files(tmp_path: Path) -> N
         draft_bytes(tmp_path / "publish")
 
 
+def test_a_draft_on_another_node_is_said_unchecked(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="verl_speco.online.publish_room"):
+        assert require_publish_room("/dev/shm/x", tmp_path / "elsewhere", fake_disk(0)) is None
+    assert "publish room not checked" in caplog.text and "elsewhere" in caplog.text
+
+
 class _Configured(Exception):
     """The stand-in trainer went on to configure the rollout engines: the room check passed."""
 

@@ -10,6 +10,7 @@ initial draft export's safetensors files: the same tensors in the same dtype (`e
 
 from __future__ import annotations
 
+import logging
 import math
 import shutil
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from typing import Any
 
 from verl_speco.online.publish import KEEP
 
+logger = logging.getLogger(__name__)
 VERSIONS_ALIVE = KEEP + 1
 GIB = 1 << 30
 DOCKER_DEFAULT_SHM = 64 << 20
@@ -73,6 +75,14 @@ def check_publish_room(publish_dir: str | Path, version_bytes: int, versions: in
 
 
 def require_publish_room(publish_dir: str | Path, draft_dir: str | Path,
-                         disk_usage: Callable[[Path], Any] | None = None) -> int:
-    """`check_publish_room` for versions the size of the export in `draft_dir`; the bytes needed."""
+                         disk_usage: Callable[[Path], Any] | None = None) -> int | None:
+    """`check_publish_room` for versions the size of the export in `draft_dir`; the bytes needed.
+
+    Run where the drafter publishes (one node: the trainer's). When `draft_dir` is not visible here
+    (the drafter's rank 0 wrote it on another node) nothing can be measured: a warning says so and
+    None is returned."""
+    if not Path(draft_dir).is_dir():
+        logger.warning("publish room not checked: the draft export %s is not visible from this node; "
+                       "%s must hold %d versions of it", draft_dir, publish_dir, VERSIONS_ALIVE)
+        return None
     return check_publish_room(publish_dir, draft_bytes(draft_dir), VERSIONS_ALIVE, disk_usage)
