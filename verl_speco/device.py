@@ -12,17 +12,22 @@ Per device type ("cuda", "npu", "cpu"):
   floating tensors reduce in float32 and int64 in int32; elsewhere floats widen to float64.
 - `set_current_device`: the torch.cuda / torch.npu call that binds this process to a device.
 - `ray_accelerator_options`: Ray's request for n accelerators (`num_gpus` / `resources={"NPU": n}`).
+- `local_accelerator_index`: the torch index of the accelerator Ray gave a worker, from Ray's
+  accelerator ids and the worker's environment (passed in: ray is imported by verl_integration only).
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 DEVICE_TYPES = ("cuda", "npu", "cpu")
 BACKENDS = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+RAY_RESOURCES = {"cuda": "GPU", "npu": "NPU"}  # Ray's accelerator resource names
+VISIBLE_DEVICES = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 
 
 def _import_torch_npu() -> Any:
@@ -94,3 +99,35 @@ def ray_accelerator_options(device_type: str, count: float) -> dict[str, Any]:
     if _check_type(device_type) == "npu":
         return {"num_gpus": 0, "resources": {"NPU": count}}
     return {"num_gpus": count}
+
+
+def local_accelerator_index(device_type: str, accelerator_ids: Mapping[str, Sequence[str]],
+                            environ: Mapping[str, str]) -> int:
+    """The torch index (cuda:i, npu:i) of the accelerator Ray assigned to this worker.
+
+    `accelerator_ids` is `ray.get_runtime_context().get_accelerator_ids()` (e.g. {"GPU": [], "NPU": ["5"]}):
+    ids as listed in the visible-devices variable the worker started with (CUDA_VISIBLE_DEVICES,
+    ASCEND_RT_VISIBLE_DEVICES), the device ordinals when it had none. By default Ray narrows that
+    variable to the assigned ids (index 0); with RAY_EXPERIMENTAL_NOSET_<variable> set (our NPU launcher
+    sets it) Ray leaves it as it was, and device 0 would be another worker's. One rule covers both: the
+    id's position in the variable when it is set, else the id itself. Worked example, NPU id "5": Ray
+    narrowed the variable to "5" -> 0; NOSET with "4,5,6,7" -> 1; NOSET, unset -> 5. Several ids: the lowest.
+    """
+    if device_type not in RAY_RESOURCES:
+        raise ValueError(f"device type: got {device_type!r}, expected one of {', '.join(RAY_RESOURCES)}")
+    resource, variable = RAY_RESOURCES[device_type], VISIBLE_DEVICES[device_type]
+    ids = [str(i) for i in accelerator_ids.get(resource, [])]
+    if not ids:
+        raise ValueError(f"Ray's accelerator ids {dict(accelerator_ids)}: no {resource!r} id for this worker; "
+                         f"expected at least one (was the actor started with a {resource} resource?)")
+    visible = environ.get(variable)
+    if visible is not None:
+        listed = [v.strip() for v in visible.split(",")]
+        missing = [i for i in ids if i not in listed]
+        if missing:
+            raise ValueError(f"{variable}={visible!r} does not list Ray's {resource} ids {missing}; expected "
+                             f"the ids Ray assigned ({ids}) among the visible devices")
+        return min(listed.index(i) for i in ids)
+    if not all(i.isdigit() for i in ids):
+        raise ValueError(f"Ray's {resource} ids {ids} with {variable} unset: expected device ordinals")
+    return min(int(i) for i in ids)

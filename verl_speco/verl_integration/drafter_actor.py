@@ -16,6 +16,7 @@ share it).
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from typing import Any
 
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from verl_speco.device import (
     accelerator_type,
     collective_backend,
+    local_accelerator_index,
     ray_accelerator_options,
     set_current_device,
 )
@@ -34,9 +36,15 @@ from verl_speco.ports import free_port
 ACTOR_NAME_PREFIX = "verl_speco_drafter"
 
 
-def drafter_device() -> str:
-    """The accelerator Ray gave this actor (cuda, npu), else the CPU (`verl_speco.device`'s probe)."""
-    return accelerator_type()
+def drafter_device() -> tuple[str, int | None]:
+    """(device type, torch index) of the accelerator Ray gave this actor, ("cpu", None) without one.
+    The index comes from Ray's accelerator ids (`verl_speco.device.local_accelerator_index`), not 0:
+    where Ray does not narrow the visible devices (RAY_EXPERIMENTAL_NOSET_*, set by our NPU launcher),
+    device 0 is the node's first accelerator, another worker's."""
+    kind = accelerator_type()
+    if kind == "cpu":
+        return kind, None
+    return kind, local_accelerator_index(kind, ray.get_runtime_context().get_accelerator_ids(), os.environ)
 
 
 class DrafterWorker:
@@ -47,13 +55,15 @@ class DrafterWorker:
         from verl_speco.online.session import DrafterSession
 
         self.cfg = DrafterRunConfig.from_dict(drafter)
-        device = drafter_device()
+        kind, index = drafter_device()
+        if index is not None:  # at every world size: a bare "npu"/"cuda" device means the current one
+            set_current_device(kind, index)
         if world_size > 1:  # every rank's constructor runs at once; this returns when all have joined
             if master is None:
                 raise ValueError(f"DrafterWorker rank {rank} of {world_size}: master (host, port) is required")
-            set_current_device(device, 0)  # Ray exposes this actor's accelerator as device 0
-            dist.init_process_group(collective_backend(device), init_method=f"tcp://{master[0]}:{master[1]}",
+            dist.init_process_group(collective_backend(kind), init_method=f"tcp://{master[0]}:{master[1]}",
                                     rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=30))
+        device = kind if index is None else f"{kind}:{index}"
         self.session = DrafterSession(self.cfg, target_dir, device=device, run_name=run_name)
         self.rows_added = 0
         self.tokens_added = 0
