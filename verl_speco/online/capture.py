@@ -22,6 +22,7 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from safetensors.torch import load as safetensors_load
@@ -94,6 +95,7 @@ class CapturedRows:
     _event: object | None = None
 
     def wait(self) -> CapturedRows:
+        """Block until the device-to-host copies of `records` are done (`copies_done_event`)."""
         if self._event is not None:
             self._event.synchronize()  # type: ignore[attr-defined]
             self._event = None
@@ -135,6 +137,18 @@ def _to_host(t: Tensor) -> Tensor:
     out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     out.copy_(t, non_blocking=True)
     return out
+
+
+def copies_done_event(source: torch.device) -> Any | None:
+    """An event recorded on `source`'s current stream after the non-blocking copies from it were
+    queued (None for CPU sources: nothing is in flight). The device module's own Event (torch.cuda,
+    torch.npu, ...), so `CapturedRows.wait` blocks on every accelerator, not only on CUDA."""
+    if source.type == "cpu":
+        return None
+    module = getattr(torch, source.type)
+    event = module.Event()
+    event.record(module.current_stream(source))
+    return event
 
 
 def _row_slices(feat: Tensor, plan: RowPlan, attention_mask: Tensor) -> list[Tensor]:
@@ -195,10 +209,7 @@ class OnlineCapture:
                 record["aux_hidden"] = _to_host(aux[i].contiguous())
             record["last_hidden"] = _to_host(last[i].contiguous())
             records.append(record)
-        event = None
-        if records and records[0]["last_hidden"].is_pinned() and torch.cuda.is_available():
-            event = torch.cuda.Event()
-            event.record()
+        event = copies_done_event(feats.last_hidden.device) if records else None
         return CapturedRows(records, int(policy_version), plan.counts, event)
 
 
