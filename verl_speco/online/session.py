@@ -22,6 +22,10 @@ r, r + W, ... of it. Worked example, W = 2, a draw of rows [a, b, c]: rank 0 get
 the loss is normalised by the tokens of all three, so the update equals one process on [a, b, c].
 A draw of fewer rows than ranks (a version with 1 row, W = 2) gives rank r row r mod n (row a
 twice): every rank must run the forward, whose FSDP all-gathers are collectives.
+
+Precision: on an accelerator the draft computes in bfloat16 over float32 weights, the standalone
+GPU/NPU recipe's FSDP2 mixed precision (`accelerator_mixed_precision`; alone, the session starts a
+process group of one for it). On the CPU it trains in float32, with FSDP2 only when W > 1.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ from verl_speco.online.capture import CapturedRows, safetensors_metadata
 from verl_speco.online.config import DrafterRunConfig
 from verl_speco.online.publish import PublishedDraft, default_publish_dir, write_version
 from verl_speco.train.config import build_family_config
+from verl_speco.train.distributed import accelerator_mixed_precision, apply_fsdp, init_single_process_group
 from verl_speco.train.optim import build_optimizer, set_lr, warmup_lr
 from verl_speco.train.step import train_step
 
@@ -170,7 +175,8 @@ def served_depth_settings(config_cls: type, cfg: DrafterRunConfig) -> dict[str, 
 
 
 class DrafterSession:
-    """Drafter model, optimizer and buffer of an online run. Single device; see module docstring."""
+    """Drafter model, optimizer and buffer of an online run, on one device (`device`: "cpu", "cuda:1",
+    "npu:5"); see the module docstring."""
 
     def __init__(self, cfg: DrafterRunConfig, target_dir: str | Path, device: str | torch.device = "cpu",
                  run_name: str = "run"):
@@ -195,11 +201,14 @@ class DrafterSession:
         self.target_spec = target.spec
         self.engine_format = self.family.engine_format(self.fam_cfg, self.target_spec)
         self.model: nn.Module = model.to(self.device).train()
+        self.mixed_precision = accelerator_mixed_precision(self.device.type)  # bfloat16 off the CPU
+        if self.mixed_precision is not None and not dist.is_initialized():
+            init_single_process_group(self.device)  # FSDP2 carries the mixed precision, also alone
         self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        if self.world > 1:
-            from verl_speco.train.distributed import apply_fsdp
-
-            apply_fsdp(self.model, self.device, mixed_precision=None, reshard_after_forward=True)
+        if self.world > 1 or self.mixed_precision is not None:
+            apply_fsdp(self.model, self.device, self.mixed_precision, reshard_after_forward=True)
+        self._held: TargetHeadSnapshot | None = None  # the snapshot the model's frozen pieces hold
+        self._on_device: dict[int, tuple[TargetHeadSnapshot, Tensor, Tensor]] = {}  # version -> it, moved
         self.optimizer = build_optimizer(self.model.parameters(), cfg.optim)
         self.buffer = FeatureBuffer(cfg.buffer_max_tokens, cfg.max_staleness)
         self.rng = random.Random(cfg.seed)
@@ -234,7 +243,20 @@ class DrafterSession:
         return steps
 
     def _use_head(self, head: TargetHeadSnapshot) -> None:
-        self.family.set_target_head(self.model, head.embed_tokens, head.lm_head)
+        """Point the model's frozen target pieces at `head`. A snapshot is moved to the device once, in
+        its own dtype, and kept there while its version is buffered: a step used to copy both [V, H]
+        tensors from host memory as float32 (5 GB a step at Qwen3-8B sizes)."""
+        if head is self._held:
+            return
+        with self.buffer.lock:
+            live = set(self.buffer.heads)
+        self._on_device = {v: c for v, c in self._on_device.items() if v in live}
+        moved = self._on_device.get(head.version)
+        if moved is None or moved[0] is not head:
+            moved = (head, head.embed_tokens.to(self.device), head.lm_head.to(self.device))
+            self._on_device[head.version] = moved
+        self.family.set_target_head(self.model, moved[1], moved[2])
+        self._held = head
 
     def _rank_rows(self, samples: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
         """This rank's share of a global draw (module docstring: rows r, r + W, ...; never empty)."""

@@ -58,6 +58,21 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return device_mod.collective_backend(device.type)
 
 
+def accelerator_mixed_precision(device_type: str) -> str | None:
+    """The FSDP2 compute dtype a draft trains in on `device_type` when nothing asks otherwise: the GPU/NPU
+    training recipe's bfloat16 (`run.mixed_precision`, over float32 weights) on accelerators; None
+    (float32 throughout) on the CPU, which keeps CPU runs as they were, bit for bit."""
+    return None if device_type == "cpu" else "bfloat16"
+
+
+def init_single_process_group(device: torch.device, backend: str = "auto",
+                              timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> None:
+    """A default process group of one on a private in-memory store (no rendezvous): FSDP2 shards over
+    a process group even in a single process. `backend` as `resolve_backend`."""
+    dist.init_process_group(resolve_backend(backend, device), store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timeout)
+
+
 def init_distributed(cfg: TrainerConfig) -> tuple[torch.device, bool]:
     """Initialise the default process group; returns (device, whether this call created it)."""
     device = resolve_device(cfg.run.device)
@@ -68,7 +83,7 @@ def init_distributed(cfg: TrainerConfig) -> tuple[torch.device, bool]:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, timeout=timeout)
     else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        init_single_process_group(device, backend, timeout)
     return device, True
 
 
