@@ -484,3 +484,36 @@ def test_peagle_live_publish_recomputes_the_mask_slot_hidden_state(tmp_path: Pat
     assert seen["trained"] == refs["trained"][1]  # the published draft, exactly
     assert seen["restored"] == refs["trained"][1]
     assert seen["untrained"] == refs["untrained"][1]
+
+
+def _served_digest(worker: Any) -> dict[str, Any]:
+    from verl_speco.engines.draft_digest import DraftDigestMixin
+
+    return DraftDigestMixin.speco_draft_digest(worker)  # what the rollout workers answer (vllm_server.py)
+
+
+def test_the_served_draft_digest_is_stable_until_the_draft_is_lost(live: dict[str, Any]) -> None:
+    """The trainer's wake-up check (verl_integration/served_draft.py) on a real engine: the digest of
+    the draft's own tensors does not move with generation, a target sync or a re-apply of the same
+    version, and does move when the draft's memory is lost; the shared embedding is not in it."""
+    from verl_speco.engines.vllm_reload import reload_target
+
+    version = next(_VERSIONS)
+    assert _publish(live, "oracle", version)[0]["status"] == "loaded"
+    loaded = live["llm"].collective_rpc(_served_digest)[0]
+    assert loaded["version"] == version and not any("embed_tokens" in name for name in loaded["tensors"])
+    _run(live)
+    reload_target(live["llm"], live["target"])
+    assert live["llm"].collective_rpc(_served_digest)[0] == loaded
+
+    def lose(worker: Any) -> None:  # a level-2 wake: the draft's own memory is not reloaded
+        with torch.no_grad():
+            for name, p in worker.model_runner.drafter.model.named_parameters():
+                if "embed_tokens" not in name:
+                    p.zero_()
+
+    live["llm"].collective_rpc(lose)
+    assert live["llm"].collective_rpc(_served_digest)[0]["digest"] != loaded["digest"]
+    assert live["llm"].collective_rpc("speco_reapply_draft") == [version]
+    assert live["llm"].collective_rpc(_served_digest)[0] == loaded
+    assert _run(live)["mean_acceptance_length"] == 2.0

@@ -193,6 +193,9 @@ class _Replica:
                 self.version = int(args[1])
             answer = {"status": status, "version": self.version, "reason": "" if status == "loaded" else status}
             return [answer, answer]  # two engine workers (TP=2)
+        if method == "speco_draft_digest":  # a draft kept across sleep (served_draft.py: nothing re-sent)
+            digest = {"version": self.version, "digest": f"d{self.version}", "tensors": {"fc.weight": "x"}}
+            return [digest, digest]
         return [self.version, self.version]
 
 
@@ -205,7 +208,7 @@ def test_checkpoint_manager_reloads_the_latest_draft_after_every_wake_up() -> No
 
     trainer: Any = object.__new__(speco_trainer_cls(get_trainer_cls("sync")))
     trainer._speco_latest, trainer._speco_loaded, trainer._speco_sync_metrics = None, {}, {}
-    trainer._speco_refused, trainer._speco_refusals = {}, {}
+    trainer._speco_refused, trainer._speco_refusals, trainer._speco_digests = {}, {}, {}
     replicas = [_Replica(), _Replica()]
     manager = SpecoCheckpointEngineManager.wrap(
         CheckpointEngineManager(CheckpointEngineConfig(backend="naive"), actor_wg=None, replicas=replicas),
@@ -219,9 +222,11 @@ def test_checkpoint_manager_reloads_the_latest_draft_after_every_wake_up() -> No
 
     assert wake() == [["wake_up", "speco_draft_version"]] * 2  # nothing published yet
     trainer._speco_latest = {"version": 1, "path": "/shm/v000001"}
-    assert wake() == [["wake_up", "speco_load_draft", "speco_draft_version"]] * 2
+    loaded = ["wake_up", "speco_load_draft", "speco_draft_digest", "speco_draft_version"]
+    checked = ["wake_up", "speco_draft_digest", "speco_draft_version"]  # still served: tests/verl/test_served_draft.py
+    assert wake() == [loaded] * 2
     assert replicas[0].calls[1] == ("speco_load_draft", ("/shm/v000001", 1))
-    assert wake() == [["wake_up", "speco_reapply_draft", "speco_draft_version"]] * 2  # weights were discarded
+    assert wake() == [checked] * 2
     trainer._speco_latest = {"version": 3, "path": "/shm/v000003"}
     wake()
     assert trainer._speco_sync_metrics["drafter/served_version_min"] == 3.0
@@ -230,7 +235,7 @@ def test_checkpoint_manager_reloads_the_latest_draft_after_every_wake_up() -> No
     assert wake() == [["wake_up", "speco_load_draft", "speco_draft_version"]] * 2
     assert trainer._speco_sync_metrics["drafter/publish_rejected_total"] == 1.0
     assert trainer._speco_sync_metrics["drafter/served_version_min"] == 3.0
-    assert wake() == [["wake_up", "speco_reapply_draft", "speco_draft_version"]] * 2  # v3 re-applied
+    assert wake() == [checked] * 2  # v3 still served
     trainer._speco_latest = {"version": 5, "path": "/shm/v000005"}  # the next good publish loads
     wake()
     assert trainer._speco_sync_metrics["drafter/served_version_min"] == 5.0
@@ -258,7 +263,7 @@ def test_draft_loads_before_generation_resumes_after_a_non_naive_sync() -> None:
     assert naive < abort < finalize < resume
     trainer: Any = object.__new__(speco_trainer_cls(get_trainer_cls("sync")))
     trainer._speco_latest, trainer._speco_loaded, trainer._speco_sync_metrics = None, {}, {}
-    trainer._speco_refused, trainer._speco_refusals = {}, {}
+    trainer._speco_refused, trainer._speco_refusals, trainer._speco_digests = {}, {}, {}
     trainer._speco_latest = {"version": 2, "path": "/shm/v000002"}
     replicas = [_Replica(), _Replica()]
     manager = SpecoCheckpointEngineManager.wrap(
@@ -266,7 +271,7 @@ def test_draft_loads_before_generation_resumes_after_a_non_naive_sync() -> None:
         trainer._speco_after_weights)
     asyncio.run(manager.resume_generation_replicas.__wrapped__(manager))
     assert [[c[0] for c in r.calls] for r in replicas] == [
-        ["speco_load_draft", "speco_draft_version", "resume_generation"]] * 2
+        ["speco_load_draft", "speco_draft_digest", "speco_draft_version", "resume_generation"]] * 2
 
 
 def test_vllm_server_classes_install_on_verls(vllm_alias: str) -> None:

@@ -7,7 +7,9 @@ The trainer (`trainer.py`) talks to every rollout replica through two calls:
 and a refused or failed one leaves the previous draft serving; `speco_reapply_draft()` ->
 the version re-applied, -1 before the first; `speco_draft_version()` -> the version held, -1 before
 the first; `speco_apply_baseline(path, version)` -> like a load, but a fixed reference draft served
-outside the version order for one measurement, and `speco_restore_draft()` -> the held version back),
+outside the version order for one measurement, `speco_restore_draft()` -> the held version back, and
+`speco_draft_digest()` -> `{"version", "digest", "tensors"}` of the draft served now,
+`engines/draft_digest.py`; an SGLang server answers `"digest": None`: its API reads no weights back),
 answered by every engine worker of every server of the replica, and
 `replica.speco_spec_counters()`, the replica's cumulative spec-decode counters.
 `SpecoReplicaMixin` is that replica side for both engines (fan-out to `self.servers`).
@@ -38,7 +40,7 @@ from typing import Any
 from verl_speco.engines.spec_metrics import SpecCounters
 
 DRAFT_METHODS = ("speco_load_draft", "speco_reapply_draft", "speco_draft_version", "speco_apply_baseline",
-                 "speco_restore_draft")
+                 "speco_restore_draft", "speco_draft_digest")
 SGLANG_REQUEST_TIMEOUT_S = 600.0
 
 
@@ -159,6 +161,9 @@ class SGLangDraftServerMixin:
             return self._speco_load(str(args[0]), int(args[1]))
         if method == "speco_apply_baseline":  # the trainer refuses heldout_baseline with SGLang first
             return self._speco_answer("rejected", "SGLang reports no acceptance counters to measure a baseline with")
+        if method == "speco_draft_digest":  # no SGLang route returns the draft's weights: nothing to check
+            held = None if self._speco_publisher is None else self._speco_publisher.latest_version
+            return {"version": -1 if held is None else int(held), "digest": None, "tensors": {}}
         if self._speco_publisher is None:
             return -1
         if method in ("speco_reapply_draft", "speco_restore_draft"):

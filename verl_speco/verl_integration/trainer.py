@@ -8,8 +8,9 @@ disabled (or in `offline` mode) every override falls through to verl. Otherwise:
 - `_setup`: online, starts the drafter worker group, asks it for the layer ids, points the rollout
   engine's speculative config at the initial draft (`drafter.model_path`, else a fresh export) and
   installs our vLLM or SGLang replica class in verl's registry; after verl's setup, arms the workers' capture
-  and wraps the checkpoint manager so the latest draft is (re)loaded after every weight sync and
-  wake-up (verl's level-2 sleep discards draft weights and its weight sync only restores the target).
+  and wraps the checkpoint manager so the latest draft is loaded after every weight sync and wake-up,
+  and the held one checked by digest and re-published when lost (verl's level-2 sleep discards
+  draft weights and its weight sync only restores the target: `served_draft.py`).
 - `_compute_old_log_prob`: on capture steps (`collect_interval`) tags the batch with the policy
   version (`global_steps - 1` actor updates so far), which turns the workers' hooks on;
   `_update_actor` does the same with version `global_steps` under `capture_pass=post_update` (the
@@ -147,7 +148,8 @@ class SpecoTrainerMixin:
         self._speco_latest: dict[str, Any] | None = None  # the newest publish {"version", "path", ...}
         self._speco_loaded: dict[int, int] = {}  # id(checkpoint manager) -> version its replicas hold
         self._speco_refused: dict[int, int] = {}  # id(checkpoint manager) -> newest version they refused
-        self._speco_refusals: dict[str, int] = {}  # drafter/publish_{rejected,failed,stale}_total
+        self._speco_refusals: dict[str, int] = {}  # drafter/publish_{rejected,failed,stale}_total, republished
+        self._speco_digests: dict[int, Any] = {}  # id(checkpoint manager) -> served-draft digests after its load
         self._speco_sync_metrics: dict[str, float] = {}
         self._speco_warned: set[str] = set()
         self._speco_counters = SpecCounters()  # the rollout servers' cumulative counters at the last step
@@ -270,9 +272,16 @@ class SpecoTrainerMixin:
 
     async def _speco_after_weights(self, manager: CheckpointEngineManager) -> None:
         """After verl restored the target weights of `manager`'s replicas: load the newest publish
-        they do not hold yet, else re-apply the one they hold (weights may have been discarded)."""
+        they do not hold yet (and record the digest each worker then serves), else check that they
+        still serve the one they hold and re-publish it when a level-2 sleep discarded it
+        (`served_draft.check_served_draft`)."""
+        from verl_speco.verl_integration.served_draft import check_served_draft, record
+
         started = time.perf_counter()
         replicas = list(manager.replicas)
+
+        def call(method: str) -> Awaitable[list[Any]]:
+            return self._speco_replica_call(replicas, method)
         held = self._speco_loaded.get(id(manager), -1)
         pub = self._speco_latest
         refused = self._speco_refused.get(id(manager), -1)
@@ -281,6 +290,7 @@ class SpecoTrainerMixin:
             status, reasons = load_outcome(answers)
             if status == "loaded":
                 self._speco_loaded[id(manager)] = int(pub["version"])
+                self._speco_digests[id(manager)] = await record(call)
                 self._speco_sync_metrics["drafter/publish_load_seconds"] = time.perf_counter() - started
             else:  # the servers keep serving the draft they held; this version is not offered again
                 self._speco_refused[id(manager)] = int(pub["version"])
@@ -289,8 +299,8 @@ class SpecoTrainerMixin:
                 logger.warning("drafter publish v%s not loaded by the rollout servers (%s): %s; they keep "
                                "serving v%s", pub["version"], status, "; ".join(reasons), held)
         elif held >= 0:
-            await self._speco_replica_call(replicas, "speco_reapply_draft")
-            self._speco_sync_metrics["drafter/reapply_seconds"] = time.perf_counter() - started
+            if await check_served_draft(call, self._speco_digests.get(id(manager)), self._speco_refusals) != "intact":
+                self._speco_sync_metrics["drafter/reapply_seconds"] = time.perf_counter() - started
         versions = await self._speco_replica_call(replicas, "speco_draft_version")
         if versions:
             self._speco_sync_metrics["drafter/served_version_min"] = float(min(int(v) for v in versions))

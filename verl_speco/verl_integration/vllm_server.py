@@ -3,8 +3,8 @@
 verl builds its vLLM engine with `worker_extension_cls = vLLMHttpServer._get_worker_extension_cls()`
 (verl's `vLLMColocateWorkerExtension`). `SpecoVLLMHttpServer` returns `SpecoWorkerExtension`
 instead, which adds the draft-reload worker methods of `verl_speco.engines.vllm_reload.DraftReloadMixin`
-(`speco_load_draft(path, version)`, `speco_reapply_draft()`, `speco_draft_version()`) on top of
-verl's extension. The server calls them on every engine worker through the engine's
+(`speco_load_draft(path, version)`, `speco_reapply_draft()`, `speco_draft_version()`) and
+`engines.draft_digest.DraftDigestMixin` (`speco_draft_digest()`) on top of verl's extension. The server calls them on every engine worker through the engine's
 `collective_rpc` (the same path as verl's `vLLMHttpServer.collective_rpc`, which does not return
 the workers' answers) and returns the answers.
 
@@ -25,12 +25,14 @@ from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry
 from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
 
+from verl_speco.engines.draft_digest import DraftDigestMixin
 from verl_speco.engines.vllm_reload import DraftReloadMixin
 from verl_speco.verl_integration.draft_servers import SpecoReplicaMixin, check_method
 
 
-class SpecoWorkerExtension(DraftReloadMixin, vLLMColocateWorkerExtension):
-    """verl's colocate worker extension plus in-place draft reload (runs in every vLLM worker)."""
+class SpecoWorkerExtension(DraftDigestMixin, DraftReloadMixin, vLLMColocateWorkerExtension):
+    """verl's colocate worker extension plus in-place draft reload and the served draft's digest (runs in
+    every vLLM worker)."""
 
 
 def worker_extension_qualname() -> str:
