@@ -100,6 +100,8 @@ def test_published_versions_reach_sglang_draft_only(draft: tuple[torch.nn.Module
     assert stale["status"] == "stale" and stale["version"] == 3 and len(sglang.calls) == n  # nothing sent
     path4, state4 = _publish(tmp_path / "pub", model, cfg, 4, 2.0)
     assert call("speco_load_draft", str(path4), 4)[0]["status"] == "loaded" and call("speco_draft_version") == [4]
+    m = len(sglang.calls)  # no SGLang route reads the draft back: no digest, the trainer re-applies unchecked
+    assert call("speco_draft_digest") == [{"version": 4, "digest": None, "tensors": {}}] and len(sglang.calls) == m
     check_draft_update(sglang.tensor_updates(n), cfg, tp_size=2, deserialize=RawBucketCodec.decode,
                        expected=publishable_tensors(state4, cfg))
     n = len(sglang.calls)
