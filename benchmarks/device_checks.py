@@ -26,5 +26,16 @@ class DeviceCheck:
     run: Callable[[argparse.Namespace, torch.device], dict[str, Any]]
 
 
-ALL_CHECKS: tuple[DeviceCheck, ...] = ()  # in run order
+def _all() -> tuple[DeviceCheck, ...]:
+    from benchmarks.device_checks_online import capture_wait, online_round
+
+    return (
+        DeviceCheck("capture_wait", "the capture's device-to-host copies are in flight when collect returns and "
+                    "the rows serialised after its wait are the device's", capture_wait),
+        DeviceCheck("online_round", "an online drafter round computes in bf16 over float32 weights and moves "
+                    "the target head to the device once per version", online_round),
+    )
+
+
+ALL_CHECKS: tuple[DeviceCheck, ...] = _all()  # in run order
 CHECKS: dict[str, DeviceCheck] = {c.name: c for c in ALL_CHECKS}

@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--startup-timeout-s", type=float, default=90.0,
                    help="a worker not ready by then (device, process group, synthetic data) runs nothing")
     p.add_argument("--family-timeout-s", type=float, default=60.0, help="a family unit is stopped after this")
-    p.add_argument("--check-timeout-s", type=float, default=20.0, help="a check unit is stopped after this")
+    p.add_argument("--check-timeout-s", type=float, default=45.0, help="a check unit is stopped after this")
     p.add_argument("--peak-tflops", type=float, default=None, help="device dense bf16 peak (default: by name)")
     p.add_argument("--json", default=None, help="write the report here (rewritten as each unit finishes)")
     p.add_argument("--worker-units", default=None, help=argparse.SUPPRESS)  # set by the supervisor

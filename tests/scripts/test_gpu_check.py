@@ -6,6 +6,7 @@ run itself needs an H100/H200 (see the script)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -28,6 +29,7 @@ from drafters.common.masks import AttentionMask, ttt_attention_mask
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 FAMILIES = ("eagle1", "eagle2", "eagle3", "dflash", "dspark", "domino", "peagle")
+CHECKS = ("capture_wait", "online_round")  # benchmarks/device_checks.py, in run order
 # what the GPU machine (torch, transformers, safetensors, numpy, pyyaml, triton) does not have, and
 # heavy optional packages the check has no business importing
 ABSENT = ("omegaconf", "hydra", "antlr4", "vllm", "ray", "verl", "sglang", "tqdm", "accelerate", "speculators",
@@ -84,6 +86,25 @@ def test_cpu_smoke_run_on_a_bare_machine_steps_every_family(tmp_path: Path) -> N
         {k: v for k, v in rows["eagle1"].items() if k != "unit"}
     assert "eagle2*" in proc.stdout and "MFU" in proc.stdout and "within" in proc.stdout
     assert all(f"[gpu_check] {name} (family): OK" in proc.stdout for name in FAMILIES)
+    named = {r["unit"]: r for r in data["rows"] if r["kind"] == "check"}
+    assert [r["unit"] for r in data["rows"]][-len(CHECKS):] == list(CHECKS) and all(r["ok"] for r in named.values())
+    # on the CPU nothing is in flight and nothing moves to another device: no event, float32, no head moves
+    assert named["capture_wait"]["rows_equal"] and named["capture_wait"]["event"] is None
+    online = named["online_round"]
+    assert online["compute_dtypes"] == online["master_dtypes"] == ["float32"] and online["head_moves"] == 0
+    assert online["trained"] and math.isfinite(online["loss"])
+
+
+def test_capture_check_fails_rows_read_before_their_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy that has not landed (the host buffer still empty) is what an un-awaited read sees."""
+    from benchmarks.device_checks_online import capture_wait
+    from verl_speco.online import capture as capture_mod
+
+    args = argparse.Namespace(seq_len=64, hidden=16, vocab=100, seed=0)
+    assert capture_wait(args, torch.device("cpu"))["ok"]
+    monkeypatch.setattr(capture_mod, "_to_host", torch.zeros_like)
+    row = capture_wait(args, torch.device("cpu"))
+    assert not row["ok"] and not row["rows_equal"], row
 
 
 def test_units_past_their_timeout_are_recorded_and_the_rest_still_run(tmp_path: Path) -> None:
