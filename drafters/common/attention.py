@@ -3,8 +3,9 @@
 - `sdpa`: `scaled_dot_product_attention` with the dense bool mask from `AttentionMask.dense()`.
   Runs everywhere, forward and backward (CPU training uses it).
 - `flex`: flex attention with a `BlockMask` built by `create_block_mask` from the same mask
-  function. Compiled on CUDA; on CPU it runs eagerly, forward only (its backward is not
-  implemented on CPU in torch 2.13), which is enough for the agreement test.
+  function. Compiled on CUDA (`_flex`: one graph per mask function for every length and offset);
+  on CPU it runs uncompiled, forward only (its backward is not implemented on CPU in torch 2.13),
+  which is enough for the agreement test.
 - `auto`: flex on CUDA, sdpa elsewhere (Ascend NPUs and every other device take the dense-mask
   path; flex is refused on them: torch_npu has no flex attention kernel).
 
@@ -14,8 +15,9 @@ output [B, Hq, Tq, D]. `mask=None` means every query sees every key.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -23,13 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from drafters.common.masks import AttentionMask, TTTAttentionMask
+from drafters.common.masks import AttentionMask, MaskMod, TTTAttentionMask
 
 AttnBackend = Literal["auto", "sdpa", "flex"]
 BACKENDS: tuple[str, ...] = ("auto", "sdpa", "flex")
 
 
-FLEX_DEVICES = ("cuda", "cpu")  # cpu: eager and forward only (module docstring)
+FLEX_DEVICES = ("cuda", "cpu")  # cpu: uncompiled and forward only (module docstring)
+_COMPILED_FLEX_ON = {"cuda"}  # device types whose flex calls run compiled (`compiled_flex_on` adds one)
 
 
 def resolve_backend(backend: str, device: torch.device) -> Literal["sdpa", "flex"]:
@@ -43,25 +46,62 @@ def resolve_backend(backend: str, device: torch.device) -> Literal["sdpa", "flex
     return "flex" if backend == "flex" else "sdpa"
 
 
-@functools.cache
-def _compiled_flex() -> Callable[..., Any]:
-    from torch.nn.attention.flex_attention import flex_attention
+def _masked_flex(q: Tensor, k: Tensor, v: Tensor, mask_mod: MaskMod | None, batch: int, gqa: bool) -> Tensor:
+    """flex attention under `mask_mod` evaluated for `batch` rows at the tensors' own lengths.
 
-    return torch.compile(flex_attention)  # recompiles once per new shape kind, then dynamic
-
-
-def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask | None) -> Tensor:
+    The BlockMask is built here, inside the compiled graph, from q's and k's lengths: a BlockMask
+    built outside carries its lengths as Python ints, which the compiled graph is specialized to.
+    """
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     block_mask = None
-    if mask is not None:
-        block_mask = create_block_mask(mask.mask_mod, mask.batch, None, mask.q_len, mask.kv_len,
-                                       device=str(q.device))
-    fn: Callable[..., Any] = _compiled_flex() if q.is_cuda else flex_attention  # type: ignore[assignment]
-    gqa = q.shape[1] != k.shape[1]
-    out = fn(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    if mask_mod is not None:
+        block_mask = create_block_mask(mask_mod, batch, None, q.shape[2], k.shape[2], device=q.device)
+    out = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
     assert isinstance(out, Tensor)
     return out
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., Any]:
+    return torch.compile(_masked_flex)
+
+
+def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask | None) -> Tensor:
+    """Compiled, q/k/v are made contiguous (a graph is specialized to its inputs' layout: EAGLE-3's
+    first TTT step passes transposed views, later steps concatenated keys), and their lengths and
+    every size of the tensors the mask function captures are marked dynamic before the first call:
+    one graph per mask function serves every sequence length, TTT step, row offset and block size
+    (benchmarks/flex_compiles.py counts them). Still separate graphs: another mask function, grad
+    mode, batch size, and a length within one 128-row block against a longer one."""
+    gqa = q.shape[1] != k.shape[1]
+    mask_mod = None if mask is None else mask.mask_mod
+    batch = q.shape[0] if mask is None else mask.batch
+    if q.device.type not in _COMPILED_FLEX_ON:
+        return _masked_flex(q, k, v, mask_mod, batch, gqa)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # one layout: graphs are specialized to strides
+    for t in (q, k, v):
+        torch._dynamo.maybe_mark_dynamic(t, 2)
+    for cell in getattr(mask_mod, "__closure__", None) or ():
+        captured = cell.cell_contents
+        if isinstance(captured, Tensor):
+            for dim in range(captured.dim()):
+                torch._dynamo.maybe_mark_dynamic(captured, dim)
+    out: Tensor = _compiled_flex()(q, k, v, mask_mod, batch, gqa)
+    return out
+
+
+@contextlib.contextmanager
+def compiled_flex_on(device_type: str) -> Iterator[None]:
+    """While active, flex calls on `device_type` run compiled too (CUDA's always do): the compile
+    count check runs CUDA's code path on CPU (benchmarks/flex_compiles.py)."""
+    added = device_type not in _COMPILED_FLEX_ON
+    _COMPILED_FLEX_ON.add(device_type)
+    try:
+        yield
+    finally:
+        if added:
+            _COMPILED_FLEX_ON.discard(device_type)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask | None, backend: str = "auto") -> Tensor:

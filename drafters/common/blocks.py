@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from drafters.common.masks import AttentionMask, MaskMod
+from drafters.common.masks import AttentionMask, MaskMod, int_scalar
 
 
 def sample_anchors(valid_mask: Tensor, block_size: int, num_anchors: int,
@@ -161,12 +161,13 @@ def block_mask_mod(anchors: Tensor, anchor_valid: Tensor, ctx_len: int, block_si
     """
     anchors = anchors.long()
     valid = anchor_valid.to(torch.bool)
+    n, size = int_scalar(ctx_len, anchors), int_scalar(block_size, anchors)  # tensors: no compile per value
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        block = q_idx // block_size
-        is_ctx = kv_idx < ctx_len
+        block = q_idx // size
+        is_ctx = kv_idx < n
         ctx_visible = is_ctx & valid[b, block] & (kv_idx < anchors[b, block])
-        same_block = ~is_ctx & ((kv_idx - ctx_len) // block_size == block)
+        same_block = ~is_ctx & ((kv_idx - n) // size == block)
         return ctx_visible | same_block
 
     return mask_mod

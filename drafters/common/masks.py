@@ -27,6 +27,10 @@ row (it carries no loss) is never empty (no NaN). With key_valid = [1, 1, 0, 0] 
 blocks of rows 2 and 3 above become `1 1 1 0` and `1 1 0 1`; real rows are unchanged under right
 padding.
 
+Mask functions capture tensors only (sizes and offsets as 0-d tensors, `int_scalar`), never
+Python ints: compiled flex attention (drafters.common.attention) then serves every offset and
+length with one graph.
+
 Precomputed masks
 -----------------
 `dense_attention_mask(mask)` wraps a bool [Tq, Tk] matrix (e.g. the EAGLE-2 tree mask of
@@ -64,6 +68,14 @@ class AttentionMask:
         return out.expand(self.batch, 1, self.q_len, self.kv_len).to(torch.bool)
 
 
+def int_scalar(value: int, like: Tensor) -> Tensor:
+    """`value` as a 0-d int64 tensor on `like`'s device, for a mask function to capture: a captured
+    tensor is an input of a compiled flex graph, a captured Python int a constant it is specialized
+    to (one compile per TTT offset, block size, context length). Filled on the device: no copy from
+    the host, no wait for the device."""
+    return torch.full((), value, dtype=torch.int64, device=like.device)
+
+
 def dense_attention_mask(mask: Tensor, batch: int = 1) -> AttentionMask:
     """A precomputed bool mask [Tq, Tk] (True = may attend) as an `AttentionMask` for `batch` rows."""
     if mask.dim() != 2:
@@ -82,11 +94,11 @@ def ttt_mask_mod(key_valid: Tensor, q_offset: int = 0) -> MaskMod:
     q_offset: query row q_idx stands for sequence position q_idx + q_offset (TTT steps that only
     compute the rows from q_offset on; the key layout is unchanged).
     """
-    seq_len = key_valid.shape[1]
     valid = key_valid.to(torch.bool)
+    seq_len, offset = int_scalar(key_valid.shape[1], valid), int_scalar(q_offset, valid)
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        q_pos = q_idx + q_offset
+        q_pos = q_idx + offset
         step = kv_idx // seq_len
         pos = kv_idx % seq_len
         causal_step0 = (step == 0) & (pos <= q_pos) & valid[b, pos]

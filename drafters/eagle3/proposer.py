@@ -79,7 +79,7 @@ class Eagle3Proposer:
         if nodes.num_nodes:
             h = torch.cat([h, nodes.parent_hidden.to(device, h.dtype)])  # [n + N, H]
             tokens = torch.cat([tokens, nodes.token_ids.to(device)])
-        mask = dense_attention_mask(tree_attention_mask(nodes.parents, n))
+        mask = dense_attention_mask(tree_attention_mask(nodes.parents, n).to(device))  # compiled flex reads it on the device
         pos = tree_position_ids(nodes.depths, n).to(device)
         out, _ = model._layers(model.embed_tokens(tokens)[None], h[None], pos[None], mask, None)
         rows = out[0, n - 1:]  # [N + 1, H]
