@@ -59,6 +59,9 @@ class DraftReloadMixin:
     the weights outside that reload is rebuilt after it: DFlash's fused context K/V buffers
     (`_rebuild_dflash_buffers`) and P-EAGLE's mask-slot state (`mask_hidden` and fc(mask_hidden),
     `_parallel_drafting_mask`, `_load_mask_hidden`, `_refresh_parallel_drafting_hidden`).
+    At tensor parallel > 1 every rank's worker reloads its own shards (vLLM's weight loaders narrow
+    the LM head, embeddings and linears); of the rebuilt state only DFlash's K/V rows are sharded
+    (each rank's kv heads); `mask_hidden`, fc(mask_hidden) (fc is replicated) and d2t are whole.
     """
 
     model_runner: Any
