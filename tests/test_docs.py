@@ -279,3 +279,31 @@ def test_planted_missing_paths_are_caught() -> None:
     assert [p.split(": ", 1)[1] for p in problems] == [
         "verl_speco/no_such_module.py does not exist", "module verl_speco.nowhere.cpu_launch does not exist",
         "module verl_speco.deploy.no_such_name does not exist"]
+
+
+README_MAX_LINES = 160  # the front door stays short; results beyond one table per target live in docs/results.md
+RESULT_TARGETS = 2  # the embedded tiny Qwen3 and SmolLM2-135M-Instruct
+
+
+def readme_length_problems(text: str) -> list[str]:
+    """The README's bound: under README_MAX_LINES lines, one results table per target, the rest linked."""
+    problems = []
+    if len(text.splitlines()) >= README_MAX_LINES:
+        problems.append(f"README.md has {len(text.splitlines())} lines, expected under {README_MAX_LINES}")
+    section = text.split("\n## Results\n", 1)[-1].split("\n## ", 1)[0] if "\n## Results\n" in text else ""
+    tables = len(re.findall(r"(?:^|\n)\n\|[^\n]*\|\n\|[-| ]+\|\n", section))
+    if tables != RESULT_TARGETS:
+        problems.append(f"README's Results section has {tables} tables, expected one per target ({RESULT_TARGETS}); "
+                        "move the others to docs/results.md")
+    if "](docs/results.md" not in section:
+        problems.append("README's Results section does not link docs/results.md")
+    return problems
+
+
+def test_readme_stays_under_its_bound() -> None:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert readme_length_problems(text) == []
+    longer = text.replace("\n## Documentation\n", "\n" * (README_MAX_LINES - len(text.splitlines()) + 1) + "## Documentation\n")
+    assert readme_length_problems(longer) == [f"README.md has {README_MAX_LINES} lines, expected under {README_MAX_LINES}"]
+    third = text.replace("\n## Documentation\n", "\n| a | b |\n|---|---|\n| 1 | 2 |\n\n## Documentation\n")
+    assert readme_length_problems(third)[-1].startswith("README's Results section has 3 tables")
