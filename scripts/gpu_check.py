@@ -5,9 +5,10 @@ anchors, P-EAGLE 4 layers and 8 depths, EAGLE-3 7 TTT steps; one sequence of 204
 named checks of benchmarks/device_checks.py.
 
 Each family and each check is a unit with a timeout of its own (--family-timeout-s, --check-timeout-s,
-counted once the worker is ready: --startup-timeout-s), run in a worker process (benchmarks/device_check_runner.py: a unit past its timeout is killed and
-recorded as "timeout", the units after it still run; the whole run stops at --budget-s). Every unit's
-row is printed and written to --json the moment it finishes. A family's row: step time, peak memory,
+counted once the worker is ready: --startup-timeout-s), run in a worker process
+(benchmarks/device_check_runner.py: a unit past its timeout is killed and recorded as "timeout", the
+units after it still run; the whole run stops at --budget-s). Every unit's row is printed and written
+to --json the moment it finishes. A family's row: step time, peak memory,
 model FLOP utilisation, its masks checked on the device (benchmarks/device_check_family.py); eagle2
 is EAGLE-1's weights and objective (its tree is a decoding choice): its row is eagle1's step.
 `--device cpu --tiny` runs the same path on CPU with tiny shapes and SDPA (the CI smoke run).
@@ -29,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.device_check_runner import Report, Unit, supervise  # noqa: E402
-from benchmarks.device_checks import ALL_CHECKS  # noqa: E402
+from benchmarks.device_checks import ALL_CHECKS, CHECKS  # noqa: E402
 from drafters.registry import catalog_entry, known_families, training_families  # noqa: E402
 
 FAMILIES = training_families()  # the catalog's families with their own training step (eagle2 trains as eagle1)
@@ -58,8 +59,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=480.0, help="the whole run stops within this")
     p.add_argument("--startup-timeout-s", type=float, default=90.0,
                    help="a worker not ready by then (device, process group, synthetic data) runs nothing")
-    p.add_argument("--family-timeout-s", type=float, default=60.0, help="a family unit is stopped after this")
-    p.add_argument("--check-timeout-s", type=float, default=45.0, help="a check unit is stopped after this")
+    p.add_argument("--family-timeout-s", type=float, default=55.0, help="a family unit is stopped after this")
+    p.add_argument("--check-timeout-s", type=float, default=None,
+                   help="a check unit is stopped after this (default: each check's own, "
+                        + ", ".join(f"{c.name} {c.timeout_s:.0f} s" for c in ALL_CHECKS) + ")")
     p.add_argument("--peak-tflops", type=float, default=None, help="device dense bf16 peak (default: by name)")
     p.add_argument("--json", default=None, help="write the report here (rewritten as each unit finishes)")
     p.add_argument("--worker-units", default=None, help=argparse.SUPPRESS)  # set by the supervisor
@@ -83,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if getattr(args, key) < 1:
             p.error(f"--{key.replace('_', '-')}: got {getattr(args, key)}, expected >= 1")
     for key in ("budget_s", "startup_timeout_s", "family_timeout_s", "check_timeout_s"):
-        if not getattr(args, key) > 0:
+        if getattr(args, key) is not None and not getattr(args, key) > 0:
             p.error(f"--{key.replace('_', '-')}: got {getattr(args, key)}, expected > 0")
     # what the benchmark adapters read besides the shapes
     args.ttt_decay, args.block_size, args.loss_gamma, args.cod_ratio, args.cod_ratio_min = 0.8, None, None, 0.7, 0.2
@@ -139,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _terminate)
     units = ([Unit(f, "family", args.family_timeout_s) for f in args.family_list]
-             + [Unit(c, "check", args.check_timeout_s) for c in args.check_list])
+             + [Unit(c, "check", args.check_timeout_s or CHECKS[c].timeout_s) for c in args.check_list])
     report = Report(Path(args.json) if args.json else None, args.budget_s, on_row=trained_as)
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as work:
         supervise(units, spawn, Path(work), report, args.startup_timeout_s)

@@ -29,7 +29,9 @@ from drafters.common.masks import AttentionMask, ttt_attention_mask
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 FAMILIES = ("eagle1", "eagle2", "eagle3", "dflash", "dspark", "domino", "peagle")
-CHECKS = ("capture_wait", "online_round")  # benchmarks/device_checks.py, in run order
+# benchmarks/device_checks.py's checks but flex_compiles: inductor compiles its graphs to C++ here (~40 s on 2
+# cores); tests/drafters/test_flex_compiles.py runs the same function (slow), its verdict is tested below
+CHECKS = ("capture_wait", "online_round", "dflash_rebuild")
 # what the GPU machine (torch, transformers, safetensors, numpy, pyyaml, triton) does not have, and
 # heavy optional packages the check has no business importing
 ABSENT = ("omegaconf", "hydra", "antlr4", "vllm", "ray", "verl", "sglang", "tqdm", "accelerate", "speculators",
@@ -69,7 +71,7 @@ def test_cpu_smoke_run_on_a_bare_machine_steps_every_family(tmp_path: Path) -> N
                            capture_output=True, text=True)
     assert "No module named 'omegaconf'" in probe.stderr  # the blocker is in force
     report = tmp_path / "report.json"
-    proc = run("--device", "cpu", "--tiny", "--steps", "1", "--json", str(report), env=env)
+    proc = run("--device", "cpu", "--tiny", "--steps", "1", "--checks", ",".join(CHECKS), "--json", str(report), env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     data = json.loads(report.read_text())
     assert data["complete"] and data["backend"] == "gloo" and data["device"] == "cpu"
@@ -93,6 +95,45 @@ def test_cpu_smoke_run_on_a_bare_machine_steps_every_family(tmp_path: Path) -> N
     online = named["online_round"]
     assert online["compute_dtypes"] == online["master_dtypes"] == ["float32"] and online["head_moves"] == 0
     assert online["trained"] and math.isfinite(online["loss"])
+    assert named["dflash_rebuild"]["cases"] == 12 and not named["dflash_rebuild"]["failed"]  # tp 2 and 4, 2 states
+
+
+TINY_SHAPES = argparse.Namespace(layers=1, heads=4, kv_heads=2, hidden=64, seed=0)
+
+
+def test_dflash_check_fails_a_rebuild_from_the_whole_checkpoint_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rebuild before the tensor-parallel fix stacked every kv head's rows on every rank."""
+    from benchmarks.device_checks_kernels import dflash_rebuild
+    from verl_speco.engines import vllm_reload
+
+    assert dflash_rebuild(TINY_SHAPES, torch.device("cpu"))["ok"]
+
+    def whole(attn: object, tensors: dict[str, torch.Tensor], layer: int, kind: str) -> torch.Tensor:
+        return torch.cat([tensors[f"layers.{layer}.self_attn.{p}_proj.{kind}"] for p in "kv"])
+
+    monkeypatch.setattr(vllm_reload, "_rank_kv_rows", whole)
+    row = dflash_rebuild(TINY_SHAPES, torch.device("cpu"))
+    assert not row["ok"] and len(row["failed"]) == row["cases"] == 12, row
+
+
+@pytest.mark.parametrize(("graphs", "ok"), [((1, 1), True), ((7, 1), False), ((1, 2), False)])
+def test_flex_check_passes_one_graph_per_mask_function_only(graphs: tuple[int, int], ok: bool,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The verdict over planted counts (the counting itself: tests/drafters/test_flex_compiles.py); the
+    planted run makes the flex calls a real one makes, compared with SDPA."""
+    import benchmarks.flex_compiles as flex_compiles
+    import drafters.common.attention as attention_module
+    from benchmarks.device_checks_kernels import flex_compiles as check
+
+    def planted(device: torch.device, dtype: torch.dtype, backward: bool, seed: int) -> object:
+        q = torch.randn(1, 2, 8, 4)
+        for _ in range(7 + len(flex_compiles.DFLASH_STEPS)):
+            attention_module._flex(q, q, q, None)
+        return flex_compiles.FlexCompileCounts(graphs[0], graphs[1], 7, 8)
+
+    monkeypatch.setattr(flex_compiles, "flex_compile_counts", planted)
+    row = check(TINY_SHAPES, torch.device("cpu"))
+    assert row["ok"] == ok and row["flex_calls"] == 9 and row["flex_failures"] == 0, row
 
 
 def test_capture_check_fails_rows_read_before_their_copy(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -288,6 +329,13 @@ def load_script() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_every_unit_at_its_full_timeout_fits_the_default_budget() -> None:
+    script = load_script()
+    args = script.parse_args(["--device", "cpu"])
+    units = len(args.family_list) * args.family_timeout_s + sum(script.CHECKS[c].timeout_s for c in args.check_list)
+    assert args.check_list == list(script.CHECK_NAMES) and units <= args.budget_s == 480
 
 
 @pytest.mark.parametrize(("flags", "message"), [
