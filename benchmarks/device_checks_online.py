@@ -139,7 +139,7 @@ def online_round(args: argparse.Namespace, device: torch.device) -> dict[str, An
         before = {k: _host(p) for k, p in session.model.named_parameters()}
         dtypes: set[str] = set()
         hooks = [m.register_forward_hook(lambda m, i, o: dtypes.add(str(o.dtype).removeprefix("torch.")))
-                 for m in session.model.modules() if isinstance(m, nn.Linear)]
+                 for m in session.model.modules() if isinstance(m, nn.Linear) and m.weight.requires_grad]
         CountedMoves.moves.clear()
         session.add(rows, head)
         synchronize(device)
