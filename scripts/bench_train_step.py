@@ -140,6 +140,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import train_step_shapes as shapes  # noqa: E402
+from benchmarks.speculators_ref import use_speculators  # noqa: E402
 from benchmarks.train_step_adapters import ADAPTERS  # noqa: E402
 from benchmarks.train_step_common import (
     Built,  # noqa: E402
@@ -390,6 +391,7 @@ def run_family(name: str, args: argparse.Namespace) -> Result | None:
     """Build, check, warm up (peak memory), time. With --side ours|speculators only that side is kept
     (the other freed before its first step); it prints its SideStats as json and returns None."""
     adapter = ADAPTERS[name]
+    use_speculators()  # both sides are built (the loss check), speculators' from its off-sys.path tree
     torch.manual_seed(args.seed)
     built: Built = adapter.build(args)
     if args.frozen_dtype != "float32":

@@ -8,10 +8,14 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 if [ ! -x "$VENV/bin/python" ]; then "$PY" -m venv "$VENV"; fi
-PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt)
+# --no-warn-conflicts: pip's per-install check sees only that install's packages and printed the deliberate
+# conflicts below as ERROR lines; scripts/pip_check.py checks the whole environment at the end instead.
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-warn-conflicts -c constraints.txt)
+CHECK=("$VENV/bin/python" scripts/pip_check.py)
 stamp="$VENV/.setup-$(sha256sum constraints.txt scripts/setup_env.sh | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ]; then
   "${PIP[@]}" --no-deps -e .
+  "${CHECK[@]}"
   exit 0
 fi
 "${PIP[@]}" torch==2.13.0
@@ -23,9 +27,13 @@ fi
 "${PIP[@]}" accelerate codetiming datasets dill hydra-core pandas peft 'pyarrow>=19' pybind11 \
   pylatexenc 'ray[default]>=2.41' torchdata 'tensordict>=0.8,<=0.10,!=0.9.0' wandb tensorboard \
   cachetools uvicorn fastapi transferqueue==0.1.11
-# speculators: benchmark-only reference for the training-step benchmark (EAGLE-3, DFlash, DSpark).
-"${PIP[@]}" --no-deps speculators==0.9.0
-"${PIP[@]}" aiohttp click httpx openai protobuf hs-connectors==0.9.0
+# speculators: the training-step benchmark's reference, off sys.path (benchmarks/speculators_ref.py): it
+# declares torchaudio and torchvision, unused here and with no build beside this torch. Its other
+# requirements go in the venv; scripts/pip_check.py checks them. (A venv set up before kept it in site-packages.)
+"$VENV/bin/python" -m pip uninstall -y -q speculators 2>/dev/null || true
+"${PIP[@]}" --no-deps --upgrade --target "$VENV/speculators_ref" speculators==0.9.0
+"${PIP[@]}" aiohttp click datasets httpx huggingface-hub loguru numpy openai protobuf psutil pydantic \
+  pydantic-settings rich safetensors tqdm transformers typer hs-connectors==0.9.0
 # SGLang 0.5.23's source without its CUDA dependencies, off sys.path (verl probes for sglang): tests
 # load its torch-only modules from their files (tests/engines/sglang_ref.py), e.g. the Domino rollout.
 "${PIP[@]}" --no-deps --upgrade --target "$VENV/sglang_ref" sglang==0.5.23
@@ -43,5 +51,7 @@ fi
 # SGLang 0.5.12 (verl 0.9.1's pin, its SGLang image) as source only, likewise: tests/deploy/test_sglang_source.py.
 "${PIP[@]}" --no-deps --upgrade --target "$VENV/sglang_0512_ref" sglang==0.5.12
 "${PIP[@]}" --no-deps -e .
+# Fails (exit 1, one line per conflict) on any inconsistency but the deliberate ones listed there.
+"${CHECK[@]}"
 rm -f "$VENV"/.setup-*
 touch "$stamp"

@@ -84,7 +84,6 @@ def test_bad_input_names_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
 def test_tiny_qwen3_preset_path_runs(capsys: pytest.CaptureFixture[str]) -> None:
     """The preset's code path at tiny explicit shapes: bf16 frozen target tensors, one side per run (as
     an isolated child), and the child's flags reproduce the resolved arguments."""
-    pytest.importorskip("speculators")
     bench = _bench()
     argv = ["--shapes", "qwen3-8b", "--family", "dflash", *TINY, "--steps", "1", "--warmup", "1"]
     args = bench.parse_args(argv)
