@@ -315,6 +315,41 @@ def test_a_failure_after_the_reload_started_restores_the_previous_draft(live: di
 PEAGLE_SETTINGS: dict[str, Any] = {"num_layers": 1, "num_depths": 3, "mask_token_id": 95, "attn_backend": "sdpa"}
 
 
+# Before the P-EAGLE test: its own in-process engine's shutdown tears down the parallel groups `live` uses.
+def _served_digest(worker: Any) -> dict[str, Any]:
+    from verl_speco.engines.draft_digest import DraftDigestMixin
+
+    return DraftDigestMixin.speco_draft_digest(worker)  # what the rollout workers answer (vllm_server.py)
+
+
+def test_the_served_draft_digest_is_stable_until_the_draft_is_lost(live: dict[str, Any]) -> None:
+    """The trainer's wake-up check (verl_integration/served_draft.py) on a real engine: the digest of
+    the draft's own tensors does not move with generation, a target sync or a re-apply of the same
+    version, and does move when the draft's memory is lost; the shared embedding is not in it."""
+    from verl_speco.engines.vllm_reload import reload_target
+
+    version = next(_VERSIONS)
+    assert _publish(live, "oracle", version)[0]["status"] == "loaded"
+    loaded = live["llm"].collective_rpc(_served_digest)[0]
+    assert loaded["version"] == version and not any("embed_tokens" in name for name in loaded["tensors"])
+    _run(live)
+    reload_target(live["llm"], live["target"])
+    assert live["llm"].collective_rpc(_served_digest)[0] == loaded
+
+    def lose(worker: Any) -> None:  # a level-2 wake: the draft's own memory is not reloaded
+        with torch.no_grad():
+            for name, p in worker.model_runner.drafter.model.named_parameters():
+                if "embed_tokens" not in name:
+                    p.zero_()
+
+    live["llm"].collective_rpc(lose)
+    assert live["llm"].collective_rpc(_served_digest)[0]["digest"] != loaded["digest"]
+    assert live["llm"].collective_rpc("speco_reapply_draft") == [version]
+    assert live["llm"].collective_rpc(_served_digest)[0] == loaded
+    assert _run(live)["mean_acceptance_length"] == 2.0
+
+
+
 def _peagle_reference(hf: Any, family: Any, model: Any, spec: Any,
                       mask_slot_hidden: torch.Tensor | None = None) -> tuple[list[list[int]], tuple[int, int, list[int]]]:
     """The reference decoder's outputs and counters on the parity prompts (conftest), K = 3; with
@@ -485,35 +520,3 @@ def test_peagle_live_publish_recomputes_the_mask_slot_hidden_state(tmp_path: Pat
     assert seen["restored"] == refs["trained"][1]
     assert seen["untrained"] == refs["untrained"][1]
 
-
-def _served_digest(worker: Any) -> dict[str, Any]:
-    from verl_speco.engines.draft_digest import DraftDigestMixin
-
-    return DraftDigestMixin.speco_draft_digest(worker)  # what the rollout workers answer (vllm_server.py)
-
-
-def test_the_served_draft_digest_is_stable_until_the_draft_is_lost(live: dict[str, Any]) -> None:
-    """The trainer's wake-up check (verl_integration/served_draft.py) on a real engine: the digest of
-    the draft's own tensors does not move with generation, a target sync or a re-apply of the same
-    version, and does move when the draft's memory is lost; the shared embedding is not in it."""
-    from verl_speco.engines.vllm_reload import reload_target
-
-    version = next(_VERSIONS)
-    assert _publish(live, "oracle", version)[0]["status"] == "loaded"
-    loaded = live["llm"].collective_rpc(_served_digest)[0]
-    assert loaded["version"] == version and not any("embed_tokens" in name for name in loaded["tensors"])
-    _run(live)
-    reload_target(live["llm"], live["target"])
-    assert live["llm"].collective_rpc(_served_digest)[0] == loaded
-
-    def lose(worker: Any) -> None:  # a level-2 wake: the draft's own memory is not reloaded
-        with torch.no_grad():
-            for name, p in worker.model_runner.drafter.model.named_parameters():
-                if "embed_tokens" not in name:
-                    p.zero_()
-
-    live["llm"].collective_rpc(lose)
-    assert live["llm"].collective_rpc(_served_digest)[0]["digest"] != loaded["digest"]
-    assert live["llm"].collective_rpc("speco_reapply_draft") == [version]
-    assert live["llm"].collective_rpc(_served_digest)[0] == loaded
-    assert _run(live)["mean_acceptance_length"] == 2.0
