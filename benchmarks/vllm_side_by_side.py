@@ -16,11 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-NGRAM = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-
 
 def _run(target: Path, prompts: list[list[int]], max_new_tokens: int, eos: int, k: int,
-         draft: Path | None = None, spec: dict[str, Any] | None = None, max_num_seqs: int = 16) -> dict[str, Any]:
+         draft: Path | None = None, spec: dict[str, Any] | None = None, max_num_seqs: int = 16,
+         tick: Callable[[], None] | None = None) -> dict[str, Any]:
     from drafters.common.metrics import tokens_per_target_forward
     from drafters.common.tokens import cut_at_end
     from verl_speco.engines import vllm_engine
@@ -40,7 +39,8 @@ def _run(target: Path, prompts: list[list[int]], max_new_tokens: int, eos: int, 
     try:
         before = vllm_engine.snapshot_spec_counters(llm)
         t0 = time.perf_counter()
-        rows = vllm_engine.generate(llm, prompts, max_new_tokens, ignore_eos=False)
+        rows = vllm_engine.generate(llm, prompts, max_new_tokens, ignore_eos=False,
+                                    on_done=vllm_engine.per_request(tick))
         wall = time.perf_counter() - t0
         counters = vllm_engine.read_spec_metrics(llm, since=before)
     finally:
@@ -57,22 +57,30 @@ def side_by_side(target: Path, drafts: dict[str, tuple[Path, dict[str, Any]]], p
                  ) -> dict[str, dict[str, Any]]:
     """{"plain": ..., "ngram": ..., family: ...} (see the module docstring). `drafts`: family ->
     (export dir, its vLLM speculative config). A family vLLM fails to serve gets {"error": ...}.
-    `tick()` after each engine (2 + len(drafts) of them)."""
+    `tick()` after each prompt each engine answers ((2 + len(drafts)) x len(prompts) of them; an engine
+    that fails ticks its remaining prompts at once)."""
+    from verl_speco.engines import vllm_engine
+
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    plain = _run(target, prompts, max_new_tokens, eos, k)
-    if tick is not None:
-        tick()
+    plain = _run(target, prompts, max_new_tokens, eos, k, tick=tick)
     results: dict[str, dict[str, Any]] = {"plain": plain}
-    methods: dict[str, tuple[Path | None, dict[str, Any]]] = {"ngram": (None, NGRAM), **drafts}
+    methods: dict[str, tuple[Path | None, dict[str, Any]]] = {"ngram": (None, vllm_engine.NGRAM_SPEC), **drafts}
     for name, (draft, spec) in methods.items():
-        try:
-            res = _run(target, prompts, max_new_tokens, eos, k, draft, spec)
-        except Exception as err:  # reported in the table, the other methods still measured
-            results[name] = {"error": f"{type(err).__name__}: {err}"[:400]}
-            continue
-        finally:
+        answered = [0]
+
+        def count(answered: list[int] = answered) -> None:
+            answered[0] += 1
             if tick is not None:
                 tick()
+
+        try:
+            res = _run(target, prompts, max_new_tokens, eos, k, draft, spec, tick=count)
+        except Exception as err:  # reported in the table, the other methods still measured
+            results[name] = {"error": f"{type(err).__name__}: {err}"[:400]}
+            rest = vllm_engine.per_request(tick)
+            if rest is not None:  # the bar moves past the prompts the failed engine did not answer
+                rest(len(prompts) - answered[0])
+            continue
         res["lossless"] = res["outputs"] == plain["outputs"]
         res["speedup_vs_plain"] = res["output_tokens_per_s"] / plain["output_tokens_per_s"]
         results[name] = res

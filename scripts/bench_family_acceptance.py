@@ -216,18 +216,17 @@ def _collect(args: argparse.Namespace, families: list[str], target: Path, out: P
     settings: dict[str, Any] = {"max_new_tokens": _collect_cap(args), "max_length": args.max_length, "seed": args.seed,
                                 "layout_of": layout_of, "engine": "hf" if embedded else "vllm"}
     stores: dict[str, Path] = {}
-    with console.stage("collect", total=len(data)) as bar:
-        for name, jsonl in data.items():
-            def collect(store: Path, jsonl: Path = jsonl) -> dict[str, Any]:
+    for name, jsonl in data.items():  # a bar per phase: prompts answered, then rows captured
+        with console.phases(f"collect {name}:") as progress:
+            def collect(store: Path, jsonl: Path = jsonl, progress: Any = progress) -> dict[str, Any]:
                 return dataclasses.asdict(collect_features(
                     target, jsonl, store, families=layout_of, generate=True, max_new_tokens=settings["max_new_tokens"],
                     seed=args.seed, batch_size=128 if embedded else 16, engine=settings["engine"],
-                    max_length=args.max_length))
+                    max_length=args.max_length, progress=progress))
 
             # one target build, layout and recipe per store (verl_speco/capture/recipe.py)
             stores[name] = collected_store(out / "stores" / target.name / layout_of.replace(",", "+"), name, jsonl,
                                            settings, collect, args.grow_store if name == "train" else None)
-            bar.update()
     if embedded:
         stores["eval_jsonl:heldout"] = data["eval"]
     else:
@@ -485,7 +484,8 @@ def _evaluate(args: argparse.Namespace, families: list[str], trained: dict[str, 
         report["families"][fam]["vllm_speculative_config"] = {k_: v for k_, v in specs[fam].items() if k_ != "model"}
     if not args.skip_vllm and served and not args.greedy_only:
         exports = {f: trained[f]["export"] for f in served}
-        with console.stage(f"vLLM {set_name}", total=vllm_engine_runs(len(served)) + len(served)) as vbar:
+        with console.stage(f"vLLM {set_name}", total=(vllm_engine_runs(len(served)) + len(served))
+                           * len(prompts.token_ids)) as vbar:
             figures = _cached(out, prefix + "vllm", args, [exports[f] for f in served],
                               lambda: dict(zip(("greedy", "t1", "errors"),
                                                _vllm_figures(target, exports, prompts, args, vbar.update),
@@ -498,7 +498,7 @@ def _evaluate(args: argparse.Namespace, families: list[str], trained: dict[str, 
         from benchmarks.vllm_side_by_side import side_by_side
 
         drafts = {f: (trained[f]["export"], specs[f]) for f in served}
-        with console.stage(f"vLLM speed {set_name}", total=2 + len(served)) as vbar:
+        with console.stage(f"vLLM speed {set_name}", total=(2 + len(served)) * len(prompts.token_ids)) as vbar:
             speed = _cached(out, prefix + "speed", args, [trained[f]["export"] for f in served],
                             lambda: side_by_side(target, drafts, prompts.token_ids, prompts.eos_token_id, args.k,
                                                  args.max_new_tokens, tick=vbar.update), drop=False)
@@ -518,7 +518,8 @@ def _vllm_figures(target: Path, exports: dict[str, Path], prompts: Any, args: ar
                   tick: Any = None) -> tuple[dict[str, Any], dict[str, Any], dict[str, str]]:
     """vLLM greedy then T = 1 figures of every served family: all families in one call each (one plain
     decoding for the greedy lossless check); if that fails, family by family, so one family vLLM cannot
-    serve leaves the others' figures and its error ({family: message}). `tick()` after each engine."""
+    serve leaves the others' figures and its error ({family: message}). `tick()` after each prompt each
+    engine answers."""
     from verl_speco.evaluation import vllm_acceptance
 
     def each(temperature: float, seed: int) -> tuple[dict[str, Any], dict[str, str]]:

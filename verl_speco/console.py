@@ -19,6 +19,7 @@ and the error, then the exception propagates (an application returns its exit st
 
 API: `Console(log_path, verbose=, name=, tail=, bars=, append=)`; `with console:` captures;
 `console.stage(name, total)` -> `Progress` (`update(n)`, `set(n, total)`, `note(text)`);
+`console.phases(prefix)` -> a `(phase, done, total)` callback, one bar per phase it reports;
 `console.print(...)` / `console.stdout` / `console.stderr`: the terminal; `console.quiet`: whether
 anything is redirected; `console.tail(n)`: the log's last lines.
 
@@ -220,6 +221,36 @@ class Console:
         finally:
             self._bar = None
             bar.close()
+
+    @contextlib.contextmanager
+    def phases(self, prefix: str) -> Iterator[Callable[[str, int, int], None]]:
+        """A callback `report(phase, done, total)` for a job that reports its own phases (for example
+        `collect_features`' progress): each phase gets its own bar, `<prefix> <phase>`, opened at the
+        phase's first report and closed, filled, when the next phase starts or the block ends."""
+        current: list[Any] = []  # [phase, the stage's context manager, its Progress] while one is open
+
+        def close(exc: BaseException | None = None) -> None:
+            if current:
+                _, manager, _ = current
+                current.clear()
+                if exc is None:
+                    manager.__exit__(None, None, None)
+                else:
+                    manager.__exit__(type(exc), exc, exc.__traceback__)
+
+        def report(phase: str, done: int, total: int) -> None:
+            if not current or current[0] != phase:
+                close()
+                manager = self.stage(f"{prefix} {phase}".strip(), total)
+                current.extend((phase, manager, manager.__enter__()))
+            current[2].set(done, total)
+
+        try:
+            yield report
+        except BaseException as exc:
+            close(exc)
+            raise
+        close()
 
     def _tick(self) -> None:
         while not self._stop.wait(1.0):

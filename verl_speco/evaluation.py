@@ -32,6 +32,9 @@ if TYPE_CHECKING:
     from drafters.spec_decode import SpecDecodeResult
 
 
+NGRAM = "ngram"  # `vllm_acceptance`'s name for vLLM's n-gram proposer
+
+
 @dataclass
 class EvalPrompts:
     """Chat prompts rendered with the generation prompt: token_ids[i] is a list of ints."""
@@ -150,8 +153,10 @@ def export_untrained_like(export_dir: str | Path, target_dir: str | Path, out_di
 def vllm_acceptance(target_dir: str | Path, drafts: dict[str, Path], prompts: EvalPrompts, k: int,
                     max_new_tokens: int, reference_outputs: list[list[int]] | None = None,
                     temperature: float = 0.0, seed: int = 0, tick: Callable[[], None] | None = None,
-                    engine_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Serve the target in vLLM without, then with, each drafter; vLLM's own counters.
+                    engine_options: Mapping[str, Any] | None = None, ngram: bool = False) -> dict[str, Any]:
+    """Serve the target in vLLM without, then with, each drafter; vLLM's own counters. With `ngram`,
+    vLLM's n-gram proposer (prompt lookup, `vllm_engine.NGRAM_SPEC`) too, under the name `NGRAM`: the
+    baseline a trained drafter must beat, measured on the same prompts.
 
     Greedy (`temperature` 0): returns {draft name: acceptance summary + `lossless` (outputs identical
     to plain decoding) + `matches_reference_outputs`}. At `temperature` > 0 (seeded per request) only
@@ -159,7 +164,8 @@ def vllm_acceptance(target_dir: str | Path, drafts: dict[str, Path], prompts: Ev
     they are of garbage unless the engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`),
     where `build_llm`'s `verl_speco.cpu_port.install_cpu_port` fixed speculative sampling (bug A).
     One engine at a time: vLLM keeps one metrics registry per process. `tick()` is called after each
-    engine (plain decoding, then one per draft: `vllm_engine_runs` of them). `engine_options`
+    prompt each engine answers (plain decoding, then one engine per draft: `vllm_engine_runs` of them,
+    each answering every prompt). `engine_options`
     (`dtype`, `enforce_eager`, `max_num_seqs`) go to every engine; absent ones are `build_llm`'s
     defaults for this device.
     """
@@ -174,39 +180,48 @@ def vllm_acceptance(target_dir: str | Path, drafts: dict[str, Path], prompts: Ev
         raise ValueError(f"engine_options: got {unknown}, expected keys among dtype, enforce_eager, max_num_seqs")
     # long enough for the drafter on every step of every request (vllm_engine.context_length)
     context = vllm_engine.context_length(max(len(p) for p in prompts.token_ids), max_new_tokens, k)
+    answered = vllm_engine.per_request(tick)
     plain: list[list[int]] | None = None
     if temperature == 0.0:
         llm = vllm_engine.build_llm(target_dir, None, max_model_len=context, **options)
         try:
-            plain = _cut(vllm_engine.generate(llm, prompts.token_ids, max_new_tokens, ignore_eos=False))
+            plain = _cut(vllm_engine.generate(llm, prompts.token_ids, max_new_tokens, ignore_eos=False,
+                                              on_done=answered))
         finally:
             vllm_engine.shutdown(llm)
-        if tick is not None:
-            tick()
     report: dict[str, Any] = {}
     head = TargetHead.from_pretrained(target_dir)
-    for name, draft_dir in drafts.items():
-        spec = engine_format_of(draft_dir, head).vllm_speculative_config(draft_dir, k)
-        llm = vllm_engine.build_llm(target_dir, draft_dir, method=spec.pop("method"),
-                                    num_speculative_tokens=spec.pop("num_speculative_tokens"),
-                                    speculative_extra={k_: v for k_, v in spec.items() if k_ != "model"},
-                                    max_model_len=context, **options)
+    runs: dict[str, Path | None] = {**drafts, **({NGRAM: None} if ngram else {})}
+    for name, draft_dir in runs.items():
+        if draft_dir is None:  # vLLM's n-gram proposer: no draft model
+            llm = vllm_engine.build_llm(target_dir, None, max_model_len=context,
+                                        speculative_config={**vllm_engine.NGRAM_SPEC, "num_speculative_tokens": k},
+                                        **options)
+        else:
+            spec = engine_format_of(draft_dir, head).vllm_speculative_config(draft_dir, k)
+            llm = vllm_engine.build_llm(target_dir, draft_dir, method=spec.pop("method"),
+                                        num_speculative_tokens=spec.pop("num_speculative_tokens"),
+                                        speculative_extra={k_: v for k_, v in spec.items() if k_ != "model"},
+                                        max_model_len=context, **options)
         try:
             out, metrics = vllm_engine.generate_with_metrics(llm, prompts.token_ids, max_new_tokens, temperature,
-                                                             ignore_eos=False, seed=seed if temperature else None)
+                                                             ignore_eos=False, seed=seed if temperature else None,
+                                                             on_done=answered)
         finally:
             vllm_engine.shutdown(llm)
-        if tick is not None:
-            tick()
+        spec_out = _cut(out)  # counted as the reference decoder counts its outputs
+        generated = sum(len(row) for row in spec_out)
+        metrics = {**metrics, "generated_tokens": generated, "tokens_per_target_forward": tokens_per_target_forward(
+            generated, int(metrics["num_accepted_tokens"]), len(spec_out))}
         if plain is None:
             report[name] = metrics
             continue
-        spec_out = _cut(out)
         report[name] = {**metrics, "lossless": plain == spec_out,
                         "matches_reference_outputs": None if reference_outputs is None else reference_outputs == spec_out}
     return report
 
 
-def vllm_engine_runs(num_drafts: int, temperature: float = 0.0) -> int:
-    """How many engines `vllm_acceptance` starts: plain decoding (greedy only), then one per draft."""
-    return num_drafts + (1 if temperature == 0.0 else 0)
+def vllm_engine_runs(num_drafts: int, temperature: float = 0.0, ngram: bool = False) -> int:
+    """How many engines `vllm_acceptance` starts: plain decoding (greedy only), then one per draft (and
+    one for n-gram)."""
+    return num_drafts + int(ngram) + (1 if temperature == 0.0 else 0)

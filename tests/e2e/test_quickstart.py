@@ -49,8 +49,10 @@ def test_default_output_is_short_and_the_logs_chart_and_summary_are_files(quicks
     assert f"engine and library logs: {log}" in stderr
     assert VLLM_LOG_LINE.search(log.read_text()), "no vLLM log line in the log file"
     assert not VLLM_LOG_LINE.search(stdout + stderr), "vLLM log lines on the terminal"
-    for stage in ("build target", "collect", "train", "export", "evaluate"):
+    for stage in ("build target", "collect train: generate", "collect train: capture", "collect eval: generate",
+                  "collect eval: capture", "train", "export", "evaluate"):
         assert re.search(rf"{stage} +100%", stderr), stage
+    assert "estimate: about " in stderr and "s a training step here" in stderr
     chart, summary_path = out / "acceptance_per_position.png", out / "summary.json"
     assert f"chart: {chart}" in lines and f"summary: {summary_path}" in lines
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

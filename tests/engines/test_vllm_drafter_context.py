@@ -89,9 +89,14 @@ def test_side_by_side_counters_equal_the_reference_to_the_last_step(served: dict
 
 @pytest.mark.vllm
 def test_vllm_acceptance_counters_equal_the_reference(served: dict[str, Any]) -> None:
-    """The benchmark's other vLLM path (`evaluation.vllm_acceptance`) sizes its engines the same way."""
-    from verl_speco.evaluation import EvalPrompts, vllm_acceptance
+    """The benchmark's other vLLM path (`evaluation.vllm_acceptance`) sizes its engines the same way. Its
+    progress moves once per prompt each real engine answers (vLLM's `use_tqdm` hook, issue 51), and its
+    generated tokens per target forward equal the reference decoder's."""
+    from verl_speco.evaluation import EvalPrompts, vllm_acceptance, vllm_engine_runs
 
+    ticks: list[int] = []
     res = vllm_acceptance(served["target"], {"eagle3": served["export"]}, EvalPrompts(PROMPTS, EOS_ID), K,
-                          MAX_TOKENS)["eagle3"]
+                          MAX_TOKENS, tick=lambda: ticks.append(1))["eagle3"]
     assert res["lossless"] and _counts(res) == _counts(served["ref"])
+    assert len(ticks) == vllm_engine_runs(1) * len(PROMPTS)
+    assert res["tokens_per_target_forward"] == pytest.approx(served["ref"]["tokens_per_target_forward"])

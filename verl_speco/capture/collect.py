@@ -52,6 +52,7 @@ from verl_speco.capture.records import (
 )
 from verl_speco.engines.vllm_engine import ENGINE_DTYPES
 
+Progress = Callable[[str, int, int], None]  # (phase, done, total): `collect_features`' progress
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 VLLM_OPTIONS = {"dtype": "--engine-dtype", "enforce_eager": "--enforce-eager", "max_num_seqs": "--max-num-seqs"}
 
@@ -70,6 +71,20 @@ class CollectSummary:
     truncated: int             # cut to max_length
     dropped_short: int         # fewer than min_response_tokens response tokens
     unfinished: int            # generated responses that hit max_new_tokens
+
+
+class _Counter:
+    """Counts one phase's finished items for a `Progress` callback (reports 0 of `total` at once)."""
+
+    def __init__(self, progress: Progress | None, phase: str, total: int) -> None:
+        self.progress, self.phase, self.total, self.done = progress, phase, total, 0
+        if progress is not None:
+            progress(phase, 0, total)
+
+    def __call__(self, n: int) -> None:
+        self.done = min(self.total, self.done + n)
+        if self.progress is not None:
+            self.progress(self.phase, self.done, self.total)
 
 
 def end_token_ids(model: nn.Module, tokenizer: Any) -> list[int]:
@@ -145,7 +160,8 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
                      rank: int | None = None, world_size: int | None = None, device: str = "cpu",
                      model: nn.Module | None = None, tokenizer: Any = None,
                      engine: str = "hf", encoding: str = "raw",
-                     vllm_options: Mapping[str, Any] | None = None) -> CollectSummary:
+                     vllm_options: Mapping[str, Any] | None = None,
+                     progress: Progress | None = None) -> CollectSummary:
     """Fill ``store`` from the JSONL chats in ``data`` (see the module docstring).
 
     ``families``: one drafter family or several (``"eagle1,eagle3"`` or a list): the union of their
@@ -203,13 +219,15 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
     unfinished = 0
     if generate:
         prompts = [encode_prompt(tokenizer, prompt_messages(c)) for c in chats]
+        answered = _Counter(progress, "generate", len(prompts))
         if engine == "vllm":
             outs = generate_responses_vllm(str(target), prompts, end_ids=end_ids, max_new_tokens=max_new_tokens,
-                                           temperature=temperature, seed=seed + rank, **(vllm_options or {}))
+                                           temperature=temperature, seed=seed + rank, on_done=answered,
+                                           **(vllm_options or {}))
         else:
             outs = generate_responses(model, prompts, end_ids=end_ids, pad_id=pad_id,
                                       max_new_tokens=max_new_tokens, temperature=temperature,
-                                      batch_size=batch_size, seed=seed + rank)
+                                      batch_size=batch_size, seed=seed + rank, on_done=answered)
         unfinished = sum(not o.finished for o in outs)
         tokenized = [join_generated(p, o.response_ids) for p, o in zip(prompts, outs)]
     else:
@@ -234,6 +252,7 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
                 "generated": generate, "max_new_tokens": max_new_tokens, "temperature": temperature,
                 "seed": seed, "data": str(data)}
     tokens = response_tokens = 0
+    captured = _Counter(progress, "capture", len(kept))
     # copy_inputs=False: every record is a fresh tensor this loop never touches again (no defensive copy)
     with StoreWriter(store, schema, rank=rank, producer=producer, copy_inputs=False) as writer:
         for start in range(0, len(kept), batch_size):
@@ -243,6 +262,7 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
                 writer.add(record, step=0, policy_version=0)
                 tokens += len(record["input_ids"])
                 response_tokens += int(record["loss_mask"].sum())
+            captured(len(batch))
         writer.end_step(0)
     return CollectSummary(str(store), rank, world_size, len(chats), len(kept), tokens, response_tokens,
                           round(time.perf_counter() - t0, 3), layers, length_filter.truncated,
@@ -303,20 +323,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     given = {"dtype": args.engine_dtype, "enforce_eager": args.enforce_eager, "max_num_seqs": args.max_num_seqs}
     from feature_store import StoreError
+    from verl_speco.console import Console
     from verl_speco.target.build import BuildDigestError
     from verl_speco.target.named import is_named_target, resolve_target
     from verl_speco.target.smollm2 import TargetSourceError
 
+    # on a terminal, a bar per phase (prompts answered, rows captured) on stderr
+    console = Console(None, bars=not args.json and sys.stderr.isatty())
     try:
         target = resolve_target(args.target) if is_named_target(args.target) else args.target
-        summary = collect_features(
-            target, args.data, args.store, layer_ids=layers, families=args.families,
-            generate=args.generate, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-            dtype=args.dtype, batch_size=args.batch_size, max_samples=args.max_samples,
-            max_length=args.max_length, min_response_tokens=args.min_response_tokens, seed=args.seed,
-            last_hidden=False if args.no_last_hidden else None, target_model_id=args.target_model_id, device=args.device,
-            engine=args.engine, encoding=args.encoding,
-            vllm_options={k: v for k, v in given.items() if v is not None})
+        with console.phases("collect:") as progress:
+            summary = collect_features(
+                target, args.data, args.store, layer_ids=layers, families=args.families,
+                generate=args.generate, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                dtype=args.dtype, batch_size=args.batch_size, max_samples=args.max_samples,
+                max_length=args.max_length, min_response_tokens=args.min_response_tokens, seed=args.seed,
+                last_hidden=False if args.no_last_hidden else None, target_model_id=args.target_model_id, device=args.device,
+                engine=args.engine, encoding=args.encoding,
+                vllm_options={k: v for k, v in given.items() if v is not None}, progress=progress)
     except (ValueError, OSError, StoreError, TargetSourceError, BuildDigestError) as e:
         print(f"verl-speco-collect: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

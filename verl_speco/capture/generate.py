@@ -8,7 +8,7 @@ one that hit ``max_new_tokens`` is kept as is (and counted by the caller).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +33,10 @@ def _cut(row: list[int], end_ids: set[int]) -> Generated:
 @torch.no_grad()
 def generate_responses(model: nn.Module, prompts: Sequence[Sequence[int]], *, end_ids: Sequence[int],
                        pad_id: int, max_new_tokens: int = 256, temperature: float = 0.0,
-                       batch_size: int = 8, seed: int = 0) -> list[Generated]:
-    """Responses for token-id prompts, in prompt order. ``end_ids`` stop generation (eos ids)."""
+                       batch_size: int = 8, seed: int = 0,
+                       on_done: Callable[[int], None] | None = None) -> list[Generated]:
+    """Responses for token-id prompts, in prompt order. ``end_ids`` stop generation (eos ids).
+    ``on_done(n)`` after each batch, with the prompts it answered (a progress bar)."""
     from transformers import GenerationConfig
 
     if max_new_tokens < 1:
@@ -67,13 +69,16 @@ def generate_responses(model: nn.Module, prompts: Sequence[Sequence[int]], *, en
                               generation_config=config)
         for i, row in zip(order[start: start + batch_size], seqs[:, longest:].tolist()):
             out[i] = _cut(row, set(ends))
+        if on_done is not None:
+            on_done(len(chunk))
     return [g for g in out if g is not None]
 
 
 def generate_responses_vllm(target_dir: str, prompts: Sequence[Sequence[int]], *, end_ids: Sequence[int],
                             max_new_tokens: int = 256, temperature: float = 0.0, seed: int = 0,
                             max_num_seqs: int | None = None, dtype: str | None = None,
-                            enforce_eager: bool | None = None) -> list[Generated]:
+                            enforce_eager: bool | None = None,
+                            on_done: Callable[[int], None] | None = None) -> list[Generated]:
     """`generate_responses` served by vLLM: the target regenerates the responses with the engine
     users deploy (self-distillation as the EAGLE papers do; much faster than HF generate at real model
     sizes). Greedy by default; with `temperature > 0` each request is seeded from `seed` and its index.
@@ -81,7 +86,8 @@ def generate_responses_vllm(target_dir: str, prompts: Sequence[Sequence[int]], *
     1 GiB CPU KV cache (`use_in_process_vllm_env`: without it vLLM CPU reserves 92% of the machine's
     memory and refuses to start when another process holds some) and is shut down before returning.
     `dtype`, `enforce_eager`, `max_num_seqs`: None leaves `vllm_engine.build_llm`'s device defaults,
-    except max_num_seqs on the CPU, 32 (`CPU_MAX_NUM_SEQS`)."""
+    except max_num_seqs on the CPU, 32 (`CPU_MAX_NUM_SEQS`). `on_done(n)` as requests finish, with
+    how many just did."""
     from verl_speco.cpu_port.env import use_in_process_vllm_env
     from verl_speco.device import accelerator_type
     from verl_speco.engines import vllm_engine
@@ -97,7 +103,7 @@ def generate_responses_vllm(target_dir: str, prompts: Sequence[Sequence[int]], *
                                 dtype=dtype, enforce_eager=enforce_eager)
     try:
         rows = vllm_engine.generate(llm, prompts, max_new_tokens, temperature, ignore_eos=False,
-                                    seed=seed if temperature > 0 else None)
+                                    seed=seed if temperature > 0 else None, on_done=on_done)
     finally:
         vllm_engine.shutdown(llm)
     return [_cut(row, ends) for row in rows]

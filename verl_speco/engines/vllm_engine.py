@@ -11,7 +11,7 @@ snapshots (`snapshot_spec_counters` before, `read_spec_metrics(llm, since=...)` 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +31,9 @@ CPU_UNSERVABLE = {  # family -> why vLLM cannot serve it here (its export is che
 CPU_UNSERVABLE_SHORT = {  # the same reasons in a few words (the benchmark tables' cells)
     "dspark": "V1 runner refuses it, V2 needs Triton", "domino": "vLLM 0.32 has no Domino",
 }
+# vLLM's n-gram proposer (prompt lookup of 2 to 4 tokens): the draft-free baseline the benchmarks and the
+# quickstart compare trained drafters with; `speculative_config` plus num_speculative_tokens
+NGRAM_SPEC: dict[str, Any] = {"method": "ngram", "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 # build_llm's engine settings per device when the caller gives none (`engine_settings`): vLLM's CPU
 # platform runs eager in float32 with a small batch; a GPU or NPU runs bfloat16 with its graphs (CUDA
 # or ACL) and vLLM's own max_num_seqs
@@ -183,8 +186,10 @@ def _require_in_process_core() -> None:
 
 
 def generate(llm: LLM, prompts_token_ids: Sequence[Sequence[int]], max_tokens: int,
-             temperature: float = 0.0, *, ignore_eos: bool = True, seed: int | None = None) -> list[list[int]]:
-    """Generated token ids (prompt excluded) for each prompt, in order."""
+             temperature: float = 0.0, *, ignore_eos: bool = True, seed: int | None = None,
+             on_done: Callable[[int], None] | None = None) -> list[list[int]]:
+    """Generated token ids (prompt excluded) for each prompt, in order. `on_done(n)` is called as
+    requests finish, with how many just did (a progress bar that moves per prompt answered)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -192,8 +197,42 @@ def generate(llm: LLM, prompts_token_ids: Sequence[Sequence[int]], max_tokens: i
         raise ValueError("prompts_token_ids: expected a non-empty list of non-empty token id lists")
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos, seed=seed)
     prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts_token_ids]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    use_tqdm: Any = False if on_done is None else _finished_counter(on_done)
+    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     return [list(out.outputs[0].token_ids) for out in outputs]
+
+
+def per_request(tick: Callable[[], None] | None) -> Callable[[int], None] | None:
+    """An `on_done` for `generate` that calls `tick()` once per finished request (None without one)."""
+    if tick is None:
+        return None
+    step = tick
+
+    def on_done(n: int) -> None:
+        for _ in range(n):
+            step()
+
+    return on_done
+
+
+def _finished_counter(on_done: Callable[[int], None]) -> Callable[..., Any]:
+    """A tqdm factory for `LLM.generate(use_tqdm=...)` (its public hook for a progress bar): vLLM makes
+    one bar over the prompts it renders (an iterable, left alone) and one with `total=` requests that
+    it `update(n)`s as requests finish; that one forwards each update to `on_done`. Nothing is drawn."""
+    import io
+
+    from tqdm import tqdm
+
+    class _Forward(tqdm):  # type: ignore[type-arg]
+        def update(self, n: float | None = 1) -> bool | None:
+            on_done(int(n or 0))
+            return super().update(n)
+
+    def factory(*args: Any, **kwargs: Any) -> Any:
+        kwargs["file"] = io.StringIO()
+        return (tqdm if args else _Forward)(*args, **kwargs)
+
+    return factory
 
 
 def snapshot_spec_counters(llm: LLM) -> SpecCounters:

@@ -1,0 +1,114 @@
+"""The quickstart's recipe per target and its time estimate.
+
+A `TargetRecipe` holds what the quickstart does on a target when the user sets nothing: prompts
+collected, response cap, the cut of long conversations, the training preset (`quickstart_<family>`, or
+`quickstart_<family>_<target>` where the repository ships one), whether vLLM's n-gram proposer is served
+beside the drafter, and the measured costs the estimate is made of. The embedded target keeps the
+original quickstart; `smollm2-135m` gets a run sized for 2 CPU cores (about 15 minutes) from the curves in
+docs/results/smollm2/README.md.
+
+`estimate(recipe, steps, step_s)` -> seconds per stage (the quickstart prints it before it starts, then
+again with the step time it measured on the first training steps). `cpu_has_bf16()` decides bf16 mixed
+precision: only where the CPU has bf16 units (AMX or AVX-512 BF16); elsewhere bf16 is emulated and slower.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from verl_speco.console import Console
+
+
+@dataclass(frozen=True)
+class TargetRecipe:
+    train_prompts: int
+    max_new_tokens: int                # collection and serving
+    max_length: int | None             # collected sequences cut to this many tokens (None: whole)
+    collect_batch_size: int            # target forwards per capture batch (and HF generate's batch)
+    preset_suffix: str                 # "" or "_<target>": preset quickstart_<family><suffix> where shipped
+    ngram: bool                        # serve vLLM's n-gram proposer too (the baseline to beat)
+    # measured costs on the 2-core project machine (the estimate before anything is timed here)
+    collect_s_per_prompt: float        # vLLM or HF generation plus the capture pass, per prompt
+    step_s: float                      # a training step of the default family (eagle3), its preset's precision
+    fixed_s: float                     # target build, engine starts, export
+    evaluate_s_per_prompt: float       # the reference decoder and every vLLM engine, per served prompt
+    results: str                       # where longer budgets are measured ("" when nowhere)
+
+
+RECIPES: dict[str, TargetRecipe] = {
+    "embedded": TargetRecipe(train_prompts=512, max_new_tokens=96, max_length=None, collect_batch_size=128,
+                             preset_suffix="", ngram=False, collect_s_per_prompt=0.05, step_s=0.3, fixed_s=60,
+                             evaluate_s_per_prompt=3.0, results=""),
+    # 480 prompts x 64 tokens, cut at 640 (the benchmark's collection: 0.48 s a prompt), then the preset's
+    # 300 EAGLE-3 steps with an 8,192-token draft vocabulary in bf16 mixed precision (1.56 s a step in
+    # float32 at the benchmark's 1,200-step run, x 0.64 in bf16): about 4 + 5 + 3 minutes with the starts
+    "smollm2-135m": TargetRecipe(train_prompts=480, max_new_tokens=64, max_length=640, collect_batch_size=16,
+                                 preset_suffix="_smollm2", ngram=True, collect_s_per_prompt=0.48, step_s=1.0,
+                                 fixed_s=120, evaluate_s_per_prompt=8.0,
+                                 results="docs/results/smollm2/README.md"),
+}
+
+
+def recipe_for(target: str) -> TargetRecipe:
+    """The named target's recipe; an HF model directory gets the real-target recipe without its preset
+    (its own vocabulary and sizes are unknown here) or its measured costs' meaning."""
+    if target in RECIPES:
+        return RECIPES[target]
+    return dataclasses.replace(RECIPES["smollm2-135m"], preset_suffix="", results="")
+
+
+def preset_name(family: str, recipe: TargetRecipe, config_dir: Path) -> str:
+    """`quickstart_<family><suffix>` when that preset file exists, else `quickstart_<family>`."""
+    named = f"quickstart_{family}{recipe.preset_suffix}"
+    return named if (config_dir / "preset" / f"{named}.yaml").is_file() else f"quickstart_{family}"
+
+
+def cpu_has_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """Whether the CPU computes bf16 natively (flags amx_bf16 or avx512_bf16); False where unknown."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return bool({"amx_bf16", "avx512_bf16"} & set(flags))
+
+
+def estimate(recipe: TargetRecipe, train_prompts: int, eval_prompts: int, serve_prompts: int, steps: int,
+             step_s: float | None = None) -> dict[str, float]:
+    """Seconds per stage: {"setup", "collect", "train", "evaluate", "total"}; `step_s` replaces the
+    recipe's step time once the first steps are timed."""
+    parts = {"setup": recipe.fixed_s,
+             "collect": recipe.collect_s_per_prompt * (train_prompts + eval_prompts),
+             "train": (recipe.step_s if step_s is None else step_s) * steps,
+             "evaluate": recipe.evaluate_s_per_prompt * serve_prompts}
+    return {**parts, "total": sum(parts.values())}
+
+
+def minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+class StepTimer:
+    """A trainer `on_step` callback: after `TIMED_STEPS` steps past the first (which carries the start-up),
+    prints the estimate again with the step time measured here (`plan`: `estimate`'s, for the evaluation)."""
+
+    TIMED_STEPS = 5
+
+    def __init__(self, console: Console, t_start: float, plan: dict[str, float]) -> None:
+        self.console, self.t_start, self.plan = console, t_start, plan
+        self.t0: float | None = None
+
+    def __call__(self, step: int, total: int) -> None:
+        if step == 1:
+            self.t0 = time.perf_counter()  # the first step carries the start-up; timed from its end
+        elif self.t0 is not None and step == 1 + self.TIMED_STEPS:
+            step_s = (time.perf_counter() - self.t0) / self.TIMED_STEPS
+            left = step_s * (total - step) + self.plan["evaluate"]
+            elapsed = time.perf_counter() - self.t_start
+            self.console.print(f"estimate: {step_s:.2f} s a training step here: about {minutes(left)} to go, "
+                               f"{minutes(elapsed + left)} in all", err=True)
