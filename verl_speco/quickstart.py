@@ -45,6 +45,7 @@ from verl_speco.evaluation import (
     vllm_engine_runs,
 )
 from verl_speco.quickstart_plan import (
+    RECIPES,
     StepTimer,
     TargetRecipe,
     cpu_has_bf16,
@@ -131,12 +132,16 @@ def run(args: argparse.Namespace, console: Console | None = None) -> dict[str, A
     overrides = [f"preset={preset}", f"run.out_dir={out / 'train'}", "run.overwrite=true", f"run.seed={args.seed}",
                  *precision, *([f"run.total_steps={args.steps}"] if args.steps is not None else [])]
     steps = load_config([*overrides, "target.path=unset", "data.store=unset"]).run.total_steps
-    plan = estimate(recipe, args.train_prompts, args.eval_prompts, args.serve_prompts, steps)
-    console.print(f"estimate: about {minutes(plan['total'])} ({args.train_prompts} prompts collected, {steps} "
-                  f"training steps with preset {preset}{', bf16 mixed precision' if precision else ''}); "
-                  "refined after the first training steps", err=True)
-    with console.stage("build target", total=1):
+    plan = estimate(recipe, args.family, args.train_prompts, args.eval_prompts, args.serve_prompts, steps,
+                    bf16=bool(precision))
+    what = (f"{args.train_prompts} prompts collected, {steps} training steps with preset {preset}"
+            f"{', bf16 mixed precision' if precision else ''}")
+    console.print(f"estimate: about {minutes(plan['total'])} ({what}); refined after the first training steps"
+                  if args.target in RECIPES else f"estimate: after the first training steps ({what}; no measured "
+                  "costs for this target)", err=True)
+    with console.stage("build target", total=2) as bar:
         target = resolve_target(args.target, log=print)
+        bar.update()  # then the prompt sets (a real target's: ShareGPT read, split and written once)
         data_files = write_target_prompts(args.target, out / "data", args.train_prompts, args.eval_prompts,
                                           args.seed)
     print(f"[quickstart] target ready at {target}", flush=True)

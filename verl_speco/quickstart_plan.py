@@ -7,7 +7,7 @@ beside the drafter, and the measured costs the estimate is made of. The embedded
 original quickstart; `smollm2-135m` gets a run sized for 2 CPU cores (about 15 minutes) from the curves in
 docs/results/smollm2/README.md.
 
-`estimate(recipe, steps, step_s)` -> seconds per stage (the quickstart prints it before it starts, then
+`estimate(recipe, family, ...)` -> seconds per stage (the quickstart prints it before it starts, then
 again with the step time it measured on the first training steps). `cpu_has_bf16()` decides bf16 mixed
 precision: only where the CPU has bf16 units (AMX or AVX-512 BF16); elsewhere bf16 is emulated and slower.
 """
@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from verl_speco.console import Console
+
+
+BF16_STEP_RATIO = 0.64  # a step in bf16 mixed precision over float32 on AMX (docs/results/smollm2/README.md)
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,7 @@ class TargetRecipe:
     ngram: bool                        # serve vLLM's n-gram proposer too (the baseline to beat)
     # measured costs on the 2-core project machine (the estimate before anything is timed here)
     collect_s_per_prompt: float        # vLLM or HF generation plus the capture pass, per prompt
-    step_s: float                      # a training step of the default family (eagle3), its preset's precision
+    step_s: Mapping[str, float]        # a float32 training step per family at its preset ("*": any other)
     fixed_s: float                     # target build, engine starts, export
     evaluate_s_per_prompt: float       # the reference decoder and every vLLM engine, per served prompt
     results: str                       # where longer budgets are measured ("" when nowhere)
@@ -42,15 +46,16 @@ class TargetRecipe:
 
 RECIPES: dict[str, TargetRecipe] = {
     "embedded": TargetRecipe(train_prompts=512, max_new_tokens=96, max_length=None, collect_batch_size=128,
-                             preset_suffix="", ngram=False, collect_s_per_prompt=0.05, step_s=0.3, fixed_s=60,
-                             evaluate_s_per_prompt=3.0, results=""),
-    # 480 prompts x 64 tokens, cut at 640 (the benchmark's collection: 0.48 s a prompt), then the preset's
-    # 300 EAGLE-3 steps with an 8,192-token draft vocabulary in bf16 mixed precision (1.56 s a step in
-    # float32 at the benchmark's 1,200-step run, x 0.64 in bf16): about 4 + 5 + 3 minutes with the starts
+                             preset_suffix="", ngram=False, collect_s_per_prompt=0.05, step_s={"*": 0.3},
+                             fixed_s=60, evaluate_s_per_prompt=3.0, results=""),
+    # 480 prompts x 64 tokens, cut at 640 (the benchmark's collection: 0.48 s a prompt), then the family's
+    # quickstart_<family>_smollm2 preset: about 5 minutes of steps in bf16 (each family's float32 step at
+    # the benchmark's 1,200-step runs, docs/results/smollm2/README.md, x 0.64)
     "smollm2-135m": TargetRecipe(train_prompts=480, max_new_tokens=64, max_length=640, collect_batch_size=16,
-                                 preset_suffix="_smollm2", ngram=True, collect_s_per_prompt=0.48, step_s=1.0,
-                                 fixed_s=120, evaluate_s_per_prompt=8.0,
-                                 results="docs/results/smollm2/README.md"),
+                                 preset_suffix="_smollm2", ngram=True, collect_s_per_prompt=0.48,
+                                 step_s={"eagle1": 0.906, "eagle2": 0.906, "eagle3": 1.56, "dflash": 1.97,
+                                         "peagle": 1.94, "dspark": 3.04, "domino": 3.2, "*": 2.0},
+                                 fixed_s=120, evaluate_s_per_prompt=8.0, results="docs/results/smollm2/README.md"),
 }
 
 
@@ -78,13 +83,15 @@ def cpu_has_bf16(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
     return bool({"amx_bf16", "avx512_bf16"} & set(flags))
 
 
-def estimate(recipe: TargetRecipe, train_prompts: int, eval_prompts: int, serve_prompts: int, steps: int,
-             step_s: float | None = None) -> dict[str, float]:
-    """Seconds per stage: {"setup", "collect", "train", "evaluate", "total"}; `step_s` replaces the
-    recipe's step time once the first steps are timed."""
+def estimate(recipe: TargetRecipe, family: str, train_prompts: int, eval_prompts: int, serve_prompts: int,
+             steps: int, bf16: bool = False, step_s: float | None = None) -> dict[str, float]:
+    """Seconds per stage: {"setup", "collect", "train", "evaluate", "total"}: the recipe's costs, a
+    step x `BF16_STEP_RATIO` with `bf16`; `step_s` replaces the step once the first steps are timed."""
+    if step_s is None:
+        step_s = recipe.step_s.get(family, recipe.step_s["*"]) * (BF16_STEP_RATIO if bf16 else 1.0)
     parts = {"setup": recipe.fixed_s,
              "collect": recipe.collect_s_per_prompt * (train_prompts + eval_prompts),
-             "train": (recipe.step_s if step_s is None else step_s) * steps,
+             "train": step_s * steps,
              "evaluate": recipe.evaluate_s_per_prompt * serve_prompts}
     return {**parts, "total": sum(parts.values())}
 
