@@ -30,14 +30,37 @@ def _cut(row: list[int], end_ids: set[int]) -> Generated:
     return Generated(*cut_at_end(row, end_ids))
 
 
+class FinishedRows:
+    """A stopping criterion for HF ``generate`` that stops nothing: it counts the rows whose last token
+    is an end token (once per row) and reports each step's newly finished rows to ``on_done(n)``.
+    ``input_ids``: [B, T] the prompt and the tokens generated so far; returns [B] all False."""
+
+    def __init__(self, end_ids: Sequence[int], on_done: Callable[[int], None] | None) -> None:
+        self.ends = torch.tensor(sorted({int(i) for i in end_ids}), dtype=torch.long)
+        self.on_done = on_done
+        self.done: torch.Tensor | None = None  # [B] bool
+        self.count = 0
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any = None, **kwargs: Any) -> torch.Tensor:
+        ended = torch.isin(input_ids[:, -1], self.ends.to(input_ids.device)).cpu()
+        self.done = ended if self.done is None else self.done | ended
+        new = int(self.done.sum()) - self.count
+        if new:
+            self.count += new
+            if self.on_done is not None:
+                self.on_done(new)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 @torch.no_grad()
 def generate_responses(model: nn.Module, prompts: Sequence[Sequence[int]], *, end_ids: Sequence[int],
                        pad_id: int, max_new_tokens: int = 256, temperature: float = 0.0,
                        batch_size: int = 8, seed: int = 0,
                        on_done: Callable[[int], None] | None = None) -> list[Generated]:
     """Responses for token-id prompts, in prompt order. ``end_ids`` stop generation (eos ids).
-    ``on_done(n)`` after each batch, with the prompts it answered (a progress bar)."""
-    from transformers import GenerationConfig
+    ``on_done(n)`` as prompts are answered: each row when it produces an end token (`FinishedRows`,
+    during the batch's generation), the rows that hit ``max_new_tokens`` when the batch ends."""
+    from transformers import GenerationConfig, StoppingCriteriaList
 
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: expected >= 1")
@@ -65,12 +88,13 @@ def generate_responses(model: nn.Module, prompts: Sequence[Sequence[int]], *, en
             mask[b, longest - len(p):] = 1
         if sample:
             torch.manual_seed(seed * 1_000_003 + start)
+        finished = FinishedRows(ends, on_done)
         seqs = hf_model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                              generation_config=config)
+                                 generation_config=config, stopping_criteria=StoppingCriteriaList([finished]))
         for i, row in zip(order[start: start + batch_size], seqs[:, longest:].tolist()):
             out[i] = _cut(row, set(ends))
         if on_done is not None:
-            on_done(len(chunk))
+            on_done(len(chunk) - finished.count)  # the rows cut at max_new_tokens
     return [g for g in out if g is not None]
 
 
