@@ -39,7 +39,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, TypeVar
 
-BAR_FORMAT = "{desc:<16} {percentage:3.0f}%|{bar:24}| {n_fmt}/{total_fmt} [{elapsed}]{postfix}"
+BAR_FORMAT = "{desc:<16} {percentage:3.0f}%|{bar:24}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]{postfix}"
 OPEN_FORMAT = "{desc:<16} {n_fmt} [{elapsed}]{postfix}"  # a stage of unknown length
 
 
@@ -114,8 +114,16 @@ class Console:
         return self._term[1] if self._term is not None else sys.stderr
 
     def print(self, *values: Any, err: bool = False, **kwargs: Any) -> None:
-        """`print` to the terminal (stderr with `err`), whatever the descriptors point at."""
+        """`print` to the terminal (stderr with `err`), whatever the descriptors point at; on stderr a
+        running stage's bar is cleared first and drawn again below the line."""
+        bar = self._bar if err else None
+        if bar is not None:
+            with contextlib.suppress(Exception):
+                bar.clear()
         print(*values, file=self.stderr if err else self.stdout, flush=True, **kwargs)
+        if bar is not None:
+            with contextlib.suppress(Exception):
+                bar.refresh()
 
     def _prefix(self) -> str:
         return f"{self.name}: " if self.name else ""
