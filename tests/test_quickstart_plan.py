@@ -122,8 +122,7 @@ def test_the_table_has_the_ngram_column_and_points_at_longer_budgets() -> None:
     assert summary["columns"] == ["vLLM trained", "reference", "vLLM untrained", "vLLM n-gram"]
     assert summary["rows"]["tokens per target forward"] == [1.4, 1.4, 1.0, 1.25]
     lines = quickstart_table.table_lines(summary)
-    assert lines[-2] == ("longer budgets (more prompts and steps, trees) and what they give: "
-                         "docs/results/smollm2/README.md")
+    assert lines[-2] == "a longer budget: docs/results/smollm2/README.md"
     assert quickstart_table.summarize(_report(ngram=False))["columns"] == ["vLLM trained", "reference", "vLLM untrained"]
 
 

@@ -41,7 +41,7 @@ class TargetRecipe:
     step_s: Mapping[str, float]        # a float32 training step per family at its preset ("*": any other)
     fixed_s: float                     # target build, engine starts, export
     evaluate_s_per_prompt: float       # the reference decoder and every vLLM engine, per served prompt
-    results: str                       # where longer budgets are measured ("" when nowhere)
+    results: str                       # where longer budgets are measured, and their headline ("": nowhere)
 
 
 RECIPES: dict[str, TargetRecipe] = {
@@ -55,7 +55,10 @@ RECIPES: dict[str, TargetRecipe] = {
                                  preset_suffix="_smollm2", ngram=True, collect_s_per_prompt=0.48,
                                  step_s={"eagle1": 0.906, "eagle2": 0.906, "eagle3": 1.56, "dflash": 1.97,
                                          "peagle": 1.94, "dspark": 3.04, "domino": 3.2, "*": 2.0},
-                                 fixed_s=120, evaluate_s_per_prompt=8.0, results="docs/results/smollm2/README.md"),
+                                 fixed_s=120, evaluate_s_per_prompt=8.0,
+                                 results="docs/results/smollm2/README.md (EAGLE-3 at 1,200 steps on 2,000 prompts: "
+                                         "1.58 generated tokens per target forward, 1.28x n-gram; the EAGLE-2 tree "
+                                         "at 4,800 steps on 8,000 prompts: 2.65)"),
 }
 
 

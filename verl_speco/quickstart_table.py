@@ -64,7 +64,7 @@ def table_lines(summary: dict[str, Any]) -> list[str]:
     if "vllm_skipped" in summary:
         lines.append(f"vLLM skipped: {summary['vllm_skipped']}")
     if "results" in summary:
-        lines.append(f"longer budgets (more prompts and steps, trees) and what they give: {summary['results']}")
+        lines.append(f"a longer budget: {summary['results']}")
     return lines + [f"total: {summary['total_seconds']}s"]
 
 
