@@ -121,7 +121,11 @@ def test_the_table_has_the_ngram_column_and_points_at_longer_budgets() -> None:
     summary = quickstart_table.summarize(_report(ngram=True))
     assert summary["columns"] == ["vLLM trained", "reference", "vLLM untrained", "vLLM n-gram"]
     assert summary["rows"]["tokens per target forward"] == [1.4, 1.4, 1.0, 1.25]
+    assert summary["trained_over_ngram"] == round(1.4 / 1.25, 3)
     lines = quickstart_table.table_lines(summary)
+    assert lines[-4] == ("vLLM n-gram: greedy outputs identical with/without speculative decoding: True; identical "
+                         "to the reference decoder: True")
+    assert lines[-3] == "vLLM trained against vLLM n-gram: 1.400 / 1.250 = 1.12x generated tokens per target forward"
     assert lines[-2] == "a longer budget: docs/results/smollm2/README.md"
     assert quickstart_table.summarize(_report(ngram=False))["columns"] == ["vLLM trained", "reference", "vLLM untrained"]
 

@@ -41,9 +41,12 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
             lambda c, i=i: round(float(_at(c["per_position_acceptance_rate"], i)), 3))
     return {"family": report["family"], "target": report.get("target_name", "embedded"),
             "num_speculative_tokens": k, "temperature": 0.0, "columns": list(runs), "rows": rows,
-            "vllm_checks": {f"vLLM {name}": {"lossless": c["lossless"],
-                                             "matches_reference_outputs": c["matches_reference_outputs"]}
-                            for name, c in vl.items()},
+            "vllm_checks": {f"vLLM {'n-gram' if name == NGRAM else name}": {
+                "lossless": c["lossless"], "matches_reference_outputs": c["matches_reference_outputs"]}
+                for name, c in vl.items()},
+            **({"trained_over_ngram": round(vl["trained"]["tokens_per_target_forward"]
+                                            / vl[NGRAM]["tokens_per_target_forward"], 3)}
+               if "trained" in vl and NGRAM in vl else {}),
             **({"vllm_skipped": report["vllm_skipped"]} if "vllm_skipped" in report else {}),
             **({"results": report["results"]} if report.get("results") else {}),
             "total_seconds": report["total_seconds"]}
@@ -63,6 +66,10 @@ def table_lines(summary: dict[str, Any]) -> list[str]:
                      f"identical to the reference decoder: {c['matches_reference_outputs']}")
     if "vllm_skipped" in summary:
         lines.append(f"vLLM skipped: {summary['vllm_skipped']}")
+    if "trained_over_ngram" in summary:
+        tpf = summary["rows"]["tokens per target forward"]
+        lines.append(f"vLLM trained against vLLM n-gram: {tpf[0]:.3f} / {tpf[-1]:.3f} = "
+                     f"{summary['trained_over_ngram']:.2f}x generated tokens per target forward")
     if "results" in summary:
         lines.append(f"a longer budget: {summary['results']}")
     return lines + [f"total: {summary['total_seconds']}s"]
