@@ -79,14 +79,15 @@ def test_estimate_adds_the_recipes_costs() -> None:
 
 @pytest.mark.parametrize("family", ["eagle1", "eagle2", "eagle3", "dflash", "peagle", "dspark", "domino"])
 def test_every_real_target_preset_fits_the_budget(family: str) -> None:
-    """Each family's smollm2 preset: about 5 minutes of steps in bf16, so the run ends in about 15 (the
-    issue's budget, 12 to 16 minutes by the recipe's costs); the real-target settings of the benchmark."""
+    """Each family's smollm2 preset: about 5 minutes of steps in bf16, so the run ends in about 15 minutes
+    or less (10 to 16 by the recipe's costs; the EAGLE-3 run measured 11 alone); the real-target settings
+    of the benchmark."""
     r = RECIPES["smollm2-135m"]
     name = preset_name(family, r, default_config_dir())
     assert name == f"quickstart_{family}_smollm2"
     cfg = load_config([f"preset={name}", "target.path=t", "data.store=s"])
     plan = estimate(r, family, r.train_prompts, 32, 16, cfg.run.total_steps, bf16=True)
-    assert 4 * 60 <= plan["train"] <= 6 * 60 and 12 * 60 <= plan["total"] <= 16 * 60, plan
+    assert 4 * 60 <= plan["train"] <= 6 * 60 and 10 * 60 <= plan["total"] <= 16 * 60, plan
     settings = cfg.drafter.settings
     assert settings.get("draft_vocab_size", 8192) == 8192 and settings.get("num_anchors", 64) == 64
 
@@ -135,11 +136,11 @@ class _Stop(Exception):
 
 
 @pytest.mark.parametrize(("argv", "expected"), [
-    (["--target", "smollm2-135m"], "estimate: about 13 min (480 prompts collected, 300 training steps with preset "
+    (["--target", "smollm2-135m"], "estimate: about 12 min (480 prompts collected, 300 training steps with preset "
                                    "quickstart_eagle3_smollm2, bf16 mixed precision); refined after the first "
                                    "training steps"),
     (["--target", "smollm2-135m", "--family", "dflash", "--steps", "20", "--mixed-precision", "off"],
-     "estimate: about 9 min (480 prompts collected, 20 training steps with preset quickstart_dflash_smollm2)"),
+     "estimate: about 7 min (480 prompts collected, 20 training steps with preset quickstart_dflash_smollm2)"),
 ])
 def test_the_estimate_is_printed_before_anything_starts(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str], argv: list[str],
