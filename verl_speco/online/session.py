@@ -50,7 +50,7 @@ from drafters.common.target import TargetHead
 from drafters.registry import get_family
 from verl_speco.online.capture import CapturedRows, safetensors_metadata
 from verl_speco.online.config import DrafterRunConfig
-from verl_speco.online.publish import PublishedDraft, default_publish_dir, write_version
+from verl_speco.online.publish import PublishedDraft, publish_dir_of, write_version
 from verl_speco.train.config import build_family_config
 from verl_speco.train.distributed import accelerator_mixed_precision, apply_fsdp, init_single_process_group
 from verl_speco.train.optim import build_optimizer, set_lr, warmup_lr
@@ -216,7 +216,7 @@ class DrafterSession:
         self.rounds = 0
         self.rows_since_round = 0  # rows added since the previous round began (derived round length)
         self.version = 0
-        self.publish_dir = Path(cfg.publish_dir) if cfg.publish_dir else default_publish_dir(run_name)
+        self.publish_dir = publish_dir_of(cfg.publish_dir, run_name)
         self._executor: ThreadPoolExecutor | None = None
         self._inflight: Future[dict[str, float]] | None = None
 
