@@ -17,18 +17,18 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
-from drafters.common.contract import DrafterFamily, EngineFormat, StoreStats, TreeDrafterFamily
+from drafters.common.contract import DrafterFamily, EngineFormat, StoreStats
 from drafters.common.metrics import AcceptanceStats, prompt_bootstrap_interval, tokens_per_target_forward
 from drafters.common.sampling import SamplingParams
 from drafters.common.target import TargetHead
 from drafters.common.tokens import cut_at_end
+from drafters.common.tree import TreeConfig, TreeDrafterFamily
 from drafters.registry import export_family, get_family
 from verl_speco.engines.spec_metrics import SpecCounters, acceptance_summary
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from drafters.common.tree import TreeConfig
     from drafters.spec_decode import SpecDecodeResult
 
 

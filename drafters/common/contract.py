@@ -6,8 +6,8 @@
 - `EngineFormat`: what a family ships to the engines for one resolved config and target: the
   `config.json` per export format, the engine tensors (one function serves export and live
   publish), the speculative arguments per engine and the publish-manifest round trip.
-- `DrafterFamily`: the protocol every catalog entry implements; `TreeDrafterFamily` adds the
-  optional methods of a family that drafts EAGLE-2 dynamic trees (`tree_config`, `tree_proposer`).
+- `DrafterFamily`: the protocol every catalog entry implements (`drafters.common.tree.TreeDrafterFamily`
+  adds the optional methods of a family that drafts EAGLE-2 dynamic trees).
   `drafters.common.family_base.DrafterFamilyBase` implements its shared half once;
   `contract_gaps(family)` names what a family object lacks (docs/adding-a-family.md).
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -26,9 +26,6 @@ from drafters.common.losses import ObjectiveOutput
 from drafters.common.sampling import SamplingParams
 from drafters.common.target import TargetHead, TargetSpec
 from feature_store import Layout
-
-if TYPE_CHECKING:  # drafters.common.tree imports this module
-    from drafters.common.tree import TreeConfig, TreeProposer
 
 EXPORT_META_FILE = "verl_speco_meta.json"  # written into every export: {"family": name, "format": ..., ...}
 
@@ -177,25 +174,6 @@ class DrafterFamily(Protocol):
                fmt: str = "native", **kwargs: Any) -> Path: ...
 
     def proposer(self, model: nn.Module, target_spec: TargetSpec) -> Proposer: ...
-
-
-@runtime_checkable
-class TreeDrafterFamily(DrafterFamily, Protocol):
-    """A family whose reference drafting is an EAGLE-2 dynamic tree (optional, e.g. eagle2).
-
-    `isinstance(family, TreeDrafterFamily)` tells a caller to decode with
-    `drafters.spec_decode.tree_speculative_generate(target, family.tree_proposer(model, spec),
-    ..., **asdict(family.tree_config(family.config_of(model))))` instead of the chain `proposer`
-    (verl_speco/evaluation.py `reference_acceptance` does). `proposer` stays the chain the family's
-    engines serve where they have no tree (vLLM 0.32)."""
-
-    def tree_config(self, cfg: Any) -> TreeConfig:
-        """The tree shape (top_k, depth, total_tokens) of a resolved config."""
-        ...
-
-    def tree_proposer(self, model: nn.Module, target_spec: TargetSpec) -> TreeProposer:
-        """The `TreeProposer` (drafters/common/tree.py) that expands the tree with `model`."""
-        ...
 
 
 def contract_members() -> tuple[str, ...]:

@@ -1,5 +1,6 @@
 """EAGLE-2 dynamic draft trees (docs/design/algorithms.md section 2): the tree, its attention mask and
-positions, the `TreeProposer` protocol a drafter implements, and expand + rerank.
+positions, the `TreeProposer` protocol a drafter implements, the `TreeDrafterFamily` protocol a
+family that drafts trees implements, and expand + rerank.
 
 Tree layout. A round starts from the committed tokens x_0..x_n; the ROOT is x_n (just emitted
 by the target). A tree of N draft nodes is stored in topological order (a parent before its
@@ -39,12 +40,13 @@ transformers 5.19, sdpa and eager, in tests/drafters/test_tree_decode.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from drafters.common.contract import DraftContext
+from drafters.common.contract import DraftContext, DrafterFamily
+from drafters.common.target import TargetSpec
 
 
 def _check_parents(parents: Tensor, depths: Tensor) -> None:
@@ -213,6 +215,25 @@ class TreeConfig:
     @property
     def pool_size(self) -> int:
         return self.top_k + (self.depth - 1) * self.top_k ** 2
+
+
+@runtime_checkable
+class TreeDrafterFamily(DrafterFamily, Protocol):
+    """A family whose reference drafting is an EAGLE-2 dynamic tree (optional, e.g. eagle2).
+
+    `isinstance(family, TreeDrafterFamily)` tells a caller to decode with
+    `drafters.spec_decode.tree_speculative_generate(target, family.tree_proposer(model, spec),
+    ..., **asdict(family.tree_config(family.config_of(model))))` instead of the chain `proposer`
+    (verl_speco/evaluation.py `reference_acceptance` does). `proposer` stays the chain the family's
+    engines serve where they have no tree (vLLM 0.32)."""
+
+    def tree_config(self, cfg: Any) -> TreeConfig:
+        """The tree shape (top_k, depth, total_tokens) of a resolved config."""
+        ...
+
+    def tree_proposer(self, model: nn.Module, target_spec: TargetSpec) -> TreeProposer:
+        """The `TreeProposer` (above) that expands the tree with `model`."""
+        ...
 
 
 @dataclass

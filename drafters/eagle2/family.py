@@ -3,7 +3,7 @@
 Everything about the weights is EAGLE-1's and is inherited from `drafters.eagle1.family`
 (model, objective, collate, layout, frozen target pieces); this family adds the tree: its
 config carries the tree shape (`Eagle2Config`), `tree_config` / `tree_proposer` are the optional
-`TreeDrafterFamily` methods (drafters/common/contract.py) the reference evaluation uses, and
+`TreeDrafterFamily` methods (drafters/common/tree.py) the reference evaluation uses, and
 its engine format records family "eagle2" and the tree SGLang drafts (`Eagle2ExportConfig`).
 `proposer` stays the EAGLE-1 chain (what vLLM serves for this family).
 """
@@ -17,9 +17,9 @@ from typing import Any
 
 from torch import nn
 
-from drafters.common.contract import EXPORT_META_FILE, TreeDrafterFamily
+from drafters.common.contract import EXPORT_META_FILE
 from drafters.common.target import TargetHead, TargetSpec
-from drafters.common.tree import TreeConfig
+from drafters.common.tree import TreeConfig, TreeDrafterFamily
 from drafters.eagle1.config import Eagle1Config
 from drafters.eagle1.family import Eagle1Family
 from drafters.eagle1.model import Eagle1Model

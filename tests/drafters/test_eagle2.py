@@ -16,11 +16,10 @@ from tree_targets import MaskedTinyTarget, PrevTokenTarget, hf_qwen3
 
 import drafters.verify as verify
 from drafters import eagle1
-from drafters.common.contract import TreeDrafterFamily
 from drafters.common.metrics import AcceptanceStats
 from drafters.common.sampling import SamplingParams
 from drafters.common.target import TargetHead
-from drafters.common.tree import TreeConfig
+from drafters.common.tree import TreeConfig, TreeDrafterFamily
 from drafters.eagle1.export import check_export
 from drafters.eagle2 import FAMILY, Eagle2Config, Eagle2ExportConfig
 from drafters.registry import available_families, engine_format_from_dict, export_family, get_family

@@ -49,10 +49,10 @@ from drafters.common.contract import (
     Proposal,
     Proposer,
     StoreStats,
-    TreeDrafterFamily,
 )
 from drafters.common.sampling import SamplingParams
 from drafters.common.target import TargetSpec
+from drafters.common.tree import TreeDrafterFamily
 from drafters.common.vocab import token_counts_from_samples
 from drafters.registry import available_families, engine_format_from_dict, export_family, get_family
 from drafters.spec_decode import autoregressive_generate, speculative_generate, tree_speculative_generate
