@@ -43,5 +43,8 @@ ALL_CHECKS: tuple[DeviceCheck, ...] = (  # in run order
                 "rank's own kv heads, in place", "benchmarks.device_checks_kernels:dflash_rebuild", 20),
     DeviceCheck("flex_compiles", "compiled flex attention needs one graph per mask function over TTT steps "
                 "and DFlash shapes", "benchmarks.device_checks_kernels:flex_compiles", 60),
+    DeviceCheck("speculation_roofline", "this accelerator's achieved bandwidth and matmul FLOP/s, the speculation "
+                "cost model's hardware figures (scripts/project_speculation_gpu.py --hardware)",
+                "benchmarks.device_checks_speculation:speculation_roofline", 30),
 )
 CHECKS: dict[str, DeviceCheck] = {c.name: c for c in ALL_CHECKS}

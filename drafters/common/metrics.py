@@ -205,3 +205,19 @@ def prompt_bootstrap_interval(generated: list[int], accepted: list[int], level: 
     low = torch.quantile(ratios, (1 - level) / 2, interpolation="lower")
     high = torch.quantile(ratios, (1 + level) / 2, interpolation="higher")
     return float(low), float(high)
+
+
+def expected_tokens_per_step(per_position: list[float], k: int) -> float:
+    """Expected tokens a request gains per verification step when it drafts k tokens of a chain whose
+    per-position acceptance rates (vLLM's `accepted_per_pos[i] / num_drafts`, each already the chance
+    that positions 0..i were all accepted) are `per_position`: 1 (the bonus or recovered token) plus
+    the first k rates. k = 0 is plain decoding (1.0).
+
+    Worked example: rates [0.8, 0.6, 0.3], k = 2 -> 1 + 0.8 + 0.6 = 2.4; k = 3 -> 2.7.
+    """
+    if k < 0 or k > len(per_position):
+        raise ValueError(f"k: got {k}, expected 0..{len(per_position)} (positions with a measured acceptance)")
+    rates = [float(r) for r in per_position[:k]]
+    if any(not 0.0 <= r <= 1.0 for r in rates) or any(b > a + 1e-12 for a, b in zip(rates, rates[1:])):
+        raise ValueError(f"per_position: got {per_position}, expected non-increasing rates in [0, 1]")
+    return 1.0 + sum(rates)

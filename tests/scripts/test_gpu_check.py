@@ -31,7 +31,7 @@ SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 FAMILIES = ("eagle1", "eagle2", "eagle3", "dflash", "dspark", "domino", "peagle")
 # benchmarks/device_checks.py's checks but flex_compiles: inductor compiles its graphs to C++ here (~40 s on 2
 # cores); tests/drafters/test_flex_compiles.py runs the same function (slow), its verdict is tested below
-CHECKS = ("capture_wait", "online_round", "dflash_rebuild")
+CHECKS = ("capture_wait", "online_round", "dflash_rebuild", "speculation_roofline")
 # what the GPU machine (torch, transformers, safetensors, numpy, pyyaml, triton) does not have, and
 # heavy optional packages the check has no business importing
 ABSENT = ("omegaconf", "hydra", "antlr4", "vllm", "ray", "verl", "sglang", "tqdm", "accelerate", "speculators",

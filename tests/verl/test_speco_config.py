@@ -269,3 +269,68 @@ def test_verl_internals_the_capture_loop_uses() -> None:
     assert "await self.server_manager.generate(" in single and "extra_fields=output.extra_fields" in single
     tq = _verl_source("trainer/ppo/v1/agent_loop_tq.py")
     assert '"min_global_steps": field["extra_fields"].get("min_global_steps")' in tq
+
+
+def _calibration_file(path: Path) -> Path:
+    from verl_speco.speculation.cost_model import StepTimes
+    from verl_speco.speculation.plan import Calibration
+
+    # a draft step of k costs 1 + 0.5 k plain steps at batch 1, 1 + 1.5 k at batch 8; rates 0.9, 0.8, 0.7, 0.6
+    times = StepTimes((1, 8), (0.010, 0.020), tuple((0.010 + 0.005 * k, 0.020 + 0.030 * k) for k in range(5)),
+                      (0.05, 0.2), (0.05, 0.2))
+    return Calibration(times, (0.9, 0.8, 0.7, 0.6), max_num_seqs=8).write(path / "calibration.json")
+
+
+def test_speculation_auto_applies_the_planned_schedule(tmp_path: Path) -> None:
+    fmt = _eagle3_format()
+    cal = _calibration_file(tmp_path)
+    cfg = compose(["actor_rollout_ref.rollout.drafter.enable=true",
+                   f"actor_rollout_ref.rollout.drafter.speculation_calibration={cal}"])
+    spec = apply_speculative_config(cfg, extract_drafter(cfg), "/drafts/v0", fmt)["speculative_config"]
+    # capped at num_speculative_tokens=3 (the 4th rate is not used); batch 1: k=3 gives 3.4 tokens in 2.5
+    # plain steps; batch 8: every k loses to k=0 (k=1: 1.9 tokens in 2.5 steps)
+    assert spec["num_speculative_tokens"] == 3
+    schedule = spec["num_speculative_tokens_per_batch_size"]
+    assert schedule[0][:2] == [1, 1] and schedule[0][2] == 3 and schedule[-1] == [schedule[-1][0], 8, 0]
+    fixed = compose(["actor_rollout_ref.rollout.drafter.enable=true", "actor_rollout_ref.rollout.drafter.speculation=fixed"])
+    assert "num_speculative_tokens_per_batch_size" not in apply_speculative_config(
+        fixed, extract_drafter(fixed), "/drafts/v0", fmt)["speculative_config"]
+
+
+def test_speculation_refusals_name_the_setting(tmp_path: Path) -> None:
+    from verl_speco.speculation.apply import resolve_mode
+
+    fmt = _eagle3_format()
+    sg = compose(["actor_rollout_ref.rollout.name=sglang", "actor_rollout_ref.rollout.drafter.enable=true",
+                  "actor_rollout_ref.rollout.drafter.speculation=auto"])
+    with pytest.raises(DrafterConfigError, match=r"drafter.speculation: got 'auto', but sglang"):
+        apply_speculative_config(sg, extract_drafter(sg), "/drafts/v0", fmt)
+    assert resolve_mode(None, "sglang", "0.5.12") == "fixed" and resolve_mode(None, "vllm", "0.32.0") == "auto"
+    assert resolve_mode(None, "vllm", "0.24.0") == "fixed"
+    with pytest.raises(DrafterConfigError, match="vLLM 0.24.0: its speculative_config has no"):
+        resolve_mode("auto", "vllm", "0.24.0")
+    with pytest.raises(DrafterConfigError, match="speculation_calibration: got"):
+        DrafterRunConfig.from_dict({"speculation": "fixed", "speculation_calibration": "/x.json"})
+    with pytest.raises(DrafterConfigError, match="heldout_baseline: got True, expected false with a speculation_cal"):
+        DrafterRunConfig.from_dict({"heldout_baseline": True, "speculation_calibration": "/x.json"})
+    with pytest.raises(DrafterConfigError, match="speculation: got 'sometimes'"):
+        DrafterRunConfig.from_dict({"speculation": "sometimes"})
+    (tmp_path / "bad.json").write_text('{"format": "something else"}')
+    bad = compose(["actor_rollout_ref.rollout.drafter.enable=true",
+                   f"actor_rollout_ref.rollout.drafter.speculation_calibration={tmp_path / 'bad.json'}"])
+    with pytest.raises(DrafterConfigError, match="speculation_calibration: .*format: got 'something else'"):
+        apply_speculative_config(bad, extract_drafter(bad), "/drafts/v0", fmt)
+
+
+def test_installed_vllm_takes_the_schedule_field() -> None:
+    """The releases `SCHEDULE_VLLM` names have the field; the installed vLLM is one of them."""
+    import dataclasses as dc
+
+    from vllm.config.speculative import SpeculativeConfig
+
+    from verl_speco.deploy.engine_check import installed_engine_version
+    from verl_speco.deploy.versions import base_version
+    from verl_speco.speculation.apply import SCHEDULE_VLLM
+
+    assert base_version(str(installed_engine_version("vllm"))) in SCHEDULE_VLLM
+    assert "num_speculative_tokens_per_batch_size" in {f.name for f in dc.fields(SpeculativeConfig)}

@@ -185,17 +185,22 @@ def _require_in_process_core() -> None:
                          "verl_speco/cpu_port/vllm_dflash.py) only reaches an in-process engine core")
 
 
-def generate(llm: LLM, prompts_token_ids: Sequence[Sequence[int]], max_tokens: int,
+def generate(llm: LLM, prompts_token_ids: Sequence[Sequence[int]], max_tokens: int | Sequence[int],
              temperature: float = 0.0, *, ignore_eos: bool = True, seed: int | None = None,
              on_done: Callable[[int], None] | None = None) -> list[list[int]]:
-    """Generated token ids (prompt excluded) for each prompt, in order. `on_done(n)` is called as
-    requests finish, with how many just did (a progress bar that moves per prompt answered)."""
+    """Generated token ids (prompt excluded) for each prompt, in order; `max_tokens` one cap for all or
+    one per prompt. `on_done(n)` is called as requests finish, with how many just did (a progress bar
+    that moves per prompt answered)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     if not prompts_token_ids or any(len(p) == 0 for p in prompts_token_ids):
         raise ValueError("prompts_token_ids: expected a non-empty list of non-empty token id lists")
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos, seed=seed)
+    caps = [max_tokens] * len(prompts_token_ids) if isinstance(max_tokens, int) else list(max_tokens)
+    if len(caps) != len(prompts_token_ids):
+        raise ValueError(f"max_tokens: got {len(caps)} caps for {len(prompts_token_ids)} prompts, expected one each")
+    params = [SamplingParams(max_tokens=int(cap), temperature=temperature, ignore_eos=ignore_eos, seed=seed)
+              for cap in caps]
     prompts = [TokensPrompt(prompt_token_ids=[int(t) for t in p]) for p in prompts_token_ids]
     use_tqdm: Any = False if on_done is None else _finished_counter(on_done)
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)

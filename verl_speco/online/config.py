@@ -74,7 +74,12 @@ class DrafterRunConfig:
     mode: str = "online"  # online | collect_only | offline
     model_path: str | None = None  # initial draft export (native / speculators); None: fresh init
     settings: dict[str, Any] = field(default_factory=dict)  # -> family.config_cls(**settings)
-    num_speculative_tokens: int = 3  # what the rollout engine drafts per step
+    num_speculative_tokens: int = 3  # what the rollout engine drafts per step at most (and the depth trained)
+    # fixed: k = num_speculative_tokens at every batch size. auto: the k per batch size planned from
+    # `speculation_calibration` (`verl-speco-speculation calibrate`), 0 where drafting does not pay; vLLM
+    # 0.32 only (verl_speco.speculation.apply). null: auto where the rollout engine takes a schedule.
+    speculation: str | None = None
+    speculation_calibration: str | None = None  # calibration.json measured on this hardware, target and draft
     collect_interval: int = 1  # capture every N RL steps
     train_interval: int = 1  # run a training round every N RL steps
     publish_interval: int = 1  # publish after every N training rounds
@@ -179,6 +184,16 @@ class DrafterRunConfig:
             raise bad("fresh_samples", self.fresh_samples, f"0 with mode={self.mode}, schedule={self.schedule}, "
                       f"capture_source={self.capture_source} (fresh samples train the round that blocks the step: "
                       "mode=online, schedule=serial, capture_source=actor)")
+        if self.speculation not in (None, "fixed", "auto"):
+            raise bad("speculation", self.speculation, "'fixed', 'auto' or null (auto where the engine takes a schedule)")
+        if self.speculation_calibration and (self.speculation == "fixed" or self.mode != "online"):
+            raise bad("speculation_calibration", self.speculation_calibration,
+                      f"null with speculation={self.speculation} and mode={self.mode} (a schedule applies to the "
+                      "draft an online rollout serves, with speculation auto or null)")
+        if self.heldout_baseline and self.speculation_calibration:
+            raise bad("heldout_baseline", self.heldout_baseline, "false with a speculation_calibration: the held-out "
+                      "acceptance is read off the validation pass, whose batch the schedule may draft nothing at "
+                      "(set speculation=fixed to compare drafts)")
         if self.heldout_baseline and self.mode != "online":
             raise bad("heldout_baseline", self.heldout_baseline, "false unless mode=online (it compares the served "
                       "draft with the initial one)")

@@ -79,13 +79,29 @@ def rollout_engine(config: DictConfig) -> str:
 
 
 def speculative_engine_kwargs(fmt: EngineFormat, drafter: DrafterRunConfig, engine: str,
-                              draft_dir: str) -> dict[str, Any]:
+                              draft_dir: str, response_length: int) -> dict[str, Any]:
     """The rollout engine's speculative-decoding arguments for an export of `fmt` in `draft_dir`
-    (engine_kwargs form; the family's engine format decides them)."""
+    (engine_kwargs form; the family's engine format decides them; `drafter.speculation` adds vLLM's
+    batch-size schedule, planned for responses of up to `response_length` tokens)."""
+    from verl_speco.deploy.engine_check import installed_engine_version
+    from verl_speco.speculation.apply import resolve_mode, scheduled_fields
+
     k = int(drafter.num_speculative_tokens)
-    if engine == "vllm":
-        return {"speculative_config": fmt.vllm_speculative_config(draft_dir, k)}
-    return fmt.sglang_server_args(draft_dir, k)
+    mode = resolve_mode(drafter.speculation, engine, installed_engine_version(engine))
+    if engine != "vllm":
+        return fmt.sglang_server_args(draft_dir, k)
+    spec = fmt.vllm_speculative_config(draft_dir, k)
+    if mode == "auto" and drafter.speculation_calibration:
+        fields, speculation = scheduled_fields(drafter.speculation_calibration, k, response_length)
+        spec.update(fields)
+        logger.warning("%s.speculation=auto: %s (planned at engine start from %s; vLLM cannot change it live)",
+                       USER_KEY, speculation.describe() if speculation.speculate else
+                       "k=0 at every batch size: drafting never pays here", drafter.speculation_calibration)
+    elif mode == "auto":
+        logger.warning("%s.speculation=auto without %s.speculation_calibration: the rollout drafts k=%s at every "
+                       "batch size; measure one with `verl-speco-speculation calibrate` on this hardware",
+                       USER_KEY, USER_KEY, k)
+    return {"speculative_config": spec}
 
 
 def apply_speculative_config(config: DictConfig, drafter: DrafterRunConfig, draft_dir: str,
@@ -95,7 +111,8 @@ def apply_speculative_config(config: DictConfig, drafter: DrafterRunConfig, draf
     user `speculative_config` (vLLM), e.g. only `enforce_eager: true` for the draft, is completed
     with ours: its own keys win, method and token count must agree."""
     engine = rollout_engine(config)
-    wanted = speculative_engine_kwargs(fmt, drafter, engine, draft_dir)
+    wanted = speculative_engine_kwargs(fmt, drafter, engine, draft_dir,
+                                       int(config.actor_rollout_ref.rollout.response_length))
     kwargs_node = config.actor_rollout_ref.rollout.engine_kwargs
     with open_dict(kwargs_node):
         if kwargs_node.get(engine) is None:

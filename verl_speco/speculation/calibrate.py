@@ -1,0 +1,142 @@
+"""Measure a `StepTimes` on this machine's vLLM: the decode step of the target alone and of the target
+with its drafter at every k = 0..k_max, over a grid of batch sizes, plus the draft's acceptance per
+position. Each drafting k is an engine of `num_speculative_tokens = k_max` whose batch-size schedule
+gives k everywhere, so k = 0 is measured as a rollout under a schedule runs it.
+
+A measurement: `batch` requests of the calibration prompts (ignore_eos, no cap reached), the engine
+stepped by hand (`LLMEngine.step`): the prefill is the time until every request has its first token,
+then `warmup` steps, then the median of `steps` timed steps; the requests are aborted after. The
+engines run one after another; the step times need a machine doing nothing else (state its load).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from itertools import cycle, islice
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from verl_speco.speculation.cost_model import StepTimes
+from verl_speco.speculation.plan import Calibration
+
+if TYPE_CHECKING:
+    from vllm import LLM
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def time_steps(llm: LLM, prompts: Sequence[Sequence[int]], batch: int, steps: int, warmup: int,
+               max_tokens: int) -> tuple[float, float]:
+    """(prefill seconds, median decode-step seconds) of `batch` requests cycling over `prompts`."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [f"speco-calibrate-{time.monotonic_ns()}-{i}" for i in range(batch)]
+    started = time.perf_counter()
+    for rid, prompt in zip(ids, islice(cycle(prompts), batch)):
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=[int(t) for t in prompt]), params)
+    have: dict[str, int] = {}
+    try:
+        while len(have) < batch:
+            for out in engine.step():
+                have[out.request_id] = len(out.outputs[0].token_ids)  # type: ignore[index]
+        prefill = time.perf_counter() - started
+        durations = []
+        for i in range(warmup + steps):
+            t0 = time.perf_counter()
+            outs = engine.step()
+            if len(outs) != batch or any(o.finished for o in outs):
+                raise RuntimeError(f"calibration step {i}: {len(outs)} of {batch} requests advanced (max_tokens "
+                                   f"{max_tokens} too small, or the engine's max_num_seqs below {batch})")
+            if i >= warmup:
+                durations.append(time.perf_counter() - t0)
+    finally:
+        engine.abort_request(ids)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return prefill, statistics.median(durations)
+
+
+def calibrate(target_dir: str | Path, draft_dir: str | Path | None, spec: dict[str, Any], prompts: Sequence[Sequence[int]],
+              k_max: int, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, steps: int = 8, warmup: int = 3,
+              passes: int = 2,
+              acceptance_prompts: Sequence[Sequence[int]] | None = None, acceptance_tokens: int = 64,
+              tick: Callable[[], None] | None = None, **engine_options: Any) -> Calibration:
+    """Step times of the target alone and with the draft at k = 0..k_max (`spec`: the family format's
+    vLLM speculative config, its `num_speculative_tokens` replaced; `draft_dir` None for a proposer
+    without a model, such as vLLM's n-gram), and the draft's acceptance per
+    position at k_max on `acceptance_prompts` (greedy, `acceptance_tokens` new tokens; default the
+    calibration prompts). Each point is measured in `passes` sweeps over the batch sizes, the smallest
+    median kept (a transient load on the machine inflates one sweep, rarely both). `tick()` after each
+    point of each sweep: (k_max + 2) x len(batch_sizes) x passes in all."""
+    from verl_speco.engines import vllm_engine
+
+    if k_max < 1:
+        raise ValueError(f"k_max: got {k_max}, expected >= 1")
+    batch_sizes = sorted(set(int(b) for b in batch_sizes))
+    max_num_seqs = int(engine_options.pop("max_num_seqs", max(batch_sizes)))
+    max_tokens = (warmup + steps + 2) * (k_max + 1) + 1
+    context = vllm_engine.context_length(max(len(p) for p in prompts), max(max_tokens, acceptance_tokens), k_max)
+    extra = {key: v for key, v in spec.items() if key not in ("method", "num_speculative_tokens", "model")}
+
+    def engine(k: int | None) -> LLM:
+        if k is None:
+            return vllm_engine.build_llm(target_dir, None, max_model_len=context, max_num_seqs=max_num_seqs,
+                                         **engine_options)
+        schedule = {"num_speculative_tokens_per_batch_size": [(1, max_num_seqs, k)]}
+        if draft_dir is None:  # a proposer without a model (vLLM's n-gram): the config whole
+            return vllm_engine.build_llm(target_dir, None, max_model_len=context, max_num_seqs=max_num_seqs,
+                                         speculative_config={**spec, "num_speculative_tokens": k_max, **schedule},
+                                         **engine_options)
+        return vllm_engine.build_llm(target_dir, draft_dir, method=spec["method"], num_speculative_tokens=k_max,
+                                     speculative_extra={**extra, **schedule}, max_model_len=context,
+                                     max_num_seqs=max_num_seqs, **engine_options)
+
+    measured: dict[int | None, tuple[list[float], list[float]]] = {}
+    rates: list[float] = []
+    for k in [None, *range(k_max + 1)]:
+        llm = engine(k)
+        try:
+            best: dict[int, tuple[float, float]] = {}
+            for sweep in range(passes):  # ascending, then descending batch sizes: min over the sweeps
+                for batch in batch_sizes if sweep % 2 == 0 else batch_sizes[::-1]:
+                    before = vllm_engine.snapshot_spec_counters(llm)
+                    prefill, step = time_steps(llm, prompts, batch, steps, warmup, max_tokens)
+                    _require_drafts_of(k, vllm_engine.snapshot_spec_counters(llm) - before, batch,
+                                       exact=draft_dir is not None)
+                    have = best.get(batch, (prefill, step))
+                    best[batch] = (min(have[0], prefill), min(have[1], step))
+                    if tick is not None:
+                        tick()
+            measured[k] = ([best[b][0] for b in batch_sizes], [best[b][1] for b in batch_sizes])
+            if k == k_max:
+                _, summary = vllm_engine.generate_with_metrics(
+                    llm, list(acceptance_prompts or prompts), acceptance_tokens, ignore_eos=False)
+                rates = [float(r) for r in summary["per_position_acceptance_rate"]]
+        finally:
+            vllm_engine.shutdown(llm)
+    times = StepTimes(tuple(batch_sizes), tuple(measured[None][1]),
+                      tuple(tuple(measured[k][1]) for k in range(k_max + 1)),
+                      tuple(measured[None][0]), tuple(measured[0][0]))
+    info = {"target": str(target_dir), "draft": str(draft_dir), "method": spec["method"], "k_max": k_max,
+            "steps": steps, "warmup": warmup, "prompt_tokens": [len(p) for p in prompts][:max(batch_sizes)]}
+    return Calibration(times, tuple(rates), max_num_seqs, info)
+
+
+def _require_drafts_of(k: int | None, counters: Any, batch: int, exact: bool = True) -> None:
+    """The engine drafted k tokens per round (none for k = 0 or plain; at most k for a proposer without
+    a model, which drafts nothing where it finds no match): a calibration that timed another arm than
+    it names is refused."""
+    drafted = counters.num_draft_tokens
+    rounds = counters.num_drafts
+    if not k:
+        wrong = drafted > 0
+    else:
+        wrong = (rounds == 0 or drafted != k * rounds) if exact else drafted > k * rounds
+    if wrong:
+        raise RuntimeError(f"calibration at k={k}, batch {batch}: the engine drafted {drafted} tokens in {rounds} "
+                           f"rounds, expected {0 if not k else k} per round (the batch-size schedule was not applied)")
