@@ -35,10 +35,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from drafters.common.target import TargetHead
 from verl_speco.console import Console
 from verl_speco.cpu_port.env import use_in_process_vllm_env
 from verl_speco.evaluation import (
     EvalPrompts,
+    engine_format_of,
     export_untrained_like,
     reference_acceptance,
     vllm_acceptance,
@@ -55,6 +57,7 @@ from verl_speco.quickstart_plan import (
     recipe_for,
 )
 from verl_speco.quickstart_table import plot_positions, summarize, table_lines
+from verl_speco.speculation.trial import schedule_trial, trial_ticks
 
 CHART, SUMMARY, REPORT, LOG = "acceptance_per_position.png", "summary.json", "report.json", "quickstart.log"
 
@@ -96,6 +99,10 @@ def _parser() -> argparse.ArgumentParser:
                         "CPU has bf16 units (amx_bf16 / avx512_bf16), else off (default: %(default)s)")
     p.add_argument("--ngram", default=None, action=argparse.BooleanOptionalAction,
                    help="serve vLLM's n-gram proposer on the same prompts too (default: on for real targets)")
+    p.add_argument("--speculation", default="auto", choices=("auto", "fixed"),
+                   help="auto: also calibrate the speculation cost model here, plan the draft length per batch "
+                        "size and decode a rollout-shaped batch with the plan beside plain decoding "
+                        "(verl_speco.speculation); fixed: only the fixed-k runs (default: %(default)s)")
     p.add_argument("--skip-vllm", action="store_true", help="stop after training and the reference decoder")
     p.add_argument("--json", action="store_true", help="print the final report as JSON")
     p.add_argument("--verbose", action="store_true",
@@ -191,7 +198,9 @@ def run(args: argparse.Namespace, console: Console | None = None) -> dict[str, A
                               "preset": preset, "mixed_precision": "bfloat16" if precision else None,
                               "train_prompts": args.train_prompts, "results": recipe.results, "train": train_summary}
     n = len(prompts.token_ids)
-    with console.stage("evaluate", total=n * (1 + (vllm_engine_runs(2, ngram=args.ngram) if serve else 0))) as bar:
+    trial = serve and args.speculation == "auto"
+    total = n * (1 + (vllm_engine_runs(2, ngram=args.ngram) if serve else 0))
+    with console.stage("evaluate", total=total + (trial_ticks(n, args.num_speculative_tokens) if trial else 0)) as bar:
         bar.note("reference decoder")
         report["reference"] = reference_acceptance(target, export_dir, prompts, args.num_speculative_tokens,
                                                    args.max_new_tokens, tick=bar.update)
@@ -204,6 +213,12 @@ def run(args: argparse.Namespace, console: Console | None = None) -> dict[str, A
             report["vllm"] = vllm_acceptance(target, {"trained": export_dir, "untrained": untrained}, prompts,
                                              args.num_speculative_tokens, args.max_new_tokens, reference_outputs,
                                              tick=bar.update, ngram=args.ngram)
+        if trial:
+            bar.note("speculation schedule")
+            spec = engine_format_of(export_dir, TargetHead.from_pretrained(target)).vllm_speculative_config(
+                export_dir, args.num_speculative_tokens)
+            report["speculation"] = schedule_trial(target, export_dir, spec, prompts.token_ids,
+                                                   args.num_speculative_tokens, args.max_new_tokens, tick=bar.update)
     report["total_seconds"] = round(time.perf_counter() - t_start, 1)
     return report
 
@@ -229,7 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n" + "\n".join(table_lines(summary)))
         print(f"chart: {chart if chart is not None else 'not drawn (matplotlib is not installed)'}")
         print(f"summary: {out / SUMMARY}")
-    ok = all(c["lossless"] for c in report.get("vllm", {}).values())
+    ok = all(c["lossless"] for c in report.get("vllm", {}).values()) and report.get("speculation", {}).get(
+        "lossless", True)
     return 0 if ok else 1
 
 

@@ -49,7 +49,19 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
                if "trained" in vl and NGRAM in vl else {}),
             **({"vllm_skipped": report["vllm_skipped"]} if "vllm_skipped" in report else {}),
             **({"results": report["results"]} if report.get("results") else {}),
+            **({"speculation": _speculation(report["speculation"])} if "speculation" in report else {}),
             "total_seconds": report["total_seconds"]}
+
+
+def _speculation(trial: dict[str, Any]) -> dict[str, Any]:
+    """The schedule trial's figures (verl_speco.speculation.trial): the plan, and the rollout-shaped batch's
+    seconds measured and predicted, plain against the plan."""
+    measured, predicted = trial["measured_s"], trial["predicted_s"]
+    return {"schedule": trial["describe"] if trial["speculate"] else "plain decoding (no k pays here)",
+            "requests": len(trial["lengths"]), "tokens": sum(trial["lengths"]),
+            "plain_s": round(measured["plain"], 2), "schedule_s": round(measured["schedule"], 2),
+            "speedup": round(measured["plain"] / measured["schedule"], 3),
+            "predicted_speedup": round(predicted["plain"] / predicted["schedule"], 3), "lossless": trial["lossless"]}
 
 
 def _cell(value: Any) -> str:
@@ -70,6 +82,11 @@ def table_lines(summary: dict[str, Any]) -> list[str]:
         tpf = summary["rows"]["tokens per target forward"]
         lines.append(f"vLLM trained against vLLM n-gram: {tpf[0]:.3f} / {tpf[-1]:.3f} = "
                      f"{summary['trained_over_ngram']:.2f}x generated tokens per target forward")
+    if "speculation" in summary:
+        sp = summary["speculation"]
+        lines.append(f"speculation auto (calibrated here): {sp['schedule']}; {sp['requests']} requests of long-tail "
+                     f"lengths ({sp['tokens']} tokens): plain {sp['plain_s']}s, planned {sp['schedule_s']}s "
+                     f"({sp['speedup']:.2f}x, predicted {sp['predicted_speedup']:.2f}x), lossless: {sp['lossless']}")
     if "results" in summary:
         lines.append(f"a longer budget: {summary['results']}")
     return lines + [f"total: {summary['total_seconds']}s"]

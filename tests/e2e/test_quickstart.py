@@ -96,3 +96,19 @@ def test_training_logged_and_checkpointed(report: dict) -> None:
     evals = [m for m in metrics if m["kind"] == "eval"]
     assert evals, "no held-out evaluation was logged"
     assert "sim_accept_len" in evals[-1] and "acc_step0" in evals[-1]
+
+
+def test_speculation_auto_plans_from_its_calibration_and_is_lossless(quickstart: dict[str, Any]) -> None:
+    """The default `--speculation auto`: the schedule is the plan of the calibration it reports (planned
+    again here from the file's figures), the planned engine decodes what plain decoding does, and the
+    table says so."""
+    from verl_speco.speculation.plan import Calibration, plan
+
+    trial = quickstart["report"]["speculation"]
+    raw = trial["calibration"]
+    calibration = Calibration.from_dict(raw, "report.json: speculation.calibration")
+    assert [list(r) for r in plan(calibration).schedule] == trial["schedule"]
+    assert trial["lossless"] and calibration.max_num_seqs == len(trial["lengths"])
+    summary = json.loads((quickstart["out"] / "summary.json").read_text())["speculation"]
+    assert summary["lossless"] is True and summary["requests"] == len(trial["lengths"])
+    assert any(line.startswith("speculation auto (calibrated here): ") for line in quickstart["stdout"].splitlines())
