@@ -44,8 +44,10 @@ from verl_speco.drift_stats import paired_difference
 from verl_speco.engines.spec_metrics import SpecCounters, acceptance_summary
 from verl_speco.online.capture import CapturedRows, OnlineCapture
 from verl_speco.online.config import CAPTURE_PASSES, SCHEDULES, CaptureCaps, DrafterRunConfig
+from verl_speco.online.controller import OnlineController
 from verl_speco.online.publish import load_outcome, write_version
 from verl_speco.online.session import DrafterSession, TargetHeadSnapshot
+from verl_speco.online.session_link import SessionLink
 from verl_speco.train.config import OptimConfig
 
 STEP_PARTS = ("finetune_seconds", "target_sync_seconds", "rollout_seconds", "capture_seconds", "train_seconds",
@@ -117,6 +119,8 @@ class DriftHarness:
         self.out.mkdir(parents=True, exist_ok=True)
         self.log = log
         self.engine_version = 0
+        self.live_state: dict[str, torch.Tensor] = {}  # what the engine serves as the co-trained draft
+        self._rec: dict[str, Any] = {}  # the step's record, where a publish writes its costs
 
     # -- set-up ----------------------------------------------------------------------------------
     def _initial_drafter(self) -> Path:
@@ -138,8 +142,8 @@ class DriftHarness:
         rows = prompt_rows(n, "shifted", split, seed)
         return [encode_prompt(self.tokenizer, cast(list[dict[str, str]], row["messages"])) for row in rows]
 
-    def _publish_state(self, llm: Any, state: dict[str, torch.Tensor]) -> tuple[float, float]:
-        """Publish `state` as the next engine version: (write seconds, engine reload seconds)."""
+    def _publish_state(self, llm: Any, state: dict[str, torch.Tensor]) -> tuple[Any, float, float]:
+        """Publish `state` as the next engine version: (the `PublishedDraft`, write seconds, engine reload seconds)."""
         from verl_speco.engines import vllm_reload
 
         self.engine_version += 1
@@ -149,31 +153,39 @@ class DriftHarness:
         status, reasons = load_outcome(vllm_reload.publish_draft(llm, pub.path, pub.version))
         if status != "loaded":
             raise RuntimeError(f"engine did not load publish version {pub.version}: {status} {reasons}")
-        return t1 - t0, time.perf_counter() - t1
+        return pub, t1 - t0, time.perf_counter() - t1
 
-    def _publish_round(self, llm: Any, session: DrafterSession, rec: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def _publish_cotrained(self, llm: Any, session: DrafterSession) -> dict[str, Any]:
+        """The controller's publish (`SessionLink`): the co-trained draft into the engine; it stays live
+        (`live_state`) and its costs go into the step's record."""
         state = session.engine_state()
-        write_s, reload_s = self._publish_state(llm, state)
+        pub, write_s, reload_s = self._publish_state(llm, state)
+        rec = self._rec
         rec["publish_write_seconds"], rec["publish_reload_seconds"] = write_s, reload_s
         rec["publish_seconds"] = write_s + reload_s
-        return state
+        self.live_state = state
+        return {"version": int(pub.version), "path": str(pub.path), "bytes": int(pub.total_bytes),
+                "seconds": write_s + reload_s}
 
-    def _capture_and_train(self, llm: Any, session: DrafterSession, capture: OnlineCapture, actor: Any,
+    def _round(self, controller: OnlineController, rec: dict[str, Any], step: int) -> None:
+        """The controller's round after the step's rows: serial trains and publishes now, overlap starts
+        it (collected after the next rollout). The drift run's last round is measured, never published."""
+        rounds = controller.rounds
+        controller.maybe_train(step, last=False)
+        if controller.rounds > rounds:  # collected in line (serial)
+            rec["train"] = controller.last_round
+            rec["train_seconds"] = rec["train"]["train_seconds"]
+
+    def _capture_and_train(self, controller: OnlineController, capture: OnlineCapture, actor: Any,
                            prompts: list[list[int]], responses: list[list[int]], version: int, rec: dict[str, Any],
-                           live_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Capture rows of policy `version` (the actor's forward under hooks), then a round: serial trains and
-        publishes now (returns the new live state); overlap starts it in the background (returns `live_state`)."""
+                           step: int) -> None:
+        """Capture rows of policy `version` (the actor's forward under hooks), then the controller's round."""
         t0 = time.perf_counter()
         rows, _ = capture_rollouts(actor, capture, prompts, responses, self.eos, version)
-        session.add(rows, TargetHeadSnapshot.from_model(actor, version))
+        controller.add([rows], TargetHeadSnapshot.from_model(actor, version))
         rec["capture_seconds"] = time.perf_counter() - t0
         rec["capture"] = rows.counts
-        if self.cfg.drafter.schedule == "overlap":
-            session.start_round()
-            return live_state
-        rec["train"] = session.train_round()
-        rec["train_seconds"] = rec["train"]["train_seconds"]
-        return self._publish_round(llm, session, rec)
+        self._round(controller, rec, step)
 
     def _measure(self, llm: Any, state: dict[str, torch.Tensor], prompts: list[list[int]],
                  plain: list[list[int]], per_prompt: bool = False) -> dict[str, Any]:
@@ -224,8 +236,9 @@ class DriftHarness:
                                     worker_extension_cls=vllm_reload.DRAFT_EXTENSION, max_num_seqs=16)
         records: list[dict[str, Any]] = []
         policy = target
-        overlap = cfg.drafter.schedule == "overlap"
-        live_state = frozen_state  # what the engine serves as the co-trained draft
+        self.live_state = frozen_state
+        link = SessionLink(session, publish=lambda: self._publish_cotrained(llm, session))
+        controller = OnlineController(cfg.drafter, link)
         metrics_file = self.out / "metrics.jsonl"
         metrics_file.unlink(missing_ok=True)
         post_update = cfg.drafter.capture_pass == "post_update"
@@ -233,6 +246,7 @@ class DriftHarness:
         try:
             for step in range(cfg.steps + 1):
                 rec: dict[str, Any] = {"step": step}
+                self._rec = rec
                 t0 = time.perf_counter()
                 if step > 0:  # 1. the policy update, then the engine's own weight sync
                     policy = finetune_target(policy, self.out / "targets" / f"step_{step}", steps=cfg.finetune_steps,
@@ -243,28 +257,25 @@ class DriftHarness:
                     rec["target_sync_seconds"] = time.perf_counter() - t1
                 actor = AutoModelForCausalLM.from_pretrained(str(policy), dtype=torch.float32).eval()
                 if pending is not None:  # post_update: the updated actor's forward over last step's batch
-                    live_state = self._capture_and_train(llm, session, capture, actor, *pending, step, rec,
-                                                         live_state)
+                    self._capture_and_train(controller, capture, actor, *pending, step, rec, step)
                 plain = _cut(_plain_greedy(actor, eval_prompts, self.eos, cfg.max_new_tokens), self.eos)
                 # 2. measurement: frozen, then co-trained (re-published: it stays live for the rollout);
                 # the last step's frozen figures per prompt, for the paired comparison of the summary
                 rec["frozen"] = self._measure(llm, frozen_state, eval_prompts, plain, per_prompt=step == cfg.steps)
-                rec["cotrained"] = self._measure(llm, live_state, eval_prompts, plain)
+                rec["cotrained"] = self._measure(llm, self.live_state, eval_prompts, plain)
                 t2 = time.perf_counter()
                 # 3. rollout with the co-trained draft live
                 train_prompts = self._prompts(cfg.rollout_prompts, "train", cfg.seed * 7919 + step)
                 responses = vllm_engine.generate(llm, train_prompts, cfg.max_new_tokens, ignore_eos=False)
                 rec["rollout_seconds"] = time.perf_counter() - t2
-                if overlap:  # the round started last step trained during this step's update and rollout
-                    done = session.finish_round()
-                    if done is not None:
-                        rec["train"] = done
-                        live_state = self._publish_round(llm, session, rec)
+                # overlap: the round started earlier trained during this step's update and rollout
+                if controller.collect():
+                    rec["train"] = controller.last_round
                 if post_update:
                     pending = (train_prompts, _cut(responses, self.eos))
                 else:  # 4-5. capture in the old-logprob pass, then a round
-                    live_state = self._capture_and_train(llm, session, capture, actor, train_prompts,
-                                                         _cut(responses, self.eos), step, rec, live_state)
+                    self._capture_and_train(controller, capture, actor, train_prompts, _cut(responses, self.eos),
+                                            step, rec, step)
                 rec["step_seconds"] = sum(rec.get(k, 0.0) for k in STEP_PARTS)  # measurement excluded
                 records.append(rec)
                 with open(metrics_file, "a") as fh:
@@ -272,10 +283,10 @@ class DriftHarness:
                 self.log(f"[drift] step {step}: frozen {rec['frozen']['mean_acceptance_length']:.3f} "
                          f"co-trained {rec['cotrained']['mean_acceptance_length']:.3f} "
                          f"lossless {rec['frozen']['lossless'] and rec['cotrained']['lossless']}")
-            summary = self._offline_baseline(llm, session, initial, target, policy, actor, capture, eval_prompts,
-                                             plain, records)
+            summary = self._offline_baseline(llm, controller, session, initial, target, policy, actor, capture,
+                                             eval_prompts, plain, records)
         finally:
-            session.close()
+            link.close()
             vllm_engine.shutdown(llm)
         summary["total_seconds"] = time.perf_counter() - t_start
         (self.out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -283,15 +294,16 @@ class DriftHarness:
                         label=str(getattr(session.family, "label", session.family.name)))
         return summary
 
-    def _offline_baseline(self, llm: Any, session: DrafterSession, initial: Path, target: Path, policy: Path,
-                          actor: Any, capture: OnlineCapture, eval_prompts: list[list[int]],
-                          plain: list[list[int]], records: list[dict[str, Any]]) -> dict[str, Any]:
+    def _offline_baseline(self, llm: Any, controller: OnlineController, session: DrafterSession, initial: Path,
+                          target: Path, policy: Path, actor: Any, capture: OnlineCapture,
+                          eval_prompts: list[list[int]], plain: list[list[int]],
+                          records: list[dict[str, Any]]) -> dict[str, Any]:
         """A drafter trained offline on the final policy with the online run's token budget."""
         from verl_speco.engines import vllm_engine
 
         cfg = self.cfg
         online_steps = session.step
-        session.finish_round()  # overlap: the round of the last step's capture
+        controller.collect(publish=False)  # overlap: the round of the last step's capture, measured below
         online_rows = sum(r["capture"]["kept"] for r in records if "capture" in r)
         offline = DrafterSession(dataclasses.replace(cfg.drafter, model_path=str(initial), max_staleness=0),
                                  target, run_name=f"drift-offline-{cfg.seed}")

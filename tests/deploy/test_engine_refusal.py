@@ -122,7 +122,7 @@ class _Started(Exception):
 
 def _setup(monkeypatch: pytest.MonkeyPatch, family: str, engine: str, release: str | None) -> None:
     from verl_speco.online.config import DrafterRunConfig
-    from verl_speco.verl_integration import drafter_actor
+    from verl_speco.verl_integration import drafter_actor, trainer_setup
     from verl_speco.verl_integration.trainer import SpecoTrainerMixin
 
     def start(*args: Any) -> None:
@@ -130,7 +130,8 @@ def _setup(monkeypatch: pytest.MonkeyPatch, family: str, engine: str, release: s
 
     monkeypatch.setattr(engine_check, "installed_engine_version", lambda name: release)
     monkeypatch.setattr(drafter_actor, "start_drafter_group", start)
-    trainer: Any = object.__new__(type("Trainer", (SpecoTrainerMixin,), {"_speco_target_dir": lambda self: "/t"}))
+    monkeypatch.setattr(trainer_setup, "target_dir", lambda config: "/t")
+    trainer: Any = object.__new__(type("Trainer", (SpecoTrainerMixin,), {}))
     trainer.speco = DrafterRunConfig(enable=True, family=family, mode="online")
     trainer.config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": engine}},
                                       "trainer": {"experiment_name": "refusal"}})

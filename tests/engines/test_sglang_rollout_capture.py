@@ -296,6 +296,7 @@ def test_verl_agent_loop_captures_the_rollout(served: tuple[FakeSGLangGenerate, 
     import numpy as np
     import transfer_queue
 
+    from verl_speco.verl_integration import trainer_step
     from verl_speco.verl_integration.rollout_rows import rollout_store_sink
     from verl_speco.verl_integration.trainer import SpecoTrainerMixin
 
@@ -313,8 +314,8 @@ def test_verl_agent_loop_captures_the_rollout(served: tuple[FakeSGLangGenerate, 
     driver.global_steps = driver.total_training_steps = 3
     driver._speco_rollout, driver._speco_pending = capture, None
     driver._speco_sink = rollout_store_sink(driver.speco, plan, HIDDEN, VOCAB, "tiny-qwen3")
-    driver._speco_take_rollout_rows(batch)
-    metrics = driver._speco_after_rollout_step()
+    trainer_step.take_rollout_rows(driver, batch)
+    metrics = trainer_step.after_rollout_step(driver)
     assert metrics["drafter/capture/kept"] == 2 and metrics["drafter/capture/rollout_short_decode"] == 1
     assert metrics["drafter/store/samples"] == 2 and driver._speco_sink is None  # closed at the last step
     capsys.readouterr()

@@ -1,4 +1,5 @@
-"""The overlap schedule: a round run in the background equals the same round run in line."""
+"""The overlap schedule with an in-process drafter: a round the controller runs in the background
+(`SessionLink`) equals the same round run in line."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch
 
 from verl_speco.online.capture import CapturedRows, OnlineCapture
 from verl_speco.online.config import CaptureCaps, DrafterRunConfig
+from verl_speco.online.controller import OnlineController
 from verl_speco.online.session import DrafterSession, TargetHeadSnapshot
+from verl_speco.online.session_link import SessionLink
 from verl_speco.train.config import OptimConfig
 
 LAYER_IDS = (2, 4, 5)
@@ -41,29 +44,36 @@ def test_background_round_equals_inline_round(tmp_path: Path, target_dir: Path, 
     overlap = _session(tmp_path / "b", target_dir, target_model)
     assert all(torch.equal(a, b) for a, b in zip(inline.engine_state().values(), overlap.engine_state().values()))
     want = inline.train_round()
-    overlap.start_round()
+    link = SessionLink(overlap)
+    ctl = OnlineController(overlap.cfg, link)
+    assert ctl.maybe_train(step=1, last=False) == {} and ctl.in_flight  # started, not collected
     with pytest.raises(RuntimeError, match="in flight"):
-        overlap.engine_state()  # never snapshot weights that are being trained
+        link.publish()  # never publish weights that are being trained
     with pytest.raises(RuntimeError, match="already in flight"):
-        overlap.start_round()
-    got = overlap.finish_round()
-    assert got is not None and overlap.finish_round() is None
-    assert {k: v for k, v in got.items() if k != "train_seconds"} == \
+        link.start_round()
+    got = ctl.collect()
+    assert ctl.collect() == {} and not ctl.in_flight and ctl.rounds == 1
+    assert ctl.last_round is not None
+    assert {k: v for k, v in ctl.last_round.items() if k != "train_seconds"} == \
         {k: v for k, v in want.items() if k != "train_seconds"}
+    assert got["drafter/steps"] == 3.0 and got["drafter/version"] == 1.0  # publish_interval=1: published
+    assert ctl.latest is not None and (Path(ctl.latest["path"]) / "manifest.json").is_file()
     a, b = inline.engine_state(), overlap.engine_state()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    overlap.close()
+    link.close()
 
 
 def test_rows_added_during_a_round_are_kept(tmp_path: Path, target_dir: Path, target_model: Any) -> None:
     session = _session(tmp_path, target_dir, target_model)
-    session.start_round()
-    session.add(_rows(target_model, 1), TargetHeadSnapshot.from_model(target_model, 1))  # while training
-    session.finish_round()
+    link = SessionLink(session)
+    ctl = OnlineController(session.cfg, link)
+    ctl.maybe_train(step=1, last=False)
+    ctl.add([_rows(target_model, 1)], TargetHeadSnapshot.from_model(target_model, 1))  # while training
+    ctl.collect(publish=False)
     assert sorted({e.version for e in session.buffer.entries}) == [0, 1]
     metrics = session.train_round()
     assert metrics["steps"] == 3.0 and metrics["skipped_steps"] == 0.0
-    session.close()
+    link.close()
 
 
 def test_rows_and_heads_cross_processes_as_safetensors_bytes(target_model: Any) -> None:

@@ -95,7 +95,7 @@ class _Configured(Exception):
 def _setup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, free: int) -> None:
     from verl_speco.deploy import engine_check
     from verl_speco.online.config import DrafterRunConfig
-    from verl_speco.verl_integration import drafter_actor, trainer
+    from verl_speco.verl_integration import drafter_actor, trainer_setup
     from verl_speco.verl_integration.trainer import SpecoTrainerMixin
 
     def export_initial(out: str) -> str:
@@ -111,12 +111,13 @@ def _setup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, free: int) -> None:
                             engine_format=SimpleNamespace(remote=configured))
     monkeypatch.setattr(engine_check, "installed_engine_version", lambda name: "0.32.0")
     monkeypatch.setattr(drafter_actor, "start_drafter_group", lambda *args: group)
-    monkeypatch.setattr(trainer.ray, "get", lambda ref: ref)
+    monkeypatch.setattr(trainer_setup.ray, "get", lambda ref: ref)
+    monkeypatch.setattr(trainer_setup, "target_dir", lambda config: "/t")
     out = tmp_path / f"initial_{free}"
     out.mkdir()
-    monkeypatch.setattr(trainer.tempfile, "mkdtemp", lambda **kwargs: str(out))
+    monkeypatch.setattr(trainer_setup.tempfile, "mkdtemp", lambda **kwargs: str(out))
     monkeypatch.setattr(publish_room.shutil, "disk_usage", fake_disk(free))
-    stand_in: Any = object.__new__(type("Trainer", (SpecoTrainerMixin,), {"_speco_target_dir": lambda self: "/t"}))
+    stand_in: Any = object.__new__(type("Trainer", (SpecoTrainerMixin,), {}))
     stand_in.speco = DrafterRunConfig(enable=True, family="eagle3", mode="online",
                                       publish_dir="/dev/shm/verl_speco/room_check")
     stand_in.config = OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": "vllm"}},

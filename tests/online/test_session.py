@@ -22,6 +22,7 @@ from verl_speco.online.capture import CapturedRows, OnlineCapture
 from verl_speco.online.config import CaptureCaps, DrafterRunConfig
 from verl_speco.online.publish import load_version, read_manifest
 from verl_speco.online.session import DrafterSession, FeatureBuffer, TargetHeadSnapshot
+from verl_speco.online.session_link import SessionLink
 from verl_speco.train.config import OptimConfig
 
 LAYER_IDS = (2, 4, 5)
@@ -333,20 +334,22 @@ def test_round_in_flight_survives_a_newer_version_evicting_its_rows(tmp_path: Pa
                                                                     target_model, rows_v0: CapturedRows) -> None:
     """Overlap schedule: `add()` may run while a round trains (FeatureBuffer.lock). A newer version
     that evicts the rows (and so the head) of the version the round started on must not crash it."""
-    session = DrafterSession(_cfg(tmp_path, max_staleness=0, schedule="overlap"), target_dir)
+    session = DrafterSession(_cfg(tmp_path, max_staleness=0, schedule="overlap", train_steps_per_round=40),
+                             target_dir)
     session.add(rows_v0, TargetHeadSnapshot.from_model(target_model, 0))
     rows_v1 = _capture(target_model, 1, 6, 10, n=4, seed=1)
-    session.start_round(steps=40)
+    link = SessionLink(session)
+    handle = link.start_round()
     deadline = time.monotonic() + 60
     while session.step < 1 and time.monotonic() < deadline:  # the round has read latest_version = 0
         time.sleep(0.001)
     session.add(rows_v1, TargetHeadSnapshot.from_model(target_model, 1))  # evicts every v0 row and its head
     assert session.step < 40, "the round finished before the add: the test did not exercise the overlap"
     try:
-        metrics = session.finish_round()
+        metrics = link.wait_round(handle)
     finally:
-        session.close()
-    assert metrics is not None and metrics["steps"] == 40.0
+        link.close()
+    assert metrics["steps"] == 40.0
 
 
 def test_round_length_follows_the_rows_captured_since_the_previous_round(  # type: ignore[no-untyped-def]
@@ -369,13 +372,14 @@ def test_round_length_follows_the_rows_captured_since_the_previous_round(  # typ
     session.add(_capture(target_model, 2, 6, 10, n=2, seed=2), TargetHeadSnapshot.from_model(target_model, 2))
     session.cfg = dataclasses.replace(session.cfg, train_passes_per_round=2.5)  # ceil(2.5 * 2 / 8) = 1
     assert session.next_round_steps() == 1
-    session.cfg = dataclasses.replace(session.cfg, schedule="overlap")
-    session.start_round()
+    link = SessionLink(session)  # a round in the background (the overlap schedule's) consumes them at its start
+    handle = link.start_round()
+    assert session.next_round_steps() == 0
     try:
-        background = session.finish_round()
+        background = link.wait_round(handle)
     finally:
-        session.close()
-    assert background is not None and background["steps"] == 1.0 and session.next_round_steps() == 0
+        link.close()
+    assert background["steps"] == 1.0 and session.next_round_steps() == 0
     fixed = DrafterSession(_cfg(tmp_path, train_steps_per_round=7), target_dir)
     assert fixed.next_round_steps() == 0
     fixed.add(rows_v0, head0)

@@ -141,29 +141,48 @@ def test_worker_subclass_is_bound_like_verls() -> None:
 def test_trainer_subclass_of_every_registered_trainer(mode: str) -> None:
     from verl.trainer.ppo.v1 import get_trainer_cls
 
-    from verl_speco.verl_integration.trainer import SpecoTrainerMixin, speco_trainer_cls
+    from verl_speco.verl_integration.trainer import VERL_PATCHES, SpecoTrainerMixin, speco_trainer_cls
 
     base = get_trainer_cls(mode)
     cls = speco_trainer_cls(base)
     assert issubclass(cls, base) and cls.__mro__[1] is SpecoTrainerMixin and speco_trainer_cls(base) is cls
     for name in ("_setup", "_init_resource_pool_mgr", "_compute_old_log_prob", "step", "_consume_sync_metrics"):
         assert getattr(cls, name) is getattr(SpecoTrainerMixin, name), name
+    for name in VERL_PATCHES:  # every private verl method the adapter overrides exists on verl's trainer
+        assert callable(getattr(base, name, None)) and getattr(cls, name) is getattr(SpecoTrainerMixin, name), name
+
+
+def test_trainer_refuses_a_verl_release_its_patches_were_not_read_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    import verl
+    from verl.trainer.ppo.v1 import get_trainer_cls
+
+    from verl_speco.online.config import DrafterConfigError
+    from verl_speco.verl_integration.trainer import VERL_RELEASES, speco_trainer_cls
+
+    assert VERL_RELEASES == ("0.9.1",) and verl.__version__ == "0.9.1"
+    monkeypatch.setattr(verl, "__version__", "0.9.2")
+    with pytest.raises(DrafterConfigError, match=r"verl 0\.9\.2 is installed; SpecoTrainerMixin overrides verl's "
+                                                 r"private trainer methods \['_compute_old_log_prob', .*\['0\.9\.1'\]"):
+        speco_trainer_cls(get_trainer_cls("sync"))
 
 
 def test_trainer_swaps_in_the_capture_worker_on_a_real_config() -> None:
     from verl.trainer.ppo.utils import Role
     from verl.trainer.ppo.v1 import get_trainer_cls
 
+    from verl_speco.verl_integration.config_bridge import extract_drafter
     from verl_speco.verl_integration.trainer import speco_trainer_cls
     from verl_speco.verl_integration.worker import SpecoActorRolloutRefWorker
 
     cfg = compose(["actor_rollout_ref.rollout.drafter.enable=true", "data.train_files=none.parquet"])
-    trainer = speco_trainer_cls(get_trainer_cls("sync"))(cfg)
-    assert trainer.speco.enable and "drafter" not in cfg.actor_rollout_ref.rollout
+    drafter = extract_drafter(cfg)  # the driver's one parse; the trainer takes it as it is
+    trainer = speco_trainer_cls(get_trainer_cls("sync"))(cfg, drafter)
+    assert trainer.speco is drafter and drafter.enable and "drafter" not in cfg.actor_rollout_ref.rollout
     trainer._init_resource_pool_mgr()
     (role,) = [r for r in trainer.role_worker_mapping if r in (Role.ActorRollout, Role.ActorRolloutRef)]
     assert trainer.role_worker_mapping[role].__ray_actor_class__ is SpecoActorRolloutRefWorker
-    off = speco_trainer_cls(get_trainer_cls("sync"))(compose(["data.train_files=none.parquet"]))
+    off_cfg = compose(["data.train_files=none.parquet"])
+    off = speco_trainer_cls(get_trainer_cls("sync"))(off_cfg, extract_drafter(off_cfg))
     off._init_resource_pool_mgr()
     assert all(getattr(c, "__ray_actor_class__", None) is not SpecoActorRolloutRefWorker
                for c in off.role_worker_mapping.values())
@@ -199,20 +218,26 @@ class _Replica:
         return [self.version, self.version]
 
 
+def _controller() -> Any:
+    """The `OnlineController` whose publish bookkeeping the weight-sync hook reads and writes."""
+    from verl_speco.online.config import DrafterRunConfig
+    from verl_speco.online.controller import OnlineController
+
+    no_drafter: Any = None  # the hook never reaches the drafter
+    return OnlineController(DrafterRunConfig(enable=True, mode="online"), no_drafter)
+
+
 def test_checkpoint_manager_reloads_the_latest_draft_after_every_wake_up() -> None:
     from verl.checkpoint_engine.base import CheckpointEngineManager
-    from verl.trainer.ppo.v1 import get_trainer_cls
     from verl.workers.config.rollout import CheckpointEngineConfig
 
-    from verl_speco.verl_integration.trainer import SpecoCheckpointEngineManager, speco_trainer_cls
+    from verl_speco.verl_integration.weight_sync import SpecoCheckpointEngineManager, weights_hook
 
-    trainer: Any = object.__new__(speco_trainer_cls(get_trainer_cls("sync")))
-    trainer._speco_latest, trainer._speco_loaded, trainer._speco_sync_metrics = None, {}, {}
-    trainer._speco_refused, trainer._speco_refusals, trainer._speco_digests = {}, {}, {}
+    ctl = _controller()
     replicas = [_Replica(), _Replica()]
     manager = SpecoCheckpointEngineManager.wrap(
         CheckpointEngineManager(CheckpointEngineConfig(backend="naive"), actor_wg=None, replicas=replicas),
-        trainer._speco_after_weights)
+        weights_hook(ctl))
 
     def wake() -> list[list[str]]:
         for r in replicas:
@@ -221,29 +246,29 @@ def test_checkpoint_manager_reloads_the_latest_draft_after_every_wake_up() -> No
         return [[c[0] for c in r.calls] for r in replicas]
 
     assert wake() == [["wake_up", "speco_draft_version"]] * 2  # nothing published yet
-    trainer._speco_latest = {"version": 1, "path": "/shm/v000001"}
+    ctl.latest = {"version": 1, "path": "/shm/v000001"}
     loaded = ["wake_up", "speco_load_draft", "speco_draft_digest", "speco_draft_version"]
     checked = ["wake_up", "speco_draft_digest", "speco_draft_version"]  # still served: tests/verl/test_served_draft.py
     assert wake() == [loaded] * 2
     assert replicas[0].calls[1] == ("speco_load_draft", ("/shm/v000001", 1))
     assert wake() == [checked] * 2
-    trainer._speco_latest = {"version": 3, "path": "/shm/v000003"}
+    ctl.latest = {"version": 3, "path": "/shm/v000003"}
     wake()
-    assert trainer._speco_sync_metrics["drafter/served_version_min"] == 3.0
+    assert ctl.sync_metrics["drafter/served_version_min"] == 3.0
     # a publish the servers refuse (torn): they keep serving v3, it is counted and never offered again
-    trainer._speco_latest = {"version": 4, "path": "/shm/v000004-torn"}
+    ctl.latest = {"version": 4, "path": "/shm/v000004-torn"}
     assert wake() == [["wake_up", "speco_load_draft", "speco_draft_version"]] * 2
-    assert trainer._speco_sync_metrics["drafter/publish_rejected_total"] == 1.0
-    assert trainer._speco_sync_metrics["drafter/served_version_min"] == 3.0
+    assert ctl.sync_metrics["drafter/publish_rejected_total"] == 1.0
+    assert ctl.sync_metrics["drafter/served_version_min"] == 3.0
     assert wake() == [checked] * 2  # v3 still served
-    trainer._speco_latest = {"version": 5, "path": "/shm/v000005"}  # the next good publish loads
+    ctl.latest = {"version": 5, "path": "/shm/v000005"}  # the next good publish loads
     wake()
-    assert trainer._speco_sync_metrics["drafter/served_version_min"] == 5.0
-    assert trainer._speco_sync_metrics["drafter/publish_rejected_total"] == 1.0
+    assert ctl.sync_metrics["drafter/served_version_min"] == 5.0
+    assert ctl.sync_metrics["drafter/publish_rejected_total"] == 1.0
     replicas[1].version = 9  # a replica that already holds a newer draft: stale, counted, not fatal
-    trainer._speco_latest = {"version": 6, "path": "/shm/v000006"}
+    ctl.latest = {"version": 6, "path": "/shm/v000006"}
     wake()
-    assert trainer._speco_sync_metrics["drafter/publish_stale_total"] == 1.0
+    assert ctl.sync_metrics["drafter/publish_stale_total"] == 1.0
 
 
 def test_draft_loads_before_generation_resumes_after_a_non_naive_sync() -> None:
@@ -252,23 +277,20 @@ def test_draft_loads_before_generation_resumes_after_a_non_naive_sync() -> None:
     import inspect
 
     from verl.checkpoint_engine.base import CheckpointEngineManager
-    from verl.trainer.ppo.v1 import get_trainer_cls
     from verl.workers.config.rollout import CheckpointEngineConfig
 
-    from verl_speco.verl_integration.trainer import SpecoCheckpointEngineManager, speco_trainer_cls
+    from verl_speco.verl_integration.weight_sync import SpecoCheckpointEngineManager, weights_hook
 
     source = inspect.getsource(CheckpointEngineManager.update_weights)
     naive, abort = source.index('if self.backend == "naive":'), source.index("await self.abort_replicas()")
     finalize, resume = source.index('["finalize"]'), source.index("await self.resume_generation_replicas()")
     assert naive < abort < finalize < resume
-    trainer: Any = object.__new__(speco_trainer_cls(get_trainer_cls("sync")))
-    trainer._speco_latest, trainer._speco_loaded, trainer._speco_sync_metrics = None, {}, {}
-    trainer._speco_refused, trainer._speco_refusals, trainer._speco_digests = {}, {}, {}
-    trainer._speco_latest = {"version": 2, "path": "/shm/v000002"}
+    ctl = _controller()
+    ctl.latest = {"version": 2, "path": "/shm/v000002"}
     replicas = [_Replica(), _Replica()]
     manager = SpecoCheckpointEngineManager.wrap(
         CheckpointEngineManager(CheckpointEngineConfig(backend="naive"), actor_wg=None, replicas=replicas),
-        trainer._speco_after_weights)
+        weights_hook(ctl))
     asyncio.run(manager.resume_generation_replicas.__wrapped__(manager))
     assert [[c[0] for c in r.calls] for r in replicas] == [
         ["speco_load_draft", "speco_draft_digest", "speco_draft_version", "resume_generation"]] * 2

@@ -8,7 +8,8 @@ target and draft; its level-2 sleep zeroes every tensor (vLLM releases the weigh
 restores only the target (verl's weight sync; vLLM's wake-up reloads no draft,
 vllm-project/vllm#52479), and `speco_reapply_draft` copies the held parameters back as
 `DraftReloadMixin`'s reload does (buffers are not parameters: it cannot restore them). The trainer
-side is the real `SpecoTrainerMixin._speco_after_weights` behind the real checkpoint-manager wrapper.
+side is the real `weight_sync.after_weights` (the `OnlineController` keeping the account) behind the real
+checkpoint-manager wrapper.
 """
 
 from __future__ import annotations
@@ -92,20 +93,21 @@ class _Replica:
         return [getattr(w, method)(*args) for w in self.workers]
 
 
-def _trainer_and_manager(replicas: list[_Replica]) -> tuple[Any, Any]:
+def _controller_and_manager(replicas: list[_Replica]) -> tuple[Any, Any]:
+    """(the run's `OnlineController`, its publish bookkeeping; the wrapped checkpoint manager)."""
     from verl.checkpoint_engine.base import CheckpointEngineManager
-    from verl.trainer.ppo.v1 import get_trainer_cls
     from verl.workers.config.rollout import CheckpointEngineConfig
 
-    from verl_speco.verl_integration.trainer import SpecoCheckpointEngineManager, speco_trainer_cls
+    from verl_speco.online.config import DrafterRunConfig
+    from verl_speco.online.controller import OnlineController
+    from verl_speco.verl_integration.weight_sync import SpecoCheckpointEngineManager, weights_hook
 
-    trainer: Any = object.__new__(speco_trainer_cls(get_trainer_cls("sync")))
-    trainer._speco_latest, trainer._speco_loaded, trainer._speco_sync_metrics = None, {}, {}
-    trainer._speco_refused, trainer._speco_refusals, trainer._speco_digests = {}, {}, {}
+    no_drafter: Any = None  # the hook never reaches the drafter
+    ctl = OnlineController(DrafterRunConfig(enable=True, mode="online"), no_drafter)
     manager = SpecoCheckpointEngineManager.wrap(
         CheckpointEngineManager(CheckpointEngineConfig(backend="naive"), actor_wg=None, replicas=replicas),
-        trainer._speco_after_weights)
-    return trainer, manager
+        weights_hook(ctl))
+    return ctl, manager
 
 
 def _wake(manager: Any, replicas: list[_Replica]) -> list[str]:
@@ -117,32 +119,32 @@ def _wake(manager: Any, replicas: list[_Replica]) -> list[str]:
 
 def test_a_draft_lost_in_level_2_sleep_is_republished_and_counted(caplog: pytest.LogCaptureFixture) -> None:
     replicas = [_Replica(), _Replica()]
-    trainer, manager = _trainer_and_manager(replicas)
-    trainer._speco_latest = {"version": 1, "path": "/shm/v000001"}
+    ctl, manager = _controller_and_manager(replicas)
+    ctl.latest = {"version": 1, "path": "/shm/v000001"}
     assert _wake(manager, replicas) == ["speco_load_draft", "speco_draft_digest", "speco_draft_version"]
     loaded = [w.speco_draft_digest() for r in replicas for w in r.workers]
     with caplog.at_level("WARNING"):
         assert _wake(manager, replicas) == ["speco_draft_digest", "speco_reapply_draft", "speco_draft_digest",
                                             "speco_draft_version"]
     assert [w.speco_draft_digest() for r in replicas for w in r.workers] == loaded  # v1 serves again
-    assert trainer._speco_sync_metrics[REPUBLISHED_KEY] == 1.0
+    assert ctl.sync_metrics[REPUBLISHED_KEY] == 1.0
     assert [r.message for r in caplog.records if "re-published" in r.message] == [
         "drafter: after wake-up the rollout servers no longer serve the loaded draft v1 (worker 0 (v1): fc.bias, "
         "fc.weight differs; worker 1 (v1): fc.bias, fc.weight differs; worker 2 (v1): fc.bias, fc.weight differs; "
         "worker 3 (v1): fc.bias, fc.weight differs); re-published it (vLLM's level-2 sleep discards the draft, "
         "vllm-project/vllm#52479)"]
     _wake(manager, replicas)
-    assert trainer._speco_sync_metrics[REPUBLISHED_KEY] == 2.0  # every wake-up is checked
+    assert ctl.sync_metrics[REPUBLISHED_KEY] == 2.0  # every wake-up is checked
     for r in replicas:
         r.level = 1  # level 1 (verl on Ascend, LoRA, MTP) keeps the draft: nothing is re-sent
     assert _wake(manager, replicas) == ["speco_draft_digest", "speco_draft_version"]
-    assert trainer._speco_sync_metrics[REPUBLISHED_KEY] == 2.0
+    assert ctl.sync_metrics[REPUBLISHED_KEY] == 2.0
 
 
 def test_a_draft_a_republish_cannot_restore_is_refused() -> None:
     replicas = [_Replica(level=1, keeps_buffers=False)]  # vLLM 0.24.0: the draft's buffers come back zeroed too
-    trainer, manager = _trainer_and_manager(replicas)
-    trainer._speco_latest = {"version": 3, "path": "/shm/v000003"}
+    ctl, manager = _controller_and_manager(replicas)
+    ctl.latest = {"version": 3, "path": "/shm/v000003"}
     _wake(manager, replicas)  # the first load, from the start-up wake
     replicas[0].level = 2
     with pytest.raises(DraftServingError, match=r"serve a draft other than the published v3 even after re-publishing "

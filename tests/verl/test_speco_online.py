@@ -1,6 +1,6 @@
 """The online data path end to end, in one process with a local Ray: capture in the worker's
 old-logprob pass -> `speco_end_step` (rows and head put in Ray's object store) -> the trainer's
-step boundary (`SpecoTrainerMixin._speco_after_step`) -> `DrafterWorker` (a real
+step boundary (`trainer_step.after_step`, the `OnlineController` behind it) -> `DrafterWorker` (a real
 `DrafterSession` on the tiny target) -> training round (serial / overlap) -> versioned publish."""
 
 from __future__ import annotations
@@ -63,7 +63,9 @@ def test_rows_train_and_publish_through_the_trainer(local_ray: Any, tmp_path: Pa
     group (2 Ray actors, gloo, FSDP2) behind the handle the trainer uses in a run."""
     from verl.trainer.ppo.v1 import get_trainer_cls
 
-    from verl_speco.verl_integration.drafter_actor import DrafterWorker, start_drafter_group
+    from verl_speco.online.controller import OnlineController
+    from verl_speco.verl_integration import trainer_step
+    from verl_speco.verl_integration.drafter_actor import DrafterWorker, RayDrafterLink, start_drafter_group
     from verl_speco.verl_integration.trainer import speco_trainer_cls
 
     model = tiny_qwen3()
@@ -87,10 +89,8 @@ def test_rows_train_and_publish_through_the_trainer(local_ray: Any, tmp_path: Pa
         assert w.speco_init(layer_ids, 64, 96, "tiny")["armed"]
 
     trainer: Any = object.__new__(speco_trainer_cls(get_trainer_cls("sync")))
-    trainer.speco, trainer._speco_drafter = cfg, handle
+    trainer.speco, trainer.speco_ctl = cfg, OnlineController(cfg, RayDrafterLink(handle))
     trainer.actor_rollout_wg = WorkerGroup(ranks)
-    trainer._speco_round_ref, trainer._speco_rounds, trainer._speco_latest = None, 0, None
-    trainer._speco_warned = set()
     trainer.total_training_steps = 3
     logged = []
     for step in (1, 2, 3):
@@ -99,7 +99,7 @@ def test_rows_train_and_publish_through_the_trainer(local_ray: Any, tmp_path: Pa
             data = make_batch(LENGTHS, RESPONSES, vocab=96, seed=10 * step + w.rank)
             tu.assign_non_tensor(data, **{POLICY_VERSION_KEY: step - 1})
             w.compute_log_prob(data)
-        logged.append(trainer._speco_after_step())
+        logged.append(trainer_step.after_step(trainer))
     first, _, last = logged
     assert first["drafter/capture/kept"] == 8 and first["drafter/rows_added"] == 8
     assert all(k.startswith("drafter/") for m in logged for k in m)
@@ -108,9 +108,9 @@ def test_rows_train_and_publish_through_the_trainer(local_ray: Any, tmp_path: Pa
         assert first["drafter/steps"] == 2.0 and torch.isfinite(torch.tensor(first["drafter/loss"]))
     else:  # started at step s, collected at s + 1 (the last step finishes its own round)
         assert "drafter/version" not in first and logged[1]["drafter/version"] == 1.0
-        assert last["drafter/version"] == 3.0 and trainer._speco_round_ref is None
-    assert trainer._speco_latest["version"] == 3
-    assert (Path(trainer._speco_latest["path"]) / "manifest.json").is_file()
+        assert last["drafter/version"] == 3.0 and not trainer.speco_ctl.in_flight
+    assert trainer.speco_ctl.latest["version"] == 3
+    assert (Path(trainer.speco_ctl.latest["path"]) / "manifest.json").is_file()
     if drafter is not None:
         assert drafter.session.buffer.latest_version == 2  # rows keep the policy version they came from
     else:
@@ -132,19 +132,22 @@ def test_step_acceptance_is_the_delta_of_the_servers_counters_summed_over_replic
     from verl.trainer.ppo.v1 import get_trainer_cls
 
     from verl_speco.engines.spec_metrics import SpecCounters
+    from verl_speco.online.controller import OnlineController
     from verl_speco.verl_integration.trainer import speco_trainer_cls
+    from verl_speco.verl_integration.weight_sync import read_counters
 
     trainer: Any = object.__new__(speco_trainer_cls(get_trainer_cls("sync")))
-    trainer._speco_counters = SpecCounters()
+    no_drafter: Any = None  # acceptance never reaches the drafter
+    ctl = OnlineController(DrafterRunConfig(enable=True, mode="online"), no_drafter)
     a = CountingReplica([SpecCounters(10, 30, 15, (8, 5, 2)), SpecCounters(14, 42, 24, (12, 8, 4))])
     b = CountingReplica([SpecCounters(6, 18, 3, (3, 0, 0)), SpecCounters(6, 18, 3, (3, 0, 0))])
     trainer.checkpoint_manager = type("Manager", (), {"replicas": [a, b]})()
-    step1 = trainer._speco_acceptance()
+    step1 = ctl.acceptance(read_counters(trainer))
     # step 1: 16 drafts, 18 accepted -> 1 + 18/16; position 1: (8 + 3) / 16
     assert step1["drafter/accept/num_drafts"] == 16.0
     assert step1["drafter/accept/mean_acceptance_length"] == 1 + 18 / 16
     assert step1["drafter/accept/pos1"] == 11 / 16 and step1["drafter/accept/pos3"] == 2 / 16
-    step2 = trainer._speco_acceptance()
+    step2 = ctl.acceptance(read_counters(trainer))
     # step 2 only: replica a drafted 4 more (9 accepted: 4, 3, 2 by position), replica b nothing
     assert step2["drafter/accept/num_drafts"] == 4.0
     assert step2["drafter/accept/mean_acceptance_length"] == 1 + 9 / 4

@@ -35,7 +35,6 @@ import random
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -217,8 +216,6 @@ class DrafterSession:
         self.rows_since_round = 0  # rows added since the previous round began (derived round length)
         self.version = 0
         self.publish_dir = publish_dir_of(cfg.publish_dir, run_name)
-        self._executor: ThreadPoolExecutor | None = None
-        self._inflight: Future[dict[str, float]] | None = None
 
     def add(self, rows: CapturedRows, head: TargetHeadSnapshot) -> None:
         self.buffer.add(rows, head)
@@ -236,8 +233,9 @@ class DrafterSession:
             return self.cfg.train_steps_per_round
         return math.ceil(self.cfg.train_passes_per_round * self.rows_since_round / self.cfg.micro_batch_size)
 
-    def _take_round_steps(self, steps: int | None) -> int:
-        """`steps`, or `next_round_steps()`; either way the rows since the previous round are consumed."""
+    def take_round_steps(self, steps: int | None) -> int:
+        """`steps`, or `next_round_steps()`; either way the rows since the previous round are consumed
+        (`session_link.SessionLink` fixes a background round's length this way before it starts)."""
         steps = self.next_round_steps() if steps is None else steps
         self.rows_since_round = 0
         return steps
@@ -276,7 +274,7 @@ class DrafterSession:
     def train_round(self, steps: int | None = None) -> dict[str, float]:
         """`steps` (default `next_round_steps()`) optimizer steps on buffered rows; metrics."""
         started = time.perf_counter()
-        steps = self._take_round_steps(steps)
+        steps = self.take_round_steps(steps)
         latest = self.buffer.latest_version
         latest_head = self.buffer.head_of(latest)  # kept even if add() evicts it during the round
         losses, tokens, skipped, lags = [], 0, 0, []
@@ -305,33 +303,9 @@ class DrafterSession:
         out.update({k: sum(v) / len(v) for k, v in acc.items() if v})
         return out
 
-    # -- overlap schedule: a round runs in the background while the next rollout proceeds ----------
-    def start_round(self, steps: int | None = None) -> None:
-        """Start `train_round(steps)` on a background thread (one round in flight at most)."""
-        if self._inflight is not None:
-            raise RuntimeError("start_round: a training round is already in flight; call finish_round() first")
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drafter-train")
-        self._inflight = self._executor.submit(self.train_round, self._take_round_steps(steps))
-
-    def finish_round(self) -> dict[str, float] | None:
-        """Wait for the round in flight (None when there is none); its metrics."""
-        if self._inflight is None:
-            return None
-        future, self._inflight = self._inflight, None
-        return future.result()
-
-    def close(self) -> None:
-        self.finish_round()
-        if self._executor is not None:
-            self._executor.shutdown()
-            self._executor = None
-
     def _full_state_dict(self) -> dict[str, Tensor]:
         """The model's state dict with FSDP2-sharded parameters gathered in full (a collective when
         W > 1: every rank calls it), on CPU."""
-        if self._inflight is not None:
-            raise RuntimeError("a training round is in flight; call finish_round() first")
         out = {}
         for k, v in self.model.state_dict().items():
             v = v.full_tensor() if hasattr(v, "full_tensor") else v

@@ -13,10 +13,13 @@ Modules (each imports verl lazily where it can, so `import verl_speco` never loa
 - `vllm_server`: `SpecoWorkerExtension` (vLLM worker extension), `SpecoVLLMHttpServer` and
   `SpecoVLLMReplica` (rollout servers that load / re-apply published drafts).
 - `drafter_actor`: the drafter worker group (`DrafterWorker` Ray actors, one rank of
-  `verl_speco.online.session.DrafterSession` each, FSDP2 over them) and its handle `DrafterGroup`.
+  `verl_speco.online.session.DrafterSession` each, FSDP2 over them), its handle `DrafterGroup` and
+  `RayDrafterLink`, the group as `verl_speco.online.controller.OnlineController`'s drafter.
 - `draft_servers`: the replica-side draft calls of both engines and the SGLang server mixin that
   loads published drafts through SGLang's weight-update routes.
-- `trainer`: `SpecoTrainerMixin` over verl's v1 `PPOTrainer` subclasses (schedule, publish,
-  metrics under `drafter/`).
+- `trainer`: `SpecoTrainerMixin` over verl's v1 `PPOTrainer` subclasses, a thin adapter from verl's
+  hooks to the `OnlineController` (schedule, rounds, publishes, metrics under `drafter/`) and to
+  `trainer_setup` (around verl's `_setup`), `trainer_step` (the step's rows, fresh samples,
+  held-out acceptance) and `weight_sync` (the draft loaded after every weight sync and wake-up).
 - `task_runner`: `SpecoTaskRunner` (verl's `TaskRunnerV1` with our trainer) and `run`.
 """

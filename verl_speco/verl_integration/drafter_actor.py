@@ -149,6 +149,29 @@ class DrafterGroup:
         return _Method()
 
 
+class RayDrafterLink:
+    """`online.controller.DrafterLink` over the group: each call is one round trip to every rank, except
+    `start_round`, whose handle is the round's object ref (the ranks train while the trainer goes on)."""
+
+    def __init__(self, group: Any):
+        self.group = group
+
+    def add(self, rows: list[Any], head: Any) -> dict[str, float]:
+        return dict(ray.get(self.group.add.remote(rows, head)))
+
+    def next_round_steps(self) -> int:
+        return int(ray.get(self.group.next_round_steps.remote()))
+
+    def start_round(self) -> Any:
+        return self.group.train_round.remote()
+
+    def wait_round(self, handle: Any) -> dict[str, float]:
+        return dict(ray.get(handle))
+
+    def publish(self) -> dict[str, Any]:
+        return dict(ray.get(self.group.publish.remote()))
+
+
 @ray.remote(num_cpus=0)
 def _rendezvous() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port()

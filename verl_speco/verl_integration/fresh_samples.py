@@ -3,7 +3,7 @@
 The step's rows are the rollout that the policy generated BEFORE its update. The post_update capture gives
 them the updated actor's hidden states, but not its text. When an update changes the format of the
 answers, the draft served next has never seen the new one, so it lags the policy by a step. With
-`fresh_samples=N` the trainer (`SpecoTrainerMixin._speco_fresh_round`), after the weight sync, asks the
+`fresh_samples=N` the trainer (`trainer_step.fresh_round`), after the weight sync, asks the
 rollout servers for one response to each of N training prompts from the updated policy. It captures them
 in one forward of the updated actor and trains the round on them together with the step's rows.
 

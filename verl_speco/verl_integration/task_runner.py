@@ -2,7 +2,9 @@
 
 `TaskRunnerV1.run` resolves the trainer with `get_trainer_cls(config.trainer.v1.trainer_mode)`
 inside the method, so `SpecoTaskRunner.run` repeats its few steps with the trainer class replaced
-by `speco_trainer_cls(...)` (the contract test pins the calls this mirrors).
+by `speco_trainer_cls(...)` (the contract test pins the calls this mirrors). The drafter section
+arrives validated in `actor_rollout_ref.speco_drafter` (the driver's `config_bridge.prepare_config`
+moved it there); the runner reads it once and hands the parsed `DrafterRunConfig` to the trainer.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import ray
 from omegaconf import DictConfig, OmegaConf
 from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
 
-from verl_speco.verl_integration.config_bridge import extract_drafter
+from verl_speco.verl_integration.config_bridge import USER_KEY, drafter_from_actor_rollout_ref
 
 _verl_runner: Any = TaskRunnerV1
 _BaseRunner: Any = _verl_runner.__ray_actor_class__  # the plain class behind verl's @ray.remote
@@ -31,7 +33,7 @@ class SpecoTaskRunner(_BaseRunner):
         from verl_speco.verl_integration.trainer import speco_trainer_cls
 
         configure_verl_logging()
-        extract_drafter(config)
+        drafter = drafter_from_actor_rollout_ref(config.actor_rollout_ref)
         trainer_cls = speco_trainer_cls(get_trainer_cls(config.trainer.v1.trainer_mode))
         config.transfer_queue.enable = True
         pprint(OmegaConf.to_container(config, resolve=True))
@@ -40,7 +42,7 @@ class SpecoTaskRunner(_BaseRunner):
         tq.init(config.transfer_queue)
         succeeded = False
         try:
-            self.trainer = trainer_cls(config=config)
+            self.trainer = trainer_cls(config=config, drafter=drafter)
             self.trainer.init()
             self.init_agent_loop_manager()
             self.trainer.fit(self.agent_loop_manager)
@@ -55,7 +57,11 @@ class SpecoTaskRunner(_BaseRunner):
 
 
 def run(config: DictConfig) -> None:
-    """verl's `run_ppo` (Ray init, runner actor, wait) with `SpecoTaskRunner`."""
+    """verl's `run_ppo` (Ray init, runner actor, wait) with `SpecoTaskRunner`, on a config that went
+    through `config_bridge.prepare_config` (the drafter section moved out of verl's rollout section)."""
     if not config.trainer.use_v1:
         raise ValueError("trainer.use_v1: got False, expected True (verl-speco drives verl's v1 trainers only)")
+    if "drafter" in config.actor_rollout_ref.rollout:
+        raise ValueError(f"{USER_KEY}: still in verl's rollout section, expected it moved by "
+                         "config_bridge.prepare_config (verl_speco.main.prepare) before run")
     run_ppo(config, task_runner_class=ray.remote(SpecoTaskRunner))
