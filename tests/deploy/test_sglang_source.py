@@ -3,7 +3,7 @@
 Two source trees, both installed by scripts/setup_env.sh with `--no-deps --target` off sys.path:
 SGLang 0.5.12 (verl 0.9.1's pin, the gpu-sglang line) in .venv/sglang_0512_ref and 0.5.23 in
 .venv/sglang_ref. What a family writes comes from its own format (`sglang_server_args` of a tiny
-export, `verl_speco.deploy.vllm_families.tiny_exports`). Per tree, a family is servable when its
+export, tests/deploy/vllm_families.py `tiny_exports`). Per tree, a family is servable when its
 `speculative_algorithm` is a member of `SpeculativeAlgorithm`, every flag is a `ServerArgs` field,
 and, for a DFlash export with a `projector_type`, SGLang's DFlash model knows that projector.
 Asserted: 0.5.23 serves every family with an SGLang method; 0.5.12 lacks exactly what
@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
+from deploy.vllm_families import MAX_K, tiny_exports
 from verl_speco.deploy.versions import load_versions
-from verl_speco.deploy.vllm_families import MAX_K, tiny_exports
 
 TREES = {"0.5.12": Path(sys.prefix) / "sglang_0512_ref", "0.5.23": Path(sys.prefix) / "sglang_ref"}
 

@@ -4,7 +4,7 @@
 vLLM 0.24.0's wheel is installed by scripts/setup_env.sh with `--no-deps --target .venv/vllm_024_ref`
 (off sys.path) and read with `ast`, never imported; 0.23.0's wheel is fetched by the test itself
 (tests/deploy/wheel_source.py, `pip download --no-deps`, its `.py` files kept in a cache). Our uses are found by scanning our own source
-(`verl_speco.deploy.vllm_uses.scan_uses`: every import, every attribute chain on a vLLM module or
+(tests/deploy/vllm_uses.py `scan_uses`: every import, every attribute chain on a vLLM module or
 class, every attribute name of vLLM objects we reach at run time); what each family writes for
 vLLM comes from the family's own format and export (`family_vllm_specs`). Asserted:
 - in 0.32.0 (what we run) everything resolves;
@@ -26,11 +26,11 @@ from pathlib import Path
 
 import pytest
 
+from deploy.vllm_families import FamilyVllmSpec, family_gaps, family_vllm_specs
+from deploy.vllm_tree import VllmTree
+from deploy.vllm_uses import Use, check_uses, scan_file, scan_uses
 from deploy.wheel_source import wheel_source
 from verl_speco.deploy.versions import load_versions
-from verl_speco.deploy.vllm_families import FamilyVllmSpec, family_gaps, family_vllm_specs
-from verl_speco.deploy.vllm_tree import VllmTree
-from verl_speco.deploy.vllm_uses import Use, check_uses, scan_file, scan_uses
 
 REF_024 = Path(sys.prefix) / "vllm_024_ref"
 

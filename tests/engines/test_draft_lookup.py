@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 import torch
+from deploy.vllm_tree import VllmTree
 
-from verl_speco.deploy.vllm_tree import VllmTree
 from verl_speco.engines.vllm_reload import DraftReloadMixin
 
 REF_024 = Path(sys.prefix) / "vllm_024_ref"

@@ -1,3 +1,3 @@
 """Deployment lines and their checks: the versions file (`versions`), start-up refusals
-(`engine_check`), the vLLM source check (`vllm_tree`, `vllm_uses`, `vllm_families`) and the support
-table (`support`)."""
+(`engine_check`), vllm-ascend's facts (`vllm_ascend`), image constraints (`image_constraints`) and
+the support table (`support`). The vLLM source scanners the tests use live in tests/deploy/."""

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from verl_speco.deploy.vllm_tree import VllmTree
+from deploy.vllm_tree import VllmTree
 
 ROOT = Path(__file__).resolve().parents[2]
 SCANNED = ("verl_speco", "scripts", "benchmarks")  # our code that may use vLLM (drafters/feature_store never do)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from verl_speco.deploy.vllm_tree import VllmTree
+from deploy.vllm_tree import VllmTree
 
 MAX_K = 64  # the first num_speculative_tokens in 1..MAX_K a family's format accepts is used
 
