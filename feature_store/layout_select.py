@@ -1,33 +1,22 @@
 """Serving a sub-layout from a store captured with more layers (one store for several drafter families).
 
-A store's ``aux_hidden [T, k*H]`` holds the hidden states of ``store.layer_ids`` concatenated in that
-order. A consumer that needs ``wanted.layer_ids`` (a subset, in any order) gets exactly those
-columns, in its own order::
-
-    sel = store_layout.select(Layout(layer_ids=(5, 2)))   # store (1, 2, 4, 5) -> positions (3, 1)
-    aux = sel.aux(sample["aux_hidden"])                    # [T, 2*H]: id 5's columns, then id 2's
-    sample = sel.apply(sample)                             # the same on a whole sample dict
-
-Rules (``select_layout``): the conventions must be equal; a wanted ``last_hidden`` other than
-``"none"`` must be the store's; a non-empty wanted ``tag`` must be the store's; every wanted layer
-id must be in the store (else ``LayoutMismatchError`` naming the missing ids and both layouts).
-The identity selection (the same ids in the same order) returns the sample unchanged (no copy); a
-contiguous run of the store's layers is a view; any other selection is a gather (a copy). A wanted
-layout without layer ids drops ``aux_hidden`` from the sample.
+A store's ``aux_hidden [T, k*H]`` holds ``store.layer_ids``' hidden states concatenated in that order;
+``select_layout(store, wanted)`` gives a consumer exactly ``wanted.layer_ids``' columns in its own
+order (``sel.aux(aux_hidden)``, ``sel.apply(sample)``). Conventions must be equal, a wanted
+``last_hidden`` (other than "none") and ``tag`` (non-empty) must be the store's, and every wanted id
+must be stored (else ``LayoutMismatchError`` naming the missing ids). The identity selection returns
+the sample itself, a contiguous run is a view, anything else a gather; no wanted ids drops ``aux_hidden``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from feature_store.errors import LayoutMismatchError
-
-if TYPE_CHECKING:
-    from feature_store.schema import Layout
+from feature_store.schema import Layout
 
 AUX_FIELD = "aux_hidden"
 

@@ -15,14 +15,11 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from dataclasses import field as dc_field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from feature_store.errors import LayoutMismatchError, SchemaError
-
-if TYPE_CHECKING:
-    from feature_store.layout_select import LayoutSelection
 
 SCHEMA_VERSION = 1
 # dtype name -> (torch dtype, safetensors dtype code)
@@ -175,13 +172,6 @@ class Layout:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Layout:
         return cls(tuple(d["layer_ids"]), d["convention"], d["last_hidden"], d.get("tag", ""))
-
-    def select(self, wanted: Layout) -> LayoutSelection:
-        """How a store of this layout serves ``wanted`` (a subset of its layer ids, any order): see
-        ``feature_store/layout_select.py``. Raises ``LayoutMismatchError`` naming the missing ids."""
-        from feature_store.layout_select import select_layout
-
-        return select_layout(self, wanted)
 
     def check_matches(self, expected: Layout) -> None:
         """Raise ``LayoutMismatchError`` naming every differing entry (store vs expected)."""

@@ -550,7 +550,7 @@ def _cached(out: Path, name: str, args: argparse.Namespace, exports: list[Path],
     """`compute()` (a decoding run) cached in <out>/decode/k<k>/<name>.json, keyed by the exports'
     contents and the decoding settings: a run stopped part way resumes where it stopped. `drop`:
     keep the summary (and tree) only, not the output tokens."""
-    from verl_speco.target.build import file_digests
+    from verl_speco.target.cache import file_digests
 
     key = [[file_digests(e) for e in exports], args.k, args.max_new_tokens, args.eval_prompts, args.seed,
            args.top_k, args.total_tokens]

@@ -12,6 +12,7 @@ import torch
 from drafters.common.target import TargetSpec
 from drafters.registry import available_families, get_family, known_families
 from feature_store import Layout, StoreReader, load_store
+from feature_store.layout_select import select_layout
 from verl_speco.capture.chat import tokenize_chat
 from verl_speco.capture.collect import forward_records, main
 from verl_speco.capture.records import resolve_layout, union_layout
@@ -126,7 +127,7 @@ def test_collect_union_serves_each_family_as_its_own_store(collected: dict[str, 
         for kind, samples in stores.items():
             if kind == "explicit" and not set(lay.layer_ids) <= {1, 2, 4, 5}:
                 continue  # --layer-ids 1,2,4,5 holds EAGLE-3's layers, not DFlash's (2, 3, 4, 5, 6)
-            sel = load_store(collected[kind]).schema.layout.select(lay)
+            sel = select_layout(load_store(collected[kind]).schema.layout, lay)
             assert samples.keys() == own.keys()
             for key, s in samples.items():
                 got, ref = sel.apply(s), own[key]

@@ -22,11 +22,11 @@ from verl_speco.deploy import engine_check
 from verl_speco.deploy.engine_check import (
     EngineVersionError,
     installed_engine_version,
-    patch_refusal,
     require_engine_support,
     require_vllm_spec,
     vllm_spec_families,
 )
+from verl_speco.deploy.versions import patch_refusal
 
 
 def test_engine_support_by_release() -> None:

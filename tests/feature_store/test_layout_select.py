@@ -1,4 +1,4 @@
-"""Layout.select: a store captured with the union of several families' layers serves each of them.
+"""select_layout: a store captured with the union of several families' layers serves each of them.
 
 The hand-made store holds layers (1, 2, 4, 5); every hidden value encodes its layer id, token and
 column (``1000 * id + 10 * t + c``, exact in float32), so a wrong column slice is visible."""
@@ -19,6 +19,7 @@ from feature_store import (
     load_store,
     standard_schema,
 )
+from feature_store.layout_select import select_layout
 
 UNION = Layout(layer_ids=(1, 2, 4, 5), last_hidden="post_norm")
 H, V = 4, 50
@@ -59,7 +60,7 @@ def union_store(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("wanted", [(2, 4, 5), (5, 2), (1,), (4, 1), (1, 2, 4, 5), (2, 4)])
 def test_selection_yields_the_wanted_layers_in_the_wanted_order(union_store: Path, wanted: tuple[int, ...]) -> None:
     read_layout = load_store(union_store).schema.layout
-    sel = read_layout.select(Layout(layer_ids=wanted, last_hidden="post_norm"))
+    sel = select_layout(read_layout, Layout(layer_ids=wanted, last_hidden="post_norm"))
     assert sel.positions == tuple(UNION.layer_ids.index(i) for i in wanted)
     for s in read(union_store):
         t = s["input_ids"].shape[0]
@@ -71,19 +72,19 @@ def test_selection_yields_the_wanted_layers_in_the_wanted_order(union_store: Pat
 
 
 def test_columns_are_a_view_for_a_contiguous_run_else_a_gather() -> None:
-    assert UNION.select(Layout((2, 4, 5))).columns(H) == slice(H, 4 * H)
-    cols = UNION.select(Layout((5, 2))).columns(H)
+    assert select_layout(UNION, Layout((2, 4, 5))).columns(H) == slice(H, 4 * H)
+    cols = select_layout(UNION, Layout((5, 2))).columns(H)
     assert isinstance(cols, torch.Tensor)
     assert cols.tolist() == list(range(3 * H, 4 * H)) + list(range(H, 2 * H))
     aux = torch.cat([layer_block(i, 3) for i in UNION.layer_ids], dim=-1)
-    view = UNION.select(Layout((2, 4, 5))).aux(aux)
+    view = select_layout(UNION, Layout((2, 4, 5))).aux(aux)
     assert view.data_ptr() == aux.data_ptr() + H * aux.element_size()       # no copy
 
 
 def test_the_identity_selection_returns_the_sample_itself(tmp_path: Path) -> None:
     exact = Layout(layer_ids=(2, 4, 5), last_hidden="post_norm")
     root = write(tmp_path / "exact", exact)
-    sel = exact.select(Layout(layer_ids=(2, 4, 5)))
+    sel = select_layout(exact, Layout(layer_ids=(2, 4, 5)))
     assert sel.identity
     for s in read(root):
         assert sel.apply(s) is s and sel.aux(s["aux_hidden"]) is s["aux_hidden"]
@@ -92,7 +93,7 @@ def test_the_identity_selection_returns_the_sample_itself(tmp_path: Path) -> Non
 def test_missing_layers_fail_naming_them_and_both_layouts(union_store: Path) -> None:
     store_layout = load_store(union_store).schema.layout
     with pytest.raises(LayoutMismatchError) as e:
-        store_layout.select(Layout(layer_ids=(2, 3, 5, 7)))
+        select_layout(store_layout, Layout(layer_ids=(2, 3, 5, 7)))
     msg = str(e.value)
     assert "missing layer ids [3, 7]" in msg and "[1, 2, 4, 5]" in msg and "[2, 3, 5, 7]" in msg
 
@@ -108,12 +109,12 @@ def test_missing_layers_fail_naming_them_and_both_layouts(union_store: Path) -> 
 ])
 def test_incompatible_layouts_fail_naming_the_entry(store: Layout, wanted: Layout, needle: str) -> None:
     with pytest.raises(LayoutMismatchError) as e:
-        store.select(wanted)
+        select_layout(store, wanted)
     assert needle in str(e.value)
 
 
 def test_a_layout_without_last_hidden_or_tag_is_served_by_a_store_with_them() -> None:
-    sel = Layout((1, 2), last_hidden="post_norm", tag="union").select(Layout((2,), last_hidden="none"))
+    sel = select_layout(Layout((1, 2), last_hidden="post_norm", tag="union"), Layout((2,), last_hidden="none"))
     assert sel.positions == (1,)
 
 
@@ -121,7 +122,7 @@ def test_an_empty_layout_is_valid_and_served_by_a_union_store(union_store: Path,
     last_only = Layout(layer_ids=(), last_hidden="post_norm")          # what EAGLE-1 reads
     schema = standard_schema(last_only, hidden_size=H, vocab_size=V, target_model_id="m")
     assert schema.names == ("input_ids", "loss_mask", "last_hidden")
-    sel = UNION.select(last_only)
+    sel = select_layout(UNION, last_only)
     for s in read(union_store):
         got = sel.apply(s)
         assert "aux_hidden" not in got and "aux_hidden" in s
@@ -130,13 +131,13 @@ def test_an_empty_layout_is_valid_and_served_by_a_union_store(union_store: Path,
     root = write(tmp_path / "last_only", last_only)
     stored = read(root)
     assert [tuple(s) for s in stored][0] == ("input_ids", "loss_mask", "last_hidden", "global_step", "policy_version")
-    assert all(last_only.select(last_only).apply(s) is s for s in stored)
+    assert all(select_layout(last_only, last_only).apply(s) is s for s in stored)
     with pytest.raises(LayoutMismatchError, match=r"missing layer ids \[2\]"):
-        last_only.select(Layout((2,)))
+        select_layout(last_only, Layout((2,)))
 
 
 def test_an_aux_width_that_is_not_k_hidden_states_fails() -> None:
     with pytest.raises(LayoutMismatchError, match="multiple of 4"):
-        UNION.select(Layout((2,))).aux(torch.zeros(3, 10))
+        select_layout(UNION, Layout((2,))).aux(torch.zeros(3, 10))
     with pytest.raises(SchemaError, match="layer_ids"):
         Layout(layer_ids=(-1,))

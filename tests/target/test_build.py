@@ -8,21 +8,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from verl_speco.target.build import (
+from verl_speco.target.build import default_recipe, ensure_target, fast_recipe, finetune_target, target_path
+from verl_speco.target.cache import (
     BuildDigestError,
     TargetRecipe,
     build_atomically,
     cache_root,
-    default_recipe,
-    ensure_target,
-    fast_recipe,
     file_digests,
-    finetune_target,
-    main,
     read_recipe_file,
-    target_path,
 )
 from verl_speco.target.corpus import generate_examples
+from verl_speco.target.named import main
 from verl_speco.target.tokenizer import EOS_TOKEN, render_chat
 from verl_speco.target.train import collate, encode_example
 

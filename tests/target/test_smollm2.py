@@ -15,7 +15,7 @@ import pytest
 from safetensors import safe_open
 
 from drafters.common.target import TargetHead
-from verl_speco.target.build import BuildDigestError, read_recipe_file, verify_digests
+from verl_speco.target.cache import BuildDigestError, read_recipe_file, verify_digests
 from verl_speco.target.named import NAMED_TARGETS, resolve_target
 from verl_speco.target.smollm2 import SMOLLM2_135M, TargetSourceError, ensure_smollm2, locate_gguf
 
@@ -83,7 +83,7 @@ def test_names_resolve_and_anything_else_must_be_a_model_directory(tmp_path: Pat
 
 
 def test_build_target_cli_takes_the_name(smollm2: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from verl_speco.target.build import main
+    from verl_speco.target.named import main
 
     assert main(["--target", "smollm2-135m", "--print-path", "--quiet"]) == 0
     assert capsys.readouterr().out.strip() == str(smollm2)

@@ -111,7 +111,8 @@ def test_the_launcher_finds_the_quickstart_drafter_and_builds_the_command(tmp_pa
 def test_the_weight_bucket_fits_the_targets_largest_tensor(tmp_path: Path) -> None:
     import json
 
-    from verl_speco.cpu_port.launch import target_config, weight_bucket_megabytes
+    from verl_speco.cpu_port.launch import weight_bucket_megabytes
+    from verl_speco.target.named import target_config
 
     smollm2 = {"hidden_size": 576, "vocab_size": 49152, "intermediate_size": 1536}
     embedding_mib = 49152 * 576 * 4 / 2**20  # 108.0: the float32 embedding verl syncs as one tensor
@@ -125,8 +126,9 @@ def test_the_weight_bucket_fits_the_targets_largest_tensor(tmp_path: Path) -> No
 
 def test_the_unbuilt_embedded_target_is_planned_from_its_recipe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A launcher's --print plans the embedded target's run before it is built (a fresh HOME)."""
-    from verl_speco.cpu_port.launch import launch_command, target_config
+    from verl_speco.cpu_port.launch import launch_command
     from verl_speco.target.build import default_recipe, target_path
+    from verl_speco.target.named import target_config
 
     monkeypatch.setenv("VERL_SPECO_CACHE", str(tmp_path / "cache"))
     planned = target_path(default_recipe())

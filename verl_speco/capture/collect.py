@@ -2,17 +2,12 @@
 
     verl-speco-collect --target DIR --data chats.jsonl --store STORE --layout-of eagle3 --generate
 
-What is captured: ``--layout-of eagle1,eagle3`` (alias ``--family``) the union of the named drafter
-families' required layouts (their layer ids, and the post-norm last hidden when one needs it), so one
-store trains each of them; or ``--layer-ids 1,2,4,5`` (alias ``--layers``) explicit internal ids. The
-store's schema records that layout; the trainer reads each family's layers out of it.
-
-Steps per process (rank/world size from ``RANK``/``WORLD_SIZE``; rank r takes rows r, r+n, ...):
-read and check the dataset (errors name ``file:line``), check and load the target (float32) and its
-tokenizer, optionally generate the assistant responses with the target, tokenize with the chat
-template (loss mask on response tokens), run batched forwards (right padding + attention mask;
-length-sorted so batches pad little) with capture hooks, and write one record per sample through
-one ``StoreWriter``. Bad input is one line ``verl-speco-collect: error: ...`` and exit status 2.
+Captured: the union of the named families' layouts (``--layout-of eagle1,eagle3``: one store trains
+each of them) or explicit internal ids (``--layer-ids 1,2,4,5``), recorded in the store's schema.
+Each process (rank r of ``WORLD_SIZE`` takes rows r, r+n, ...) checks the dataset (errors name
+``file:line``), loads the target, optionally generates the responses, tokenizes with the chat template
+(loss mask on the response), runs length-sorted batched forwards with capture hooks and writes one
+record per sample. Bad input is one line ``verl-speco-collect: error: ...`` and exit status 2.
 """
 
 from __future__ import annotations
@@ -164,17 +159,10 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
                      progress: Progress | None = None) -> CollectSummary:
     """Fill ``store`` from the JSONL chats in ``data`` (see the module docstring).
 
-    ``families``: one drafter family or several (``"eagle1,eagle3"`` or a list): the union of their
-    layouts is captured (``records.resolve_layout``); explicit ``layer_ids`` win.
-    ``last_hidden``: store it (default: yes, or as the families' layouts say).
-    ``engine``: what generates the responses with ``generate``: "hf" (transformers' generate) or
-    "vllm" (the target served by vLLM, CPU build here; needs a local target directory).
-    ``vllm_options``: the vLLM engine's ``dtype``, ``enforce_eager``, ``max_num_seqs`` (with ``engine="vllm"``
-    and ``generate`` only; each absent one is ``vllm_engine.build_llm``'s default for this device).
-    ``encoding``: how the hidden states are stored: "raw" (``dtype``) or "fp8_e4m3" (e4m3 with a
-    per-token scale, about half of bf16's bytes; read back as ``dtype``).
-    ``model``/``tokenizer`` may be passed already loaded (used on their device); otherwise they come
-    from ``target`` (float32, moved to ``device``).
+    ``families``: one or several drafter families whose layouts' union is captured (explicit
+    ``layer_ids`` win). ``engine`` generates the responses with ``generate``: "hf" or "vllm" (a local
+    target directory; ``vllm_options`` go to ``vllm_engine.build_llm``). ``encoding``: "raw" or
+    "fp8_e4m3" (about half of bf16's bytes). ``model``/``tokenizer`` may be passed already loaded.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -324,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     given = {"dtype": args.engine_dtype, "enforce_eager": args.enforce_eager, "max_num_seqs": args.max_num_seqs}
     from feature_store import StoreError
     from verl_speco.console import Console
-    from verl_speco.target.build import BuildDigestError
+    from verl_speco.target.cache import BuildDigestError
     from verl_speco.target.named import is_named_target, resolve_target
     from verl_speco.target.smollm2 import TargetSourceError
 

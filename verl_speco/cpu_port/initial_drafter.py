@@ -1,16 +1,11 @@
 """The initial drafter of a CPU GRPO run (`--drafter trained`): a small EAGLE-3 trained offline on the
 target's own greedy answers to the run's rule-reward problems, before the policy moves.
 
-- the embedded target: `train_small_drafter`, the quickstart's collect + train (fewer prompts and
-  steps) on the embedded corpus's prompts, the format of the corpus task;
-- any other target (`smollm2-135m`, an HF directory): `train_task_drafter`, the train split of the
-  run's own task (`rl_data`, e.g. plain-English arithmetic) answered by the target through vLLM
-  (`verl-speco-collect --generate --engine vllm`), then `verl-speco-draft-train` with the EAGLE-3
-  quickstart preset. A drafter trained on ShareGPT would start out of the task's domain, and its gain
-  from co-training would mix the domain change with the policy's drift.
-
-Both run their CLIs in child processes (logs in `<out>/drafter.log`) and are reused when `<out>`
-already holds their export (`<out>/drafter.json`).
+The embedded target: `train_small_drafter`, the quickstart's collect + train on the corpus's prompts.
+Any other target: `train_task_drafter`, the train split of the run's own task answered by the target
+through vLLM, then `verl-speco-draft-train` with the EAGLE-3 quickstart preset (a drafter trained on
+another domain would mix the domain change into co-training's gain). Both run their CLIs in child
+processes (`<out>/drafter.log`) and are reused when `<out>/drafter.json` names their export.
 """
 
 from __future__ import annotations
@@ -82,9 +77,8 @@ def train_task_drafter(out: Path, target: str, task: str, train_prompts: int = 6
                        seed: int = 0, engine: str = "vllm") -> Path:
     """An EAGLE-3 trained on `target`'s greedy answers to the first `train_prompts` problems of `task`'s
     train split (the GRPO run's own training problems, same seed), under `out`; reused when done."""
-    from verl_speco.cpu_port.launch import target_config
     from verl_speco.target.datasets import write_jsonl
-    from verl_speco.target.named import resolve_target
+    from verl_speco.target.named import resolve_target, target_config
     from verl_speco.target.rl_data import task_rows
 
     done = out / "drafter.json"

@@ -1,23 +1,14 @@
-"""One command for verl-speco GRPO on the CPU platform with the embedded target (scripts/run_cpu_grpo.sh).
+"""One command for verl-speco GRPO on the CPU platform (scripts/run_cpu_grpo.sh).
 
-    python -m verl_speco.cpu_port.launch [--out DIR] [--drafter DIR|fresh] [hydra overrides]
+    python -m verl_speco.cpu_port.launch [--out DIR] [--drafter DIR|fresh|trained] [hydra overrides]
 
-1. builds (or reuses) the target, `--target embedded` (default) or `smollm2-135m` (`verl_speco.target.named`);
-2. writes the rule-reward dataset (`verl_speco.target.rl_data`) under `<out>/data`;
-3. picks the initial drafter: `--drafter DIR`; `--drafter trained` trains a small one first on the
-   target's own answers to the task (`initial_drafter`); by default the quickstart's trained export
-   (`runs/quickstart/train/**/export`, the newest) when it exists, else a freshly exported initial
-   drafter (`drafter.model_path=null`); the choice is printed and written to `<out>/launch.json`;
-4. runs `python -m verl_speco.main +speco_cpu=grpo_embedded ...` (configs/speco_cpu/grpo_embedded.yaml)
-   in a child process with the CPU platform's environment (`env.cpu_environment`), verl's file
-   logger at `<out>/metrics.jsonl` (every step's metrics, `drafter/*` included) and drafts published
-   under `<out>/publish`. Extra arguments are Hydra overrides (e.g. `trainer.total_training_steps=5`,
-   `actor_rollout_ref.rollout.drafter.mode=collect_only`). Exit status: the run's.
-
-The terminal gets one progress bar per stage (the GRPO steps counted from `<out>/metrics.jsonl`) and
-a short summary of the last step; the target build's, verl's, Ray's and vLLM's logs go to
-`<out>/run_cpu_grpo.log` (`verl_speco.console`; a failure shows the log's last lines). --verbose
-(run_cpu_grpo.sh: also VERBOSE=1) leaves them on the terminal.
+Builds or reuses the target (`--target embedded` or `smollm2-135m`), writes the rule-reward dataset
+under `<out>/data`, picks the initial drafter (`--drafter DIR`; `trained`: trained first on the
+target's own answers, `initial_drafter`; default: the quickstart's newest export, else a fresh one;
+recorded in `<out>/launch.json`), then runs `python -m verl_speco.main +speco_cpu=grpo_embedded ...`
+in a child process with the CPU platform's environment, metrics in `<out>/metrics.jsonl` and drafts
+published under `<out>/publish`. Exit status: the run's. The terminal gets a bar per stage and a
+summary; the logs go to `<out>/run_cpu_grpo.log` unless --verbose.
 """
 
 from __future__ import annotations
@@ -81,20 +72,6 @@ def rl_task(target: str, task: str | None) -> str:
     return task or ("corpus" if target == "embedded" else "plain")
 
 
-def target_config(target: Path) -> dict[str, Any]:
-    """The target's Hugging Face config: its config.json, or, for the embedded target's cache path
-    before it is built (a launcher's `--print` plans the run first), the config its recipe builds."""
-    from verl_speco.target.build import default_recipe, target_path
-    from verl_speco.target.model import make_config
-
-    if (target / "config.json").is_file():
-        return dict(json.loads((target / "config.json").read_text()))
-    recipe = default_recipe()
-    if target == target_path(recipe):
-        return dict(make_config(recipe.model, recipe.vocab_size, eos_token_id=0, pad_token_id=0).to_dict())
-    raise FileNotFoundError(f"target={str(target)!r}: no config.json there (expected a Hugging Face model directory)")
-
-
 def weight_bucket_megabytes(config: Mapping[str, Any], floor: int = 64) -> int:
     """verl's weight-sync bucket (`checkpoint_engine.update_weights_bucket_megabytes`) big enough for
     the target's largest float32 tensor (its embedding or an MLP matrix) with a quarter to spare;
@@ -107,6 +84,7 @@ def weight_bucket_megabytes(config: Mapping[str, Any], floor: int = 64) -> int:
 def launch_command(target: Path, data: dict[str, Path], out: Path, drafter: Path | None,
                    overrides: Sequence[str]) -> list[str]:
     from verl_speco.target import rl_data
+    from verl_speco.target.named import target_config
 
     bucket = weight_bucket_megabytes(target_config(target))
 

@@ -1,21 +1,11 @@
 """verl's CPU platform, shipped by verl-speco: `PlatformCPU`, registered as verl platform `"cpu"`.
 
-Loaded through verl's own plugin hook: `VERL_USE_EXTERNAL_MODULES=verl_speco.cpu_port.verl_platform`
-makes `import verl` import this module (`verl/__init__.py`, before anything resolves the platform
-singleton), and `VERL_PLATFORM=cpu` selects it. It is never auto-detected: `is_platform_available`
-is True only under `VERL_PLATFORM=cpu`, so a machine with an accelerator keeps verl's own platform.
-`env.cpu_environment()` sets both variables (plus the rest of the CPU recipe) for a run.
-
-What verl needs besides the platform members (docs/design/verl-on-cpu.md section 1):
-- `torch.distributed.init_process_group` is wrapped (only when this platform is selected) so the
-  backend string verl builds, `f"cpu:gloo,{device}:{backend}"` = "cpu:gloo,cpu:gloo", keeps one
-  entry per device type (torch rejects the duplicate: "Duplicate device type cpu in backend string").
-- `device_module` is `verl_device`, a module with the `torch.cuda`-like calls verl makes.
-- `current_device()` is the string "cpu": verl moves tensors with `.to(get_device_id())`, where an
-  int 0 would mean cuda:0.
-- `ray_resource_name()` is "GPU": verl's resource-pool check counts only GPU/NPU, so the run starts
-  Ray with a fake GPU count (`ray_kwargs.ray_init.num_gpus`); CPU torch ignores CUDA_VISIBLE_DEVICES.
-tests/verl/test_cpu_platform.py pins every verl symbol this relies on.
+Loaded through verl's plugin hook (`VERL_USE_EXTERNAL_MODULES=verl_speco.cpu_port.verl_platform`)
+and selected by `VERL_PLATFORM=cpu` (never auto-detected, so a machine with an accelerator keeps
+verl's own platform); `env.cpu_environment()` sets both. Besides the platform members, verl needs the
+backend string it builds deduplicated (`init_process_group` wrapped), `verl_device` as the device
+module, `current_device()` the string "cpu" and `ray_resource_name()` "GPU" (why:
+docs/design/verl-on-cpu.md section 1). tests/verl/test_cpu_platform.py pins the verl symbols used.
 """
 
 from __future__ import annotations
@@ -32,7 +22,7 @@ import torch.distributed
 from verl.plugin.platform.platform_base import PlatformBase
 from verl.plugin.platform.platform_manager import PlatformRegistry
 
-from verl_speco.cpu_port import install_cpu_port, verl_device
+from verl_speco.cpu_port import verl_device
 
 PLATFORM_NAME = "cpu"
 
@@ -160,4 +150,5 @@ def install_process_group_fix() -> bool:
     return True
 
 
-install_cpu_port(vllm=False, verl=True)  # the process-group fix, when this platform is selected
+if selected():  # what `install_cpu_port(verl=True)` does: verl's plugin hook imports this module
+    install_process_group_fix()

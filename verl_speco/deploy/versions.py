@@ -3,14 +3,15 @@
 `load_versions()` reads and validates the file once per path; `Versions.line(name)` is one line's
 pins, `Versions.extra_requirements(name)` a pyproject extra as requirement strings, and
 `engine_refusal(engine, version, family)` says why an engine version cannot serve a drafter
-family (None when nothing is known against it). The file's header explains its tables.
+family (None when nothing is known against it), `patch_refusal(what, patched, version)` the check
+every patch of vLLM internals makes. The file's header explains its tables.
 """
 
 from __future__ import annotations
 
 import functools
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -181,3 +182,13 @@ def engine_refusal(engine: str, version: str, family: str, versions: Versions | 
         return f"{engine} {release} cannot serve {family}: the drafter catalog has no {engine} method for it"
     reason = (versions or load_versions()).limits(engine, release).get(family)
     return None if reason is None else f"{engine} {release} cannot serve {family}: {reason}"
+
+
+def patch_refusal(what: str, patched: str | Sequence[str], version: str) -> str | None:
+    """None when `version` is one `what` (a patch of vLLM internals) was checked against, else why not."""
+    releases = (patched,) if isinstance(patched, str) else tuple(patched)
+    if base_version(version) in releases:
+        return None
+    return (f"vLLM {version}: {what} patches vLLM internals checked against vLLM {', '.join(releases)} only; "
+            f"use a line of verl_speco/deploy/versions.toml, or re-check the patch on {version} "
+            "(tests/deploy/test_vllm_source.py) and add it to PATCHED_VLLM")

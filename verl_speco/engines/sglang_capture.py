@@ -1,38 +1,11 @@
 """SGLang rollout capture: the target's hidden states returned with each generated sequence.
 
-No sglang import (the server is reached over HTTP or by verl's in-process server); the facts below
-were read in SGLang's source, release by release (paths under python/sglang/srt/):
-
-- Plain capture, every release checked (0.5.12, 0.5.23): the server runs with
-  `--enable-return-hidden-states` (0.5.23: equivalent to `--return-hidden-states-mode full`) and a
-  request sets `return_hidden_states: true` (`managers/io_struct.py` `GenerateReqInput`). What comes
-  back is the lm_head input, i.e. the post-final-norm last hidden state: the store's `last_hidden`
-  ("post_norm"), the EAGLE-1 / EAGLE-2 feature.
-- Aux capture, 0.5.23 only (0.5.12 has no such flag): `--enable-return-aux-hidden-states` with
-  `--speculative-algorithm EAGLE3|DFLASH|DSPARK` naming the capture convention and
-  `--return-aux-hidden-state-layer-ids` (`arg_groups/fields/exec_.py`). No draft is loaded then
-  (`handle_aux_hidden_state_capture` resets the algorithm), so a rollout that serves the draft being
-  trained (online mode) cannot use it. The response carries the aux states concatenated in layer
-  order INSTEAD of the last hidden state (`layers/logits_processor.py`
-  `_get_hidden_states_to_store`), so a family reading both `aux_hidden` and `last_hidden`
-  (EAGLE-3, DSpark) cannot be served by one server; DFlash and Domino (aux only) can.
-- Layer ids: SGLang's integer k captures the input of decoder layer k + 1 (`models/qwen3.py`,
-  `models/llama.py` `set_eagle3_layers_to_capture` / `set_dflash_layers_to_capture`: `val + 1`),
-  the pre-norm residual stream = the output of layer k = HF `hidden_states[k + 1]`. Our internal id
-  is the HF index, so SGLang's integer = internal - 1 (`drafters.common.layer_ids`, key
-  `sglang.return_aux_hidden_state_layer_ids`). Worked example, 8-layer target, DFlash context
-  layers internal (2, 3, 4, 5, 6) -> `--return-aux-hidden-state-layer-ids 1 2 3 4 5`; SGLang captures
-  before layers 2..6, i.e. HF hidden_states[2..6]. Internal 0 (the embedding) and L (post-norm)
-  cannot be asked for: SGLang cannot capture the last layer's output (its capture check in
-  `logits_processor.py` `_check_aux_hidden_states`).
-- Rows: `meta_info["hidden_states"]` is a list: one 2-D entry [n_i, D] per prefill chunk, then one
-  1-D entry [D] per decode-step token (`managers/scheduler_components/batch_result_processor.py`).
-  No forward runs on the last generated token, so a sequence of P prompt and n generated tokens
-  has P + n - 1 rows: positions 0 .. P + n - 2 (SGLang's own test compares them with HF on
-  `input_ids + output_ids[:-1]`). Example: P = 3, n = 4 -> entries [[3, D], [D], [D], [D]], 6 rows.
-- Fewer rows than that: with speculative decoding, releases up to 0.5.12 drop decode rows
-  (sgl-project/sglang#26163, fixed after 0.5.12); a radix-cache hit skips the cached prompt
-  prefix's prefill rows. Such a sequence is never aligned by guessing: it is dropped and counted.
+No sglang import (the server is reached over HTTP or by verl's in-process server). Plain capture
+(`return_hidden_states`, every release) gives the post-norm last hidden state; aux capture (0.5.23
+only) gives the aux layers instead, loads no draft, and takes SGLang's layer ids = internal - 1
+(`drafters.common.layer_ids`). A sequence of P prompt and n generated tokens has P + n - 1 rows;
+one with fewer (speculative decoding up to 0.5.12, a radix-cache hit) is dropped and counted, never
+aligned by guessing. SGLang's side, release by release: docs/design/engines.md section 4.11.
 """
 
 from __future__ import annotations

@@ -1,34 +1,10 @@
 """SGLang's HTTP weight-update API as the `SGLangDraftPublisher` client (standard library only).
 
-`sglang.Engine.update_weights_from_tensor(named_tensors, load_format, flush_cache)` cannot send
-`selector`, so a draft-only publish goes through SGLang's HTTP server. Facts from SGLang's source
-(sgl-project/sglang, paths under python/sglang/srt/; the publish contract itself is in
-`sglang_publish`):
-
-- Routes (`entrypoints/http_server.py`), all POST with a JSON object body parsed into the
-  `managers/io_struct.py` dataclass of the same name:
-  `/begin_weight_update` (`BeginWeightUpdateReqInput`: `selector` in {"target", "draft", "all"},
-  default "all"), `/update_weights_from_tensor` (`UpdateWeightsFromTensorReqInput`, fields in
-  `sglang_publish.REQUEST_FIELDS` + `OPTIONAL_FIELDS`), `/end_weight_update`
-  (`EndWeightUpdateReqInput`: no fields). Each replies `{"success": bool, "message": str}` with
-  status 200, or 400 when `success` is false (the tokenizer manager's merged per-rank result,
-  `managers/tokenizer_control_mixin.py`).
-- `/release_memory_occupation`, `/resume_memory_occupation` (GET or POST,
-  `ReleaseMemoryOccupationReqInput` / `ResumeMemoryOccupationReqInput`: `tags`, a list of str or
-  null) return nothing (JSON `null`, 200) on success and `_create_error_response(e)`,
-  i.e. 400 `{"error": {"message": str}}`, on failure.
-- `/generate` (POST, `GenerateReqInput`): one prompt's `input_ids`, `sampling_params` and e.g.
-  `return_hidden_states`; the reply is {"text", "output_ids", "meta_info"} (`meta_info["hidden_states"]`:
-  see `sglang_capture`). Used by the rollout capture.
-- A body FastAPI cannot parse into the dataclass gets 400 with `ErrorResponse`
-  (`{"object": "error", "message": ..., "type": ..., "code": 400}`); with `--api-key`, every route
-  but /health needs `Authorization: Bearer <key>` (`utils` `add_api_key_middleware`: 401
-  `{"error": "Unauthorized"}`).
-- `serialized_named_tensors` over HTTP: a list of str, one per TP rank. The route's docstring says
-  binary data must be base64 encoded; `utils/common.py` `MultiprocessingSerializer.serialize(obj,
-  output_str=True)` produces exactly that and `deserialize` base64-decodes a str entry
-  (`b64decode(..., validate=True)`) before unpickling. So bytes entries are sent as standard
-  base64 (with padding); str entries are taken as already base64 and checked to decode.
+`sglang.Engine.update_weights_from_tensor` cannot send `selector`, so a draft-only publish goes
+through SGLang's HTTP server: `/begin_weight_update` (selector "draft"), `/update_weights_from_tensor`
+(one base64 serialized entry per TP rank), `/end_weight_update`, plus the memory-occupation routes and
+`/generate` for the rollout capture. The routes' bodies and replies, from SGLang's source:
+docs/design/engines.md section 4.10.
 """
 
 from __future__ import annotations
@@ -112,14 +88,11 @@ def _check_selector(selector: Any) -> str:
 class SGLangHTTPClient:
     """Client of one SGLang HTTP server (`--host`/`--port`), the interface `SGLangDraftPublisher` calls.
 
-    `begin_weight_update(selector=...)`, `update_weights_from_tensor(**request)` (SGLang's request
-    field names) and `end_weight_update()` POST the JSON body SGLang's route parses and return its
-    reply `{"success": True, "message": ...}`; any failure (unreachable, timeout, HTTP status
-    >= 400, `success` false, a reply without `success`) raises `SGLangHTTPError` naming the
-    route, the status and SGLang's message. Bodies SGLang would not parse (unknown fields, bad
-    selector, entries that are neither bytes nor base64 str) raise `SGLangPublishError` before
-    anything is sent. `release_memory_occupation(tags)` / `resume_memory_occupation(tags)` wrap
-    SGLang's memory routes; `resume_and_reapply` pairs the resume with the publisher's re-apply.
+    Each method POSTs the JSON body SGLang's route parses and returns its reply; any failure
+    (unreachable, timeout, status >= 400, `success` false or missing) raises `SGLangHTTPError` naming
+    the route, the status and SGLang's message. A body SGLang would not parse raises
+    `SGLangPublishError` before anything is sent. `resume_and_reapply` pairs a memory resume with the
+    publisher's re-apply.
     """
 
     def __init__(self, base_url: str, timeout_s: float, api_key: str | None = None) -> None:

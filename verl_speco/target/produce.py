@@ -1,4 +1,4 @@
-"""Write a built (or fine-tuned) target into a fresh directory; `build.py` makes it atomic and cached."""
+"""Write a built (or fine-tuned) target into a fresh directory; `cache.py` makes it atomic and cached."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tokenizers import Tokenizer
 
-from verl_speco.target.build import DIGESTS_KEY, RECIPE_FILE, file_digests
+from verl_speco.target.cache import DIGESTS_KEY, RECIPE_FILE, file_digests
 from verl_speco.target.model import init_model, make_config
 from verl_speco.target.tokenizer import save_tokenizer, special_ids, train_tokenizer
 from verl_speco.target.train import TrainResult, TrainSpec, train
@@ -19,7 +19,7 @@ from verl_speco.target.train import TrainResult, TrainSpec, train
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from verl_speco.target.build import Log, TargetRecipe
+    from verl_speco.target.cache import Log, TargetRecipe
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 

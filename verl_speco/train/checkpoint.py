@@ -1,24 +1,11 @@
 """Checkpoints: engine-ready export + exact trainer state, written atomically, no pickle.
 
-Layout of `<out_dir>/ckpt/step_<N>/` (written as `step_<N>.tmp`, then renamed):
-  complete.json                the completion marker, written last: step, world size and the byte
-                               size of every other file; a `step_<N>` without it (or whose files
-                               differ from it) is incomplete and never resumed from
-  export/                      engine-ready drafter export(s) (family.export; one sub-dir per format
-                               when several are asked for)
-  trainer/model.safetensors    full (unsharded) trainable weights + buffers, master dtype
-  trainer/optimizer.safetensors + optimizer.json   full AdamW state: tensors under "<fqn>/<key>",
-                               JSON holds param_groups (params as fqns) and non-tensor entries
-  trainer/rng_rank<r>.safetensors + rng_rank<r>.json   per-rank torch / python / numpy RNG
-  trainer/reader_rank<r>.json  per-rank StoreReader.state_dict() (the data cursor)
-  trainer/state.json           step, counters, world size, schedule, resolved config
-All ranks must see the same filesystem (multi-node: a shared `run.out_dir`).
-
-Crash safety: nothing under a final name `step_<N>` is ever written into or partially deleted.
-Saving over an existing `step_<N>` renames the old one to `step_<N>.old`, renames the new one in,
-then deletes the old one; pruning (`keep_last`) renames before deleting too. A kill between the two
-renames leaves no `step_<N>` (never a torn one): resume then takes the newest complete checkpoint,
-and the next save removes `*.tmp` / `*.old` leftovers.
+`<out_dir>/ckpt/step_<N>/` holds `export/` (the engine-ready drafter export(s)), `trainer/` (full
+weights, AdamW state, per-rank RNG and data cursors, `state.json`) and `complete.json`, written last
+(a step without it, or whose files differ from it, is never resumed from). Nothing under a final name
+is ever written into or partially deleted: saves and prunes go through `*.tmp` / `*.old` renames, so
+a kill leaves the previous complete checkpoint to resume from. The file-by-file layout:
+docs/design/formats.md section 3. All ranks must see the same filesystem.
 """
 
 from __future__ import annotations

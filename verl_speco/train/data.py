@@ -1,20 +1,13 @@
 """Training and held-out data from the Feature Store, as collated micro-batches on the device.
 
-- Training: one `StoreReader` per rank (partitioned by rank, deterministic shuffle, resumable);
-  a micro-batch is `data.micro_batch_size` consecutive samples of the rank's stream, or, with
-  `data.token_budget`, the reader's token-budget packing. Samples longer than `max_seq_len` are
-  cut to their first `max_seq_len` tokens (every per-token field alike).
-- Layout: the store may hold more layers than the family reads (one store collected with the
-  union of several families' layers, `verl-speco-collect --layout-of eagle1,eagle3`): every sample's
-  `aux_hidden` is cut to the family's layer ids, in the family's order (`Layout.select`); a store
-  without some of them fails naming the missing ids. An exact-layout store is read unchanged.
-- Checksums: every shard is verified against its commit record when first opened (default
-  `data.verify_checksums=true`; a mismatch stops training naming the shard).
-- Held-out: `data.eval_store`, or with `data.eval_fraction` > 0 the last shards of every writer
-  of `data.store` (whole shards, so the training reader can exclude them by pinning the prefix
-  `shard_set`; a writer keeps at least one shard for training). Eval reads the first
-  `eval_samples` held-out samples (rounded down to a multiple of the world size) in store order,
-  rank r taking every world_size-th one, so every rank runs the same number of forwards.
+- Training: one `StoreReader` per rank; a micro-batch is `data.micro_batch_size` consecutive samples
+  of the rank's stream or, with `data.token_budget`, token-budget packing; samples are cut to
+  `max_seq_len`. Each sample's `aux_hidden` is cut to the family's layer ids in its order
+  (`select_layout`: one store may serve several families); every shard's checksum is verified when
+  first opened (`data.verify_checksums`).
+- Held-out: `data.eval_store`, or with `data.eval_fraction` > 0 the last whole shards of every writer
+  of `data.store` (excluded from training by pinning the prefix `shard_set`). Every rank runs the
+  same number of eval forwards.
 """
 
 from __future__ import annotations
@@ -26,7 +19,7 @@ import torch
 from torch import Tensor
 
 from feature_store import ChecksumError, Layout, LayoutMismatchError, StoreIndex, StoreReader
-from feature_store.layout_select import LayoutSelection
+from feature_store.layout_select import LayoutSelection, select_layout
 from feature_store.store import list_commits, load_store
 from verl_speco.train.config import ConfigError, DataSection
 
@@ -85,7 +78,7 @@ def layout_selection(store: object, store_layout: Layout, layout: Layout) -> Lay
     """How the store at `store` (layout `store_layout`) serves `layout`; `LayoutMismatchError`
     naming the store, the missing layer ids and both layouts when it cannot."""
     try:
-        return store_layout.select(layout)
+        return select_layout(store_layout, layout)
     except LayoutMismatchError as err:
         raise LayoutMismatchError(f"{store}: {err}") from err
 

@@ -21,6 +21,7 @@ from drafters import get_family
 from drafters.common.target import TargetLoadError, TargetSpec
 from drafters.registry import RegistryError
 from feature_store import StoreError
+from feature_store.layout_select import select_layout
 from feature_store.store import list_commits, load_store
 from verl_speco.train import checkpoint as ckpt
 from verl_speco.train.config import ConfigError, TrainerConfig, build_family_config
@@ -76,10 +77,10 @@ def check_target(path: str) -> TargetSpec:
 
 def check_store(key: str, path: str, layout: Any, fields: tuple[str, ...]) -> None:
     """`path` is a Feature Store with committed shards, whose layout serves `layout` (the same layer
-    ids or more, `Layout.select`), holding `fields`."""
+    ids or more, `select_layout`), holding `fields`."""
     try:
         meta = load_store(path)
-        meta.schema.layout.select(layout)
+        select_layout(meta.schema.layout, layout)
         meta.schema.check_fields(store_fields(fields, layout))
     except StoreError as err:
         raise ConfigError(f"{key}={path!r}: {err}") from err
