@@ -10,6 +10,8 @@ Output (B = number of samples, T = max T_i, rounded up to `pad_to_multiple_of`):
 
 Worked example: lengths 3 and 1 -> attention_mask [[1, 1, 1], [1, 0, 0]]; the loss mask of the
 padding is 0, so padded rows never carry loss.
+
+`check_batch` is the objectives' check of such a batch (every family's objective calls it first).
 """
 
 from __future__ import annotations
@@ -56,3 +58,21 @@ def collate(samples: Sequence[Mapping[str, Tensor]], pad_to_multiple_of: int = 1
     batch["attention_mask"] = torch.arange(max_len)[None, :] < lengths[:, None]
     batch["lengths"] = lengths
     return batch
+
+
+def check_batch(batch: Mapping[str, Tensor], required: Sequence[str], label: str, exact: Sequence[str] = ()) -> None:
+    """A collated batch for an objective: every `required` field and attention_mask present (KeyError
+    naming the missing ones); input_ids [B, T]; loss_mask, attention_mask and the `exact` fields the
+    batch has exactly [B, T]; every other required field [B, T, ...] with at least 3 dims (features).
+    `label` names the family in the message ("EAGLE-3 batch: ...")."""
+    missing = [k for k in (*required, "attention_mask") if k not in batch]
+    if missing:
+        raise KeyError(f"{label} batch: missing fields {missing} (has {sorted(batch)})")
+    b, t = batch["input_ids"].shape
+    tokens = ("input_ids", "loss_mask", "attention_mask", *exact)
+    for key in ("loss_mask", "attention_mask", *(k for k in exact if k in batch)):
+        if tuple(batch[key].shape) != (b, t):
+            raise ValueError(f"{label} batch: {key} is {tuple(batch[key].shape)}, expected {(b, t)}")
+    for key in required:
+        if key not in tokens and (batch[key].dim() < 3 or tuple(batch[key].shape[:2]) != (b, t)):
+            raise ValueError(f"{label} batch: {key} is {tuple(batch[key].shape)}, expected ({b}, {t}, ...)")

@@ -2,7 +2,7 @@
 
 - `StoreStats`: what `build` may read from the training data (token counts for vocab selection).
 - `DraftContext` / `Proposal` / `Proposer`: the interface between `drafters.spec_decode` and a
-  family's drafting code.
+  family's drafting code (`DraftContext.features`: the target features every proposer starts from).
 - `EngineFormat`: what a family ships to the engines for one resolved config and target: the
   `config.json` per export format, the engine tensors (one function serves export and live
   publish), the speculative arguments per engine and the publish-manifest round trip.
@@ -14,8 +14,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, fields
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -23,28 +23,11 @@ import torch
 from torch import Tensor, nn
 
 from drafters.common.losses import ObjectiveOutput
-from drafters.common.sampling import SamplingParams
+from drafters.common.sampling import SamplingParams, logits_to_probs, sample
 from drafters.common.target import TargetHead, TargetSpec
 from feature_store import Layout
 
 EXPORT_META_FILE = "verl_speco_meta.json"  # written into every export: {"family": name, "format": ..., ...}
-
-
-def format_fields(cls: Any, data: Mapping[str, Any], label: str) -> dict[str, Any]:
-    """The constructor keywords of the engine-format dataclass `cls` from its `to_dict()` JSON.
-
-    Refuses, naming them, another family, unknown keys and missing required keys; `label` names
-    the family in the message (e.g. "EAGLE-3")."""
-    if data.get("family", cls.family) != cls.family:
-        raise ValueError(f"engine format: family {data.get('family')!r}, expected {cls.family!r}")
-    body = {k: v for k, v in data.items() if k != "family"}
-    names = {f.name for f in fields(cls)}
-    unknown = sorted(set(body) - names)
-    missing = sorted(f.name for f in fields(cls) if f.name not in body and f.default is MISSING)
-    if unknown or missing:
-        raise ValueError(f"{label} engine format: unknown keys {unknown}, missing keys {missing} "
-                         f"(expected the fields of {cls.__name__}: {sorted(names)})")
-    return body
 
 
 @dataclass(frozen=True)
@@ -67,6 +50,24 @@ class DraftContext:
     token_ids: Tensor
     target_hidden_states: tuple[Tensor, ...]
 
+    def features(self, state_ids: Sequence[int], caller: str = "propose") -> Tensor:
+        """The cat of the target hidden states at `state_ids` (HF indices) over the positions 0..n-1 the
+        target has run: [n, len(state_ids) * H_t], n = len(token_ids) - 1. Every proposer's preamble:
+        ValueError naming `caller` without context (n < 1), for an id outside the states, or for states
+        at other than n positions."""
+        n = self.token_ids.numel() - 1
+        if n < 1:
+            raise ValueError(f"{caller}: need >= 2 committed tokens (the context and the token just emitted), "
+                             f"got {n + 1}")
+        num = len(self.target_hidden_states)
+        for i in state_ids:
+            if not 0 <= i < num:
+                raise ValueError(f"{caller}: hidden state id {i}: the context has {num} hidden states (0..{num - 1})")
+        features = torch.cat([self.target_hidden_states[i] for i in state_ids], dim=-1)
+        if features.shape[0] != n:
+            raise ValueError(f"target_hidden_states: {features.shape[0]} positions, expected {n} (tokens 0..n-1)")
+        return features
+
 
 @dataclass
 class Proposal:
@@ -75,6 +76,16 @@ class Proposal:
 
     token_ids: Tensor
     probs: Tensor | None
+
+    @classmethod
+    def drawn(cls, logits: Tensor, sampling: SamplingParams, generator: torch.Generator | None = None) -> Proposal:
+        """The proposal of K slots drafted in one forward, each drawn independently from its own
+        distribution: logits [K, V] (target vocab) -> the argmax when `sampling.greedy`, else one
+        sample per slot from q = `logits_to_probs(logits)`, with q reported (lossless: each d_k ~ q_k)."""
+        if sampling.greedy:
+            return cls(logits.argmax(-1).long().cpu(), None)
+        q = logits_to_probs(logits, sampling)  # [K, V]
+        return cls(sample(q, generator).long().cpu(), q.cpu())
 
 
 class Proposer(Protocol):
@@ -89,7 +100,8 @@ class EngineFormat(Protocol):
 
     `to_dict()` is JSON (it names the family: `{"family": name, ...}`) and
     `drafters.registry.engine_format_from_dict` rebuilds the object from it: that is how a publish
-    manifest tells a rollout server what it receives."""
+    manifest tells a rollout server what it receives. `drafters.common.export_format.EngineFormatBase`
+    implements the shared half (to_dict, from_dict, the engine arguments of a chain)."""
 
     family: ClassVar[str]
 

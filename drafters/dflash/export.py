@@ -25,19 +25,17 @@ docs/design/engines.md sections 2.4 and 4.5:
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from drafters.common.contract import EXPORT_META_FILE, format_fields
-from drafters.common.engine_args import check_format, sglang_algorithm_args, vllm_speculative_config
+from drafters.common import export_format
+from drafters.common.contract import EXPORT_META_FILE
+from drafters.common.engine_args import check_format, sglang_algorithm_args
 from drafters.common.layer_ids import check_servable_aux_ids, from_engine_layer_ids, to_engine_layer_ids
 
 if TYPE_CHECKING:
@@ -46,7 +44,6 @@ if TYPE_CHECKING:
     from drafters.dflash.model import DFlashDraft
 
 FORMATS = ("native",)
-EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 META_FILE = EXPORT_META_FILE
 ARCHITECTURES = ("DFlashDraftModel",)
 MODEL_TYPE = "qwen3"
@@ -63,17 +60,11 @@ MASK_HIDDEN = "mask_hidden"  # any name containing it: vLLM asserts (DFlash embe
 
 
 @dataclass(frozen=True)
-class DFlashExportConfig:
-    """The engine side of a DFlash draft (drafters.common.contract.EngineFormat)."""
+class DFlashExportConfig(export_format.DecoderFormat):
+    """The engine side of a DFlash draft (drafters.common.contract.EngineFormat; to_dict and from_dict
+    are `EngineFormatBase`'s, for every subclass: its own fields, named in messages by its `label`).
+    The decoder sizes (`DecoderFormat`) are the target's."""
 
-    hidden_size: int  # = the target's
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    vocab_size: int  # the target vocab V
     max_position_embeddings: int  # >= the target's
     num_hidden_layers: int  # the draft's decoder layers
     block_size: int  # B: [anchor, MASK x (B - 1)]
@@ -100,13 +91,9 @@ class DFlashExportConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
-        for name in ("hidden_size", "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings",
-                     "num_hidden_layers", "num_target_layers"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name}: got {getattr(self, name)}, expected >= 1")
+        super().__post_init__()  # heads, dtype
+        self.check_positive("hidden_size", "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings",
+                            "num_hidden_layers", "num_target_layers")
         if self.block_size < 2:
             raise ValueError(f"block_size: got {self.block_size}, expected >= 2 (anchor + at least one MASK)")
         if not 0 <= self.mask_token_id < self.vocab_size:
@@ -118,8 +105,6 @@ class DFlashExportConfig:
             raise ValueError(f"target_layer_ids: got {self.target_layer_ids}, expected strictly increasing "
                              f"output-of-layer ids within 0..{self.num_target_layers - 2} "
                              f"({self.num_target_layers}-layer target)") from None
-        if self.dtype not in EXPORT_DTYPES:
-            raise ValueError(f"dtype: got {self.dtype!r}, expected one of {EXPORT_DTYPES}")
 
     def hidden_state_ids(self) -> tuple[int, ...]:
         """Internal (HF hidden_states index) ids of the context layers: target_layer_ids + 1."""
@@ -131,19 +116,6 @@ class DFlashExportConfig:
         return to_engine_layer_ids(internal, VLLM_AUX_KEY, self.num_target_layers)
 
     # -- EngineFormat (drafters.common.contract) ----------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        """JSON for a publish manifest; `from_dict` inverts it."""
-        body = asdict(self)
-        body["target_layer_ids"] = list(self.target_layer_ids)
-        return {"family": self.family, **body}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> DFlashExportConfig:
-        """Any subclass: its own fields, named in messages by its `label`."""
-        body = format_fields(cls, data, cls.label)
-        body["target_layer_ids"] = tuple(body["target_layer_ids"])
-        return cls(**body)
-
     def engine_tensors(self, state_dict: Mapping[str, Tensor], fmt: str = "native",
                        dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         return engine_tensors(state_dict, self, fmt, dtype)
@@ -164,7 +136,7 @@ class DFlashExportConfig:
     def vllm_speculative_config(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
         """`{"method": "dflash", "model": dir, "num_speculative_tokens": B - 1}`; any other K is refused."""
         self._check_k(num_speculative_tokens, "vLLM")
-        return vllm_speculative_config(self.family, draft_dir, num_speculative_tokens)
+        return super().vllm_speculative_config(draft_dir, num_speculative_tokens)
 
     def sglang_server_args(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
         """`--speculative-num-draft-tokens` = block_size (B rows: B - 1 drafts); K must be B - 1."""
@@ -192,6 +164,10 @@ class DFlashExportConfig:
         write (a subclass strips its own keys, parses the DFlash part, then matches the whole)."""
         return config_from_json(config, where)
 
+    def backbone(self) -> dict[str, Any]:
+        """The DFlash fields of this format, by name: what a subclass's constructor takes before its heads."""
+        return {f.name: getattr(self, f.name) for f in fields(DFlashExportConfig)}
+
     def drafter_settings(self) -> dict[str, Any]:
         """The drafter-config fields the export fixes (the architecture; a subclass adds its heads)."""
         return {"num_layers": self.num_hidden_layers, "block_size": self.block_size,
@@ -218,7 +194,8 @@ def expected_shapes(cfg: DFlashExportConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def refuse_names(names: Any, where: str) -> None:
+def refuse_names(names: Iterable[str], where: str) -> None:
+    """Refuse, naming it, a tensor name an engine refuses (`REFUSED`, any name containing mask_hidden)."""
     for name in names:
         if name in REFUSED:
             raise ValueError(f"{where}: tensor {name!r} must not be exported: {REFUSED[name]}")
@@ -297,15 +274,9 @@ def export_dflash(state_dict: Mapping[str, Tensor], cfg: DFlashExportConfig, out
                   dtype: torch.dtype | None = None, meta: Mapping[str, Any] | None = None) -> Path:
     """Write the `native` directory; returns it. `meta` (JSON-able) goes to verl_speco_meta.json."""
     tensors = engine_tensors(state_dict, cfg, "native", dtype)
-    cfg = replace(cfg, dtype=str(tensors["fc.weight"].dtype).removeprefix("torch."))
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg.config_json(), indent=2) + "\n")
-    meta_doc = {"family": cfg.family, "format": "native", "export_config": cfg.to_dict(),
-                "engine_format": cfg.to_dict(), **dict(meta or {})}
-    (out / META_FILE).write_text(json.dumps(meta_doc, indent=2) + "\n")
-    return out
+    cfg = replace(cfg, dtype=export_format.written_dtype(tensors))  # the config records the dtype actually written
+    return export_format.write_export(out_dir, tensors, cfg.config_json(),
+                                      export_format.export_meta(cfg, "native", meta, cfg.to_dict()))
 
 
 def export(model: DFlashDraft, cfg: DFlashConfig, target_spec: TargetSpec, out_dir: str | Path,
@@ -379,15 +350,7 @@ def check_export(export_dir: str | Path, export_cls: type[DFlashExportConfig] | 
     missing, unexpected, wrong-shape, wrong-dtype or non-finite tensor; an fc width other than
     len(target_layer_ids) x hidden_size."""
     cls = DFlashExportConfig if export_cls is None else export_cls
-    root = Path(export_dir)
-    config = json.loads((root / "config.json").read_text())
-    cfg = cls.from_config_json(config, str(root / "config.json"))
-    weights = root / "model.safetensors"
-    with safe_open(str(weights), framework="pt") as f:
-        names = list(f.keys())
-    refuse_names(names, str(weights))  # before reading any value: the name alone disqualifies
-    check_tensors(load_file(str(weights)), cfg, str(weights))
-    return cfg
+    return export_format.check_export_dir(export_dir, cls.from_config_json, refuse_names, check_tensors)
 
 
 def load_export(export_dir: str | Path, target: TargetHead, export_cls: type[DFlashExportConfig],
@@ -395,26 +358,10 @@ def load_export(export_dir: str | Path, target: TargetHead, export_cls: type[DFl
     """Read an export back into a `model_cls` on `target` (its frozen embedding and head): checked
     (`check_export`), sizes matched against the target, weights exact, eval mode. The training-only
     settings come from verl_speco_meta.json, the architecture from config.json."""
-    root = Path(export_dir)
-    cfg = check_export(root, export_cls)
-    meta_path = root / META_FILE
-    settings = dict(json.loads(meta_path.read_text()).get("drafter_config", {})) if meta_path.is_file() else {}
-    settings.update(cfg.drafter_settings())
-    drafter = drafter_cls(**settings)
+    cfg = check_export(export_dir, export_cls)
+    drafter = drafter_cls(**{**export_format.recorded_settings(export_dir), **cfg.drafter_settings()})
     want = export_cls.from_drafter(drafter, target.spec, max_position_embeddings=cfg.max_position_embeddings,
                                    hidden_act=cfg.hidden_act, dtype=cfg.dtype, mask_token=cfg.mask_token)
-    if want != cfg:
-        raise ValueError(f"{root}: export config {cfg} does not match the target's sizes {want}")
-    tensors = load_file(str(root / "model.safetensors"))
-    model = model_cls(drafter, target)
-    model.to(getattr(torch, cfg.dtype))
-    model.load_state_dict(tensors, strict=True)
-    return model.eval()
-
-
-def load_dflash_export(export_dir: str | Path, target: TargetHead) -> DFlashDraft:
-    """`load_export` of a DFlash export."""
-    from drafters.dflash.config import DFlashConfig
-    from drafters.dflash.model import DFlashDraft
-
-    return load_export(export_dir, target, DFlashExportConfig, DFlashConfig, DFlashDraft)
+    model = export_format.load_checked(export_dir, cfg, want, lambda: model_cls(drafter, target))
+    assert isinstance(model, model_cls)
+    return model

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from drafters.common.blocks import block_input_ids, block_labels, block_position_ids, sample_anchors
 from drafters.common.chunked_head import head_weight
+from drafters.common.collate import check_batch
 from drafters.common.fused_head import frozen_head_ce_rows
 from drafters.common.losses import ObjectiveOutput
 from drafters.common.metrics import TOP_K, block_row_metrics
@@ -77,22 +78,6 @@ def head_rows(model: DFlashDraft, hidden: Tensor, labels: Tensor) -> tuple[Tenso
     return frozen_head_ce_rows(hidden, head, labels, model.cfg.loss_chunk_rows, TOP_K)
 
 
-def check_batch(batch: dict[str, Tensor], required: tuple[str, ...] = REQUIRED_FIELDS, label: str = "DFlash") -> None:
-    """A block drafter's batch: every `required` field plus attention_mask; input_ids [batch, seq];
-    loss_mask / attention_mask exactly that shape; any other field at least [batch, seq, ...]
-    (DSpark and Domino pass their own fields and label)."""
-    missing = [k for k in (*required, "attention_mask") if k not in batch]
-    if missing:
-        raise KeyError(f"{label} batch: missing fields {missing} (has {sorted(batch)})")
-    b, t = batch["input_ids"].shape
-    for key in ("loss_mask", "attention_mask"):
-        if tuple(batch[key].shape) != (b, t):
-            raise ValueError(f"{label} batch: {key} is {tuple(batch[key].shape)}, expected {(b, t)}")
-    for key in required:
-        if key not in ("input_ids", "loss_mask") and tuple(batch[key].shape[:2]) != (b, t):
-            raise ValueError(f"{label} batch: {key} is {tuple(batch[key].shape)}, expected ({b}, {t}, ...)")
-
-
 def dflash_objective(model: DFlashDraft, batch: dict[str, Tensor],
                      generator: torch.Generator | None = None) -> ObjectiveOutput:
     """One micro-batch: sample anchors (with `generator`), run the backbone, weighted CE.
@@ -101,7 +86,7 @@ def dflash_objective(model: DFlashDraft, batch: dict[str, Tensor],
     aux_hidden [batch, seq, m*H] (the context layers' features, row p = position p). The target
     lm_head runs on the valid rows only.
     """
-    check_batch(batch)
+    check_batch(batch, REQUIRED_FIELDS, "DFlash")
     cfg = model.cfg
     assert cfg.mask_token_id is not None
     bs = cfg.block_size

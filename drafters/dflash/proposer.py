@@ -18,33 +18,23 @@ the other drafts are, so rejection sampling with q stays lossless).
 
 from __future__ import annotations
 
+from typing import Generic, TypeVar
+
 import torch
 
 from drafters.common.contract import DraftContext, Proposal
-from drafters.common.sampling import SamplingParams, logits_to_probs, sample
+from drafters.common.sampling import SamplingParams
 from drafters.dflash.model import DFlashDraft
 
-
-def context_features(ctx: DraftContext, hidden_state_ids: tuple[int, ...]) -> torch.Tensor:
-    """cat of the target hidden states at `hidden_state_ids` (HF indices): [n, m*H_t]."""
-    num = len(ctx.target_hidden_states)
-    for i in hidden_state_ids:
-        if not 0 <= i < num:
-            raise ValueError(f"context layer id {i}: the context has {num} hidden states (0..{num - 1})")
-    return torch.cat([ctx.target_hidden_states[i] for i in hidden_state_ids], dim=-1)
+M = TypeVar("M", bound=DFlashDraft)
 
 
 def block_hidden(model: DFlashDraft, ctx: DraftContext, hidden_state_ids: tuple[int, ...], rows: int) -> torch.Tensor:
     """ONE backbone forward for the round: the block [x_n, MASK x (rows - 1)] at positions
     n .. n + rows - 1 over the context features at 0..n-1 -> post-norm hidden [rows, H] (DFlash,
     DSpark and Domino proposers share it; each checks its own draft count first)."""
-    ids = ctx.token_ids
-    n = ids.numel() - 1
-    if n < 1:
-        raise ValueError(f"propose: need >= 2 committed tokens (context + the token just emitted), got {n + 1}")
-    features = context_features(ctx, hidden_state_ids)
-    if features.shape[0] != n:
-        raise ValueError(f"target_hidden_states: {features.shape[0]} positions, expected {n} (tokens 0..n-1)")
+    features = ctx.features(hidden_state_ids)  # [n, m*H_t]
+    ids, n = ctx.token_ids, features.shape[0]
     device = model.fc.weight.device
     assert model.cfg.mask_token_id is not None
     block = torch.full((1, 1, rows), model.cfg.mask_token_id, dtype=torch.long, device=device)
@@ -54,24 +44,35 @@ def block_hidden(model: DFlashDraft, ctx: DraftContext, hidden_state_ids: tuple[
     return model.block_hidden(features.to(device)[None], block, anchors, valid)[0, 0]  # [rows, H]
 
 
-class DFlashProposer:
-    def __init__(self, model: DFlashDraft):
+class BlockProposer(Generic[M]):
+    """What the DFlash, DSpark and Domino proposers share: the model, its context layer ids (HF
+    indices) and the round's one backbone forward after the draft-count check. A block of B rows
+    drafts at most B - `anchor_rows` tokens (DFlash and Domino: the anchor slot drafts nothing, 1;
+    DSpark: every slot drafts, 0)."""
+
+    anchor_rows = 1
+
+    def __init__(self, model: M):
         self.model = model
         self.hidden_state_ids = model.cfg.hidden_state_ids(model.spec)
 
+    def round_hidden(self, ctx: DraftContext, num_tokens: int, rows: int) -> torch.Tensor:
+        """`block_hidden` of `rows` rows [rows, H] for a round drafting `num_tokens`; ValueError when
+        one block cannot draft that many."""
+        most = self.model.cfg.block_size - self.anchor_rows
+        if not 1 <= num_tokens <= most:
+            bound = "block_size - 1" if self.anchor_rows else "block_size"
+            raise ValueError(f"propose: need 1 <= num_tokens <= {bound} = {most}; got num_tokens={num_tokens}")
+        return block_hidden(self.model, ctx, self.hidden_state_ids, rows)
+
+
+class DFlashProposer(BlockProposer[DFlashDraft]):
     def block_logits(self, ctx: DraftContext, num_tokens: int) -> torch.Tensor:
         """float32 [num_tokens, V]: the logits of slots 1..num_tokens of the block [x_n, MASK x K]."""
-        bs = self.model.cfg.block_size
-        if not 1 <= num_tokens <= bs - 1:
-            raise ValueError(f"propose: need 1 <= num_tokens <= block_size - 1 = {bs - 1}; got num_tokens={num_tokens}")
-        hidden = block_hidden(self.model, ctx, self.hidden_state_ids, num_tokens + 1)  # [K + 1, H]
+        hidden = self.round_hidden(ctx, num_tokens, num_tokens + 1)  # [K + 1, H]
         return self.model.logits(hidden[1:]).float()  # [K, V]
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext, num_tokens: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None) -> Proposal:
-        logits = self.block_logits(ctx, num_tokens)
-        if sampling.greedy:
-            return Proposal(logits.argmax(-1).long().cpu(), None)
-        q = logits_to_probs(logits, sampling)  # [K, V]
-        return Proposal(sample(q, generator).long().cpu(), q.cpu())  # one independent draw per slot
+        return Proposal.drawn(self.block_logits(ctx, num_tokens), sampling, generator)  # one independent draw per slot

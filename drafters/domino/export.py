@@ -17,7 +17,7 @@ weights fail to load, so `vllm_speculative_config` refuses with the reason.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -26,9 +26,8 @@ from drafters.dflash.export import DFlashExportConfig
 from drafters.domino.config import PURE_DRAFT_PREFIX_LEN
 
 if TYPE_CHECKING:
-    from drafters.common.target import TargetHead, TargetSpec
+    from drafters.common.target import TargetSpec
     from drafters.domino.config import DominoConfig
-    from drafters.domino.model import DominoDraft
 
 DOMINO_KEYS = ("projector_type", "shift_label", "pure_draft_prefix_len", "gru_hidden_dim", "emb_dim")
 SGLANG_DTYPE = "bfloat16"
@@ -47,14 +46,11 @@ class DominoExportConfig(DFlashExportConfig):
     @classmethod
     def from_drafter(cls, cfg: DominoConfig, spec: TargetSpec, **overrides: Any) -> DominoExportConfig:  # type: ignore[override]
         base = DFlashExportConfig.from_drafter(cfg, spec)
-        body = {f.name: getattr(base, f.name) for f in fields(DFlashExportConfig)}
-        return replace(cls(**body, gru_hidden_dim=cfg.gru_hidden_dim, emb_dim=cfg.emb_dim), **overrides)
+        return replace(cls(**base.backbone(), gru_hidden_dim=cfg.gru_hidden_dim, emb_dim=cfg.emb_dim), **overrides)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("gru_hidden_dim", "emb_dim"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name}: got {getattr(self, name)}, expected >= 1")
+        self.check_positive("gru_hidden_dim", "emb_dim")
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         shapes = dflash_export.expected_shapes(self)
@@ -87,8 +83,7 @@ class DominoExportConfig(DFlashExportConfig):
         as_dflash["dflash_config"] = {k: v for k, v in dflash.items() if k not in DOMINO_KEYS}
         try:
             base = dflash_export.config_from_json(as_dflash, where)
-            body = {f.name: getattr(base, f.name) for f in fields(DFlashExportConfig)}
-            cfg = cls(**body, gru_hidden_dim=int(dflash["gru_hidden_dim"]), emb_dim=int(dflash["emb_dim"]))
+            cfg = cls(**base.backbone(), gru_hidden_dim=int(dflash["gru_hidden_dim"]), emb_dim=int(dflash["emb_dim"]))
         except (TypeError, ValueError) as err:
             raise ValueError(f"{where}: {err}") from None
         dflash_export.match_config(config, cfg.config_json(), where)
@@ -113,20 +108,3 @@ class DominoExportConfig(DFlashExportConfig):
                              "path requires bf16 embedding, lm_head and projector weights; export with "
                              "dtype=torch.bfloat16)")
         return super().sglang_server_args(draft_dir, num_speculative_tokens)
-
-
-def check_export(export_dir: str | Path) -> DominoExportConfig:
-    """A servable Domino export (dflash_export.check_export with the Domino format)."""
-    cfg = dflash_export.check_export(export_dir, DominoExportConfig)
-    assert isinstance(cfg, DominoExportConfig)
-    return cfg
-
-
-def load_domino_export(export_dir: str | Path, target: TargetHead) -> DominoDraft:
-    """Read an export back into a `DominoDraft` on `target`: checked, sizes matched, weights exact, eval mode."""
-    from drafters.domino.config import DominoConfig
-    from drafters.domino.model import DominoDraft
-
-    model = dflash_export.load_export(export_dir, target, DominoExportConfig, DominoConfig, DominoDraft)
-    assert isinstance(model, DominoDraft)
-    return model

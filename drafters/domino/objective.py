@@ -29,9 +29,9 @@ from drafters.common.blocks import (
     sample_anchors,
 )
 from drafters.common.chunked_head import chunked_rows, hard_ce_rows, head_weight, topk_ids
+from drafters.common.collate import check_batch
 from drafters.common.losses import ObjectiveOutput
 from drafters.common.metrics import TOP_K, block_row_metrics
-from drafters.dflash.objective import check_batch
 from drafters.domino.config import curriculum_lambda
 from drafters.domino.model import DominoDraft
 

@@ -19,23 +19,16 @@ import torch
 
 from drafters.common.contract import DraftContext, Proposal
 from drafters.common.sampling import ChainDraws, SamplingParams
-from drafters.dflash.proposer import block_hidden
+from drafters.dflash.proposer import BlockProposer
 from drafters.domino.model import DominoDraft
 
 
-class DominoProposer:
-    def __init__(self, model: DominoDraft):
-        self.model = model
-        self.hidden_state_ids = model.cfg.hidden_state_ids(model.spec)
-
+class DominoProposer(BlockProposer[DominoDraft]):
     @torch.no_grad()
     def propose(self, ctx: DraftContext, num_tokens: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None) -> Proposal:
         model = self.model
-        bs = model.cfg.block_size
-        if not 1 <= num_tokens <= bs - 1:
-            raise ValueError(f"propose: need 1 <= num_tokens <= block_size - 1 = {bs - 1}; got num_tokens={num_tokens}")
-        hidden = block_hidden(model, ctx, self.hidden_state_ids, bs)  # [B, H]: always the full block
+        hidden = self.round_hidden(ctx, num_tokens, model.cfg.block_size)  # [B, H]: always the full block
         ids, device = ctx.token_ids, hidden.device
         prev = ids[-1].to(device).view(1, 1)  # t_0 = x_n
         g, state = model.gru_states(prev)  # g_0 (slot 0 does not use it)

@@ -21,7 +21,7 @@ block_size. vLLM 0.32 serves only the vanilla Markov head: `vllm_speculative_con
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -30,9 +30,8 @@ from drafters.dflash import export as dflash_export
 from drafters.dflash.export import DFlashExportConfig
 
 if TYPE_CHECKING:
-    from drafters.common.target import TargetHead, TargetSpec
+    from drafters.common.target import TargetSpec
     from drafters.dspark.config import DSparkConfig
-    from drafters.dspark.model import DSparkDraft
 
 FORMATS = ("native",)
 ARCHITECTURES = ("Qwen3DSparkModel",)
@@ -56,8 +55,7 @@ class DSparkExportConfig(DFlashExportConfig):
     @classmethod
     def from_drafter(cls, cfg: DSparkConfig, spec: TargetSpec, **overrides: Any) -> DSparkExportConfig:  # type: ignore[override]
         base = DFlashExportConfig.from_drafter(cfg, spec)
-        body = {f.name: getattr(base, f.name) for f in fields(DFlashExportConfig)}
-        out = cls(**body, markov_rank=cfg.markov_rank, markov_head_type=cfg.markov_head_type,
+        out = cls(**base.backbone(), markov_rank=cfg.markov_rank, markov_head_type=cfg.markov_head_type,
                   enable_confidence_head=cfg.enable_confidence_head,
                   confidence_head_with_markov=cfg.confidence_head_with_markov and cfg.enable_confidence_head)
         return replace(out, **overrides)
@@ -81,8 +79,7 @@ class DSparkExportConfig(DFlashExportConfig):
         as_dflash["architectures"] = list(dflash_export.ARCHITECTURES)
         try:
             base = dflash_export.config_from_json(as_dflash, where)
-            body = {f.name: getattr(base, f.name) for f in fields(DFlashExportConfig)}
-            cfg = cls(**body, markov_rank=int(config["markov_rank"]), markov_head_type=str(config["markov_head_type"]),
+            cfg = cls(**base.backbone(), markov_rank=int(config["markov_rank"]), markov_head_type=str(config["markov_head_type"]),
                       enable_confidence_head=bool(config["enable_confidence_head"]),
                       confidence_head_with_markov=bool(config["confidence_head_with_markov"]))
         except (TypeError, ValueError) as err:
@@ -146,20 +143,3 @@ def native_config(cfg: DSparkExportConfig) -> dict[str, Any]:
         "dspark_target_layer_ids": ids, "mask_token_id": cfg.mask_token_id, "dspark_noise_token_id": cfg.mask_token_id,
     })
     return out
-
-
-def check_export(export_dir: str | Path) -> DSparkExportConfig:
-    """A servable DSpark export (dflash_export.check_export with the DSpark format)."""
-    cfg = dflash_export.check_export(export_dir, DSparkExportConfig)
-    assert isinstance(cfg, DSparkExportConfig)
-    return cfg
-
-
-def load_dspark_export(export_dir: str | Path, target: TargetHead) -> DSparkDraft:
-    """Read an export back into a `DSparkDraft` on `target`: checked, sizes matched, weights exact, eval mode."""
-    from drafters.dspark.config import DSparkConfig
-    from drafters.dspark.model import DSparkDraft
-
-    model = dflash_export.load_export(export_dir, target, DSparkExportConfig, DSparkConfig, DSparkDraft)
-    assert isinstance(model, DSparkDraft)
-    return model

@@ -41,10 +41,10 @@ from drafters.common.chunked_head import (
     topk_ids,
     wide_float,
 )
+from drafters.common.collate import check_batch
 from drafters.common.fused_head import bias_matrix, fused_head_loss
 from drafters.common.losses import ObjectiveOutput
 from drafters.common.metrics import TOP_K, block_row_metrics
-from drafters.dflash.objective import check_batch
 from drafters.dspark.config import DSparkConfig
 from drafters.dspark.model import DSparkDraft, DSparkRows
 

@@ -17,23 +17,18 @@ import torch
 
 from drafters.common.contract import DraftContext, Proposal
 from drafters.common.sampling import ChainDraws, SamplingParams
-from drafters.dflash.proposer import block_hidden
+from drafters.dflash.proposer import BlockProposer
 from drafters.dspark.model import DSparkDraft
 
 
-class DSparkProposer:
-    def __init__(self, model: DSparkDraft):
-        self.model = model
-        self.hidden_state_ids = model.cfg.hidden_state_ids(model.spec)
+class DSparkProposer(BlockProposer[DSparkDraft]):
+    anchor_rows = 0  # every slot drafts: the anchor predicts the first new token
 
     @torch.no_grad()
     def propose(self, ctx: DraftContext, num_tokens: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None) -> Proposal:
         model = self.model
-        bs = model.cfg.block_size
-        if not 1 <= num_tokens <= bs:
-            raise ValueError(f"propose: need 1 <= num_tokens <= block_size = {bs}; got num_tokens={num_tokens}")
-        hidden = block_hidden(model, ctx, self.hidden_state_ids, num_tokens)  # [K, H]
+        hidden = self.round_hidden(ctx, num_tokens, num_tokens)  # [K, H]
         ids, device = ctx.token_ids, hidden.device
         prev = ids[-1].to(device).view(1)
         draws = ChainDraws(sampling, generator)

@@ -18,19 +18,17 @@ the zero bias, check names/shapes/values (the same tensors a live publish sends)
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from drafters.common.contract import EXPORT_META_FILE, format_fields
-from drafters.common.engine_args import check_format, sglang_chain_args, vllm_speculative_config
+from drafters.common import export_format
+from drafters.common.contract import EXPORT_META_FILE
+from drafters.common.engine_args import check_format
 
 if TYPE_CHECKING:
     from drafters.common.target import TargetHead, TargetSpec
@@ -38,7 +36,6 @@ if TYPE_CHECKING:
     from drafters.eagle1.model import Eagle1Model
 
 FORMATS = ("native",)
-EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 META_FILE = EXPORT_META_FILE
 ARCHITECTURES = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")  # SGLang name first, then vLLM's
 FC_BIAS = "fc.bias"
@@ -52,22 +49,17 @@ REFUSED = {  # names an engine refuses or misreads, with the reason (docs/design
 
 
 @dataclass(frozen=True)
-class Eagle1ExportConfig:
-    """The engine side of an EAGLE-1 draft (drafters.common.contract.EngineFormat)."""
+class Eagle1ExportConfig(export_format.DecoderFormat):
+    """The engine side of an EAGLE-1 draft (drafters.common.contract.EngineFormat; to_dict,
+    from_dict and the engine arguments are `EngineFormatBase`'s). The decoder sizes are the
+    target's (the draft reads its post-norm last hidden and uses its head; no draft vocab)."""
 
-    hidden_size: int  # = the target's (the draft reads its post-norm last hidden and uses its head)
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    vocab_size: int  # the target vocab V (no draft vocab)
     max_position_embeddings: int  # >= the target's
     hidden_act: str = "silu"
     dtype: str = "float32"  # of the exported tensors: the target's by default
 
     family: ClassVar[str] = "eagle1"
+    label: ClassVar[str] = "EAGLE-1"
 
     @classmethod
     def from_drafter(cls, cfg: Eagle1Config, spec: TargetSpec, **overrides: Any) -> Eagle1ExportConfig:
@@ -77,24 +69,10 @@ class Eagle1ExportConfig:
         return replace(base, **overrides)
 
     def __post_init__(self) -> None:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
-        for name in ("hidden_size", "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name}: got {getattr(self, name)}, expected >= 1")
-        if self.dtype not in EXPORT_DTYPES:
-            raise ValueError(f"dtype: got {self.dtype!r}, expected one of {EXPORT_DTYPES}")
+        super().__post_init__()
+        self.check_positive("hidden_size", "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings")
 
     # -- EngineFormat (drafters.common.contract) ----------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        """JSON for a publish manifest; `from_dict` inverts it."""
-        return {"family": self.family, **asdict(self)}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Eagle1ExportConfig:
-        return cls(**format_fields(cls, data, "EAGLE-1"))
-
     def engine_tensors(self, state_dict: Mapping[str, Tensor], fmt: str = "native",
                        dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         return engine_tensors(state_dict, self, fmt, dtype)
@@ -103,13 +81,6 @@ class Eagle1ExportConfig:
                **kwargs: Any) -> Path:
         check_format(fmt, FORMATS)
         return export_eagle1(state_dict, self, out_dir, **kwargs)
-
-    def vllm_speculative_config(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
-        return vllm_speculative_config(self.family, draft_dir, num_speculative_tokens)
-
-    def sglang_server_args(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
-        """A chain of `num_speculative_tokens` steps (topk 1: num_draft_tokens = steps + 1)."""
-        return sglang_chain_args(self.family, draft_dir, num_speculative_tokens)
 
     def sglang_expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """SGLang's `LlamaForCausalLMEagle` takes every export tensor, fc.bias included (docs/design/engines.md section 4.2)."""
@@ -132,12 +103,17 @@ def expected_shapes(cfg: Eagle1ExportConfig) -> dict[str, tuple[int, ...]]:
     }
 
 
+def refuse_names(names: Iterable[str], where: str) -> None:
+    """Refuse, naming it, a tensor name an engine refuses or misreads (`REFUSED`)."""
+    for name in names:
+        if name in REFUSED:
+            raise ValueError(f"{where}: tensor {name!r} must not be exported: {REFUSED[name]}")
+
+
 def check_tensors(tensors: Mapping[str, Tensor], cfg: Eagle1ExportConfig, where: str = "EAGLE-1 export") -> None:
     """Refuse, naming the tensor: engine-refused names, missing/unexpected names, wrong shapes,
     non-finite values, a non-zero fc.bias (vLLM would drop it, SGLang would add it)."""
-    for name in tensors:
-        if name in REFUSED:
-            raise ValueError(f"{where}: tensor {name!r} must not be exported: {REFUSED[name]}")
+    refuse_names(tensors, where)
     want = expected_shapes(cfg)
     missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
     if missing or extra:
@@ -185,15 +161,8 @@ def export_eagle1(state_dict: Mapping[str, Tensor], cfg: Eagle1ExportConfig, out
                   dtype: torch.dtype | None = None, meta: Mapping[str, Any] | None = None) -> Path:
     """Write the `native` directory; returns it. `meta` (JSON-able) goes to verl_speco_meta.json."""
     tensors = engine_tensors(state_dict, cfg, "native", dtype)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    dtype_name = str(tensors["fc.weight"].dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(native_config(cfg, dtype_name), indent=2) + "\n")
-    meta_doc = {"family": cfg.family, "format": "native", "export_config": asdict(cfg),
-                "engine_format": cfg.to_dict(), **dict(meta or {})}
-    (out / META_FILE).write_text(json.dumps(meta_doc, indent=2) + "\n")
-    return out
+    config = native_config(cfg, export_format.written_dtype(tensors))
+    return export_format.write_export(out_dir, tensors, config, export_format.export_meta(cfg, "native", meta))
 
 
 def export(model: Eagle1Model, cfg: Eagle1Config, target_spec: TargetSpec, out_dir: str | Path,
@@ -205,58 +174,42 @@ def export(model: Eagle1Model, cfg: Eagle1Config, target_spec: TargetSpec, out_d
                          meta=meta, **kwargs)
 
 
-def _config_from_json(config: dict[str, Any]) -> Eagle1ExportConfig:
+def config_from_json(config: dict[str, Any], where: str) -> Eagle1ExportConfig:
+    """The export config of a config.json that is the dual-engine one-layer Llama (ValueError naming
+    the key otherwise)."""
+    if tuple(config.get("architectures", ())) != ARCHITECTURES:
+        raise ValueError(f"{where}: architectures {config.get('architectures')}, expected {list(ARCHITECTURES)}")
+    if config.get("num_hidden_layers") != 1 or config.get("model_type") != "llama":
+        raise ValueError(f"{where}: num_hidden_layers={config.get('num_hidden_layers')}, "
+                         f"model_type={config.get('model_type')!r}; expected 1 and 'llama'")
     keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
             "rms_norm_eps", "rope_theta", "vocab_size", "max_position_embeddings", "hidden_act")
     missing = [k for k in keys if k not in config]
     if missing:
-        raise ValueError(f"config.json: missing keys {missing}")
+        raise ValueError(f"{where}: missing keys {missing}")
     return Eagle1ExportConfig(**{k: config[k] for k in keys}, dtype=str(config.get("torch_dtype") or "float32"))
 
 
 def check_export(export_dir: str | Path) -> Eagle1ExportConfig:
     """Check a directory is a servable EAGLE-1 export (config and every tensor); returns its config.
 
-    Refuses, naming it, any tensor an engine refuses (`REFUSED`), a missing or unexpected one, a
-    wrong shape, a non-zero fc.bias; and a config that is not the dual-engine one-layer Llama."""
-    root = Path(export_dir)
-    config = json.loads((root / "config.json").read_text())
-    if tuple(config.get("architectures", ())) != ARCHITECTURES:
-        raise ValueError(f"{root / 'config.json'}: architectures {config.get('architectures')}, expected "
-                         f"{list(ARCHITECTURES)}")
-    if config.get("num_hidden_layers") != 1 or config.get("model_type") != "llama":
-        raise ValueError(f"{root / 'config.json'}: num_hidden_layers={config.get('num_hidden_layers')}, "
-                         f"model_type={config.get('model_type')!r}; expected 1 and 'llama'")
-    cfg = _config_from_json(config)
-    with safe_open(str(root / "model.safetensors"), framework="pt") as f:
-        names = list(f.keys())
-    for name in names:  # before reading any value: the name alone disqualifies
-        if name in REFUSED:
-            raise ValueError(f"{root}: tensor {name!r} must not be exported: {REFUSED[name]}")
-    check_tensors(load_file(str(root / "model.safetensors")), cfg, str(root))
-    return cfg
+    Refuses, naming it, any tensor an engine refuses (`REFUSED`, before any value is read), a missing
+    or unexpected one, a wrong shape, a non-zero fc.bias; and a config that is not the dual-engine
+    one-layer Llama."""
+    return export_format.check_export_dir(export_dir, config_from_json, refuse_names, check_tensors)
 
 
 def load_export(export_dir: str | Path, target: TargetHead) -> Eagle1Model:
     """Read an export back into an `Eagle1Model` on `target` (its frozen embedding and head):
-    checked (`check_export`), sizes matched against the target, weights exact."""
+    checked (`check_export`), sizes matched against the target, weights exact, eval mode."""
     from drafters.eagle1.config import Eagle1Config
     from drafters.eagle1.model import Eagle1Model
 
-    root = Path(export_dir)
-    cfg = check_export(root)
+    cfg = check_export(export_dir)
     want = Eagle1ExportConfig.from_drafter(Eagle1Config(), target.spec, max_position_embeddings=cfg.max_position_embeddings,
                                            hidden_act=cfg.hidden_act, dtype=cfg.dtype)
-    if want != cfg:
-        raise ValueError(f"{root}: export config {cfg} does not match the target's sizes {want}")
-    meta_path = root / META_FILE
-    settings = json.loads(meta_path.read_text()).get("drafter_config", {}) if meta_path.is_file() else {}
-    tensors = load_file(str(root / "model.safetensors"))
-    model = Eagle1Model(Eagle1Config(**settings), target)
-    dtype = tensors["fc.weight"].dtype
-    model.to(dtype)
-    weights = {k: v for k, v in tensors.items() if k != FC_BIAS}  # checked zero; the model has none
-    result = model.load_state_dict(weights, strict=False)
-    if result.unexpected_keys or sorted(result.missing_keys) != list(FROZEN):
-        raise ValueError(f"{root}: missing {result.missing_keys}, unexpected {result.unexpected_keys}")
+    settings = export_format.recorded_settings(export_dir)
+    model = export_format.load_checked(export_dir, cfg, want, lambda: Eagle1Model(Eagle1Config(**settings), target),
+                                       skip=(FC_BIAS,), frozen=FROZEN)  # fc.bias: checked zero, the model has none
+    assert isinstance(model, Eagle1Model)
     return model

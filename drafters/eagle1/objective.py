@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from drafters.common.chunked_head import head_weight, row_argmax, soft_ce_rows
+from drafters.common.collate import check_batch
 from drafters.common.fused_head import fused_head_loss
 from drafters.common.losses import ObjectiveOutput, masked_match_count, smooth_l1_rows
 from drafters.common.masks import shift_left
@@ -52,18 +53,6 @@ class Eagle1Rows:
     input_features: Tensor
     target_features: Tensor
     row_mask: Tensor
-
-
-def check_batch(batch: dict[str, Tensor]) -> None:
-    missing = [k for k in (*REQUIRED_FIELDS, "attention_mask") if k not in batch]
-    if missing:
-        raise KeyError(f"EAGLE-1 batch: missing fields {missing} (has {sorted(batch)})")
-    b, t = batch["input_ids"].shape
-    for key in ("loss_mask", "attention_mask"):
-        if tuple(batch[key].shape) != (b, t):
-            raise ValueError(f"EAGLE-1 batch: {key} is {tuple(batch[key].shape)}, expected {(b, t)}")
-    if batch["last_hidden"].dim() != 3 or tuple(batch["last_hidden"].shape[:2]) != (b, t):
-        raise ValueError(f"EAGLE-1 batch: last_hidden is {tuple(batch['last_hidden'].shape)}, expected ({b}, {t}, H)")
 
 
 def shift_rows(batch: dict[str, Tensor]) -> Eagle1Rows:
@@ -89,7 +78,7 @@ def eagle1_objective(model: Eagle1Model, batch: dict[str, Tensor],
     Metrics (sum, count) over masked rows: acc_step0 (argmax head(f^) == argmax head(f)),
     sim_accept_len (1 + acc with k = 1: a teacher-forced single step), vloss, ploss.
     """
-    check_batch(batch)
+    check_batch(batch, REQUIRED_FIELDS, "EAGLE-1")
     rows = shift_rows(batch)
     inputs = rows.input_features
     if model.training and model.cfg.feature_noise > 0:

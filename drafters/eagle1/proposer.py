@@ -27,12 +27,9 @@ from drafters.common.tree import TreeExpansion, TreeNodes, tree_attention_mask, 
 from drafters.eagle1.model import Eagle1Model
 
 
-def _features(ctx: DraftContext, n: int) -> torch.Tensor:
-    """The EAGLE-1 feature of positions 0..n-1: [n, H], post-final-norm (HF hidden_states[L])."""
-    features = ctx.target_hidden_states[-1]
-    if features.shape[0] != n:
-        raise ValueError(f"target_hidden_states[-1]: {features.shape[0]} positions, expected {n} (tokens 0..n-1)")
-    return features
+def _features(ctx: DraftContext, caller: str) -> torch.Tensor:
+    """The EAGLE-1 feature of positions 0..n-1: [n, H], post-final-norm (HF hidden_states[L], the last)."""
+    return ctx.features((len(ctx.target_hidden_states) - 1,), caller)
 
 
 class Eagle1Proposer:
@@ -42,14 +39,12 @@ class Eagle1Proposer:
     @torch.no_grad()
     def propose(self, ctx: DraftContext, num_tokens: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None) -> Proposal:
-        ids = ctx.token_ids
-        n = ids.numel() - 1
-        if n < 1 or num_tokens < 1:
-            raise ValueError(f"propose: need >= 2 committed tokens and num_tokens >= 1, got {n + 1} and {num_tokens}")
-        features = _features(ctx, n)
+        if num_tokens < 1:
+            raise ValueError(f"propose: num_tokens {num_tokens}, expected >= 1")
+        features = _features(ctx, "propose")
         model = self.model
         device = model.fc.weight.device
-        state = model.prefill(ids[1:].to(device)[None], features.to(device)[None])
+        state = model.prefill(ctx.token_ids[1:].to(device)[None], features.to(device)[None])
         draws = ChainDraws(sampling, generator)
         for i in range(num_tokens):
             token = draws.draw(state.logits[0].float())  # from [V], the target vocab
@@ -61,14 +56,12 @@ class Eagle1Proposer:
     def expand(self, ctx: DraftContext, nodes: TreeNodes) -> TreeExpansion:
         """Draft log-probs [N + 1, V] and predicted features [N + 1, H] of the root (row 0: the
         prefix's last row, which predicts the token after x_n) and of every node."""
-        ids = ctx.token_ids
-        n = ids.numel() - 1
-        if n < 1:
-            raise ValueError(f"expand: need >= 2 committed tokens, got {n + 1}")
+        features = _features(ctx, "expand")
+        n = features.shape[0]
         model = self.model
         device, dtype = model.fc.weight.device, model.fc.weight.dtype
-        features = _features(ctx, n).to(device, dtype)  # [n, H]
-        tokens = ids[1:].to(device)
+        features = features.to(device, dtype)  # [n, H]
+        tokens = ctx.token_ids[1:].to(device)
         if nodes.num_nodes:
             features = torch.cat([features, nodes.parent_hidden.to(device, dtype)])  # [n + N, H]
             tokens = torch.cat([tokens, nodes.token_ids.to(device)])

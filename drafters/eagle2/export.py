@@ -37,6 +37,7 @@ class Eagle2ExportConfig(Eagle1ExportConfig):
     total_tokens: int = 16
 
     family: ClassVar[str] = "eagle2"
+    label: ClassVar[str] = "EAGLE-2"
 
     @classmethod
     def from_drafter(cls, cfg: Any, spec: TargetSpec, **overrides: Any) -> Eagle2ExportConfig:

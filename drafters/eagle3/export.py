@@ -30,16 +30,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import Tensor
 
-from drafters.common.contract import EXPORT_META_FILE, format_fields
-from drafters.common.engine_args import check_format, sglang_chain_args, vllm_speculative_config
+from drafters.common.contract import EXPORT_META_FILE
+from drafters.common.engine_args import check_format
+from drafters.common.export_format import DecoderFormat, export_meta, write_export, written_dtype
 from drafters.common.layer_ids import from_engine_layer_ids, to_engine_layer_ids
 from drafters.common.vocab import check_vocab_map
 
@@ -50,7 +51,6 @@ if TYPE_CHECKING:
     from drafters.eagle3.config import Eagle3Architecture, Eagle3Config
 
 FORMATS = ("native", "speculators")
-EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 META_FILE = EXPORT_META_FILE
 NATIVE_ARCH = "LlamaForCausalLMEagle3"
 MIDLAYER = "midlayer."
@@ -60,15 +60,10 @@ SGLANG_IDS = "sglang.eagle_config.eagle_aux_hidden_state_layer_ids"
 
 
 @dataclass(frozen=True)
-class Eagle3ExportConfig:
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    vocab_size: int  # full target vocab V
+class Eagle3ExportConfig(DecoderFormat):
+    """The engine side of an EAGLE-3 draft (drafters.common.contract.EngineFormat; to_dict,
+    from_dict and the engine arguments are `EngineFormatBase`'s; the decoder sizes `DecoderFormat`'s)."""
+
     draft_vocab_size: int  # Vd <= V
     target_hidden_size: int
     max_position_embeddings: int  # >= the target's
@@ -80,6 +75,7 @@ class Eagle3ExportConfig:
     dtype: str = "float32"  # of the exported floating tensors: the target's (SGLang's --dtype auto reads it)
 
     family: ClassVar[str] = "eagle3"
+    label: ClassVar[str] = "EAGLE-3"
 
     @classmethod
     def from_drafter(cls, cfg: Eagle3Architecture, spec: TargetSpec, **overrides: Any) -> Eagle3ExportConfig:
@@ -92,14 +88,6 @@ class Eagle3ExportConfig:
         return replace(base, **overrides)
 
     # -- EngineFormat (drafters.common.contract) ----------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        """JSON for a publish manifest; `from_dict` inverts it."""
-        return {"family": self.family, **asdict(self)}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Eagle3ExportConfig:
-        return cls(**format_fields(cls, data, "EAGLE-3"))
-
     def engine_tensors(self, state_dict: Mapping[str, Tensor], fmt: str = "native",
                        dtype: torch.dtype | None = None) -> dict[str, Tensor]:
         return engine_tensors(state_dict, self, fmt, dtype)
@@ -107,13 +95,6 @@ class Eagle3ExportConfig:
     def export(self, state_dict: Mapping[str, Tensor], out_dir: str | Path, fmt: str = "native",
                **kwargs: Any) -> Path:
         return export_eagle3(state_dict, self, out_dir, fmt, **kwargs)
-
-    def vllm_speculative_config(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
-        return vllm_speculative_config(self.family, draft_dir, num_speculative_tokens)
-
-    def sglang_server_args(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
-        """A chain of `num_speculative_tokens` steps (topk 1: num_draft_tokens = steps + 1)."""
-        return sglang_chain_args(self.family, draft_dir, num_speculative_tokens)
 
     def sglang_expected_shapes(self) -> dict[str, tuple[int, ...]]:
         from drafters.eagle3.sglang import ARCH, sglang_expected_tensors, sglang_servable_problems
@@ -144,11 +125,7 @@ class Eagle3ExportConfig:
             raise ValueError(f"hidden_size={self.hidden_size} != target_hidden_size={self.target_hidden_size}: "
                              "exports omit embed_tokens, and the engines share the target's embedding only "
                              "when the widths match")
-        if self.dtype not in EXPORT_DTYPES:
-            raise ValueError(f"dtype: got {self.dtype!r}, expected one of {EXPORT_DTYPES}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
+        super().__post_init__()  # dtype, heads
 
 
 def expected_shapes(cfg: Eagle3ExportConfig) -> dict[str, tuple[int, ...]]:
@@ -268,26 +245,19 @@ def export_eagle3(state_dict: Mapping[str, Tensor], cfg: Eagle3ExportConfig, out
     `meta` (JSON-able training metadata) goes to `verl_speco_meta.json`.
     """
     tensors = engine_tensors(state_dict, cfg, fmt, dtype)
-    dtype_name = str(tensors["fc.weight"].dtype).removeprefix("torch.")
+    dtype_name = written_dtype(tensors)
     if fmt == "native":
         config = native_config(cfg, dtype_name)
     else:
         config = speculators_config(cfg, verifier, speculative_tokens, verifier_architectures, dtype_name)
-    return write_export(out_dir, tensors, config, cfg, fmt, meta)
+    return write_eagle3_dir(out_dir, tensors, config, cfg, fmt, meta)
 
 
-def write_export(out_dir: str | Path, tensors: dict[str, Tensor], config: Mapping[str, Any], cfg: Eagle3ExportConfig,
-                 fmt: str, meta: Mapping[str, Any] | None) -> Path:
-    """`model.safetensors`, `config.json` and `verl_speco_meta.json` (the family, format, export
-    config and engine format, plus `meta`) of an EAGLE-3-architecture export (EAGLE-3, P-EAGLE)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    meta_doc = {"family": cfg.family, "format": fmt, "export_config": asdict(cfg), "engine_format": cfg.to_dict(),
-                "layer_id_convention": "hf_hidden_states", **dict(meta or {})}
-    (out / META_FILE).write_text(json.dumps(meta_doc, indent=2) + "\n")
-    return out
+def write_eagle3_dir(out_dir: str | Path, tensors: dict[str, Tensor], config: Mapping[str, Any],
+                     cfg: Eagle3ExportConfig, fmt: str, meta: Mapping[str, Any] | None) -> Path:
+    """The directory of an EAGLE-3-architecture export (EAGLE-3, P-EAGLE): `write_export` with the
+    meta's layer-id convention recorded."""
+    return write_export(out_dir, tensors, config, export_meta(cfg, fmt, meta, layer_id_convention="hf_hidden_states"))
 
 
 def export(model: nn.Module, cfg: Eagle3Config, target_spec: TargetSpec, out_dir: str | Path,

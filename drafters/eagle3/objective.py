@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from drafters.common.chunked_head import draft_vocab_targets
+from drafters.common.collate import check_batch
 from drafters.common.fused_head import soft_ce_head_rows
 from drafters.common.losses import ObjectiveOutput, geometric_weights, masked_match_count
 from drafters.common.masks import shift_left
@@ -114,26 +115,13 @@ def needed_row_starts(position_mask: Tensor, steps: int) -> list[int]:
     return starts
 
 
-def check_batch(batch: dict[str, Tensor]) -> None:
-    missing = [k for k in (*REQUIRED_FIELDS, "attention_mask") if k not in batch]
-    if missing:
-        raise KeyError(f"EAGLE-3 batch: missing fields {missing} (has {sorted(batch)})")
-    b, t = batch["input_ids"].shape
-    for key in ("loss_mask", "attention_mask"):
-        if tuple(batch[key].shape) != (b, t):
-            raise ValueError(f"EAGLE-3 batch: {key} is {tuple(batch[key].shape)}, expected {(b, t)}")
-    for key in ("aux_hidden", "last_hidden"):
-        if tuple(batch[key].shape[:2]) != (b, t):
-            raise ValueError(f"EAGLE-3 batch: {key} is {tuple(batch[key].shape)}, expected ({b}, {t}, ...)")
-
-
 def eagle3_objective(model: Eagle3Model, batch: dict[str, Tensor]) -> ObjectiveOutput:
     """One micro-batch: S = ttt_steps loss terms with weights ttt_decay^j.
 
     Metrics (sum, count): acc_step{j} (draft argmax == target argmax on masked rows) and
     sim_accept_len (simulated vLLM mean acceptance length with k = S, common/metrics.py).
     """
-    check_batch(batch)
+    check_batch(batch, REQUIRED_FIELDS, "EAGLE-3")
     steps = model.cfg.ttt_steps
     targets = prepare_targets(model, batch)
     ids = step_input_ids(batch["input_ids"], steps).to(batch["aux_hidden"].device)

@@ -15,6 +15,8 @@ ancestors and itself: the chain step above, with the earlier steps replaced by t
 
 from __future__ import annotations
 
+from typing import Any, Generic, TypeVar
+
 import torch
 
 from drafters.common.contract import DraftContext, Proposal
@@ -22,37 +24,32 @@ from drafters.common.masks import dense_attention_mask
 from drafters.common.sampling import ChainDraws, SamplingParams
 from drafters.common.tree import TreeExpansion, TreeNodes, tree_attention_mask, tree_position_ids
 from drafters.common.vocab import draft_logits_to_target
-from drafters.eagle3.model import Eagle3Model
+from drafters.eagle3.model import Eagle3Backbone, Eagle3Model
+
+M = TypeVar("M", bound=Eagle3Backbone[Any])
 
 
-def aux_features(ctx: DraftContext, layer_ids: tuple[int, ...]) -> torch.Tensor:
-    """cat of the target hidden states at `layer_ids` (internal ids): [n, k*H_t]."""
-    num = len(ctx.target_hidden_states)
-    for i in layer_ids:
-        if not 0 <= i < num:
-            raise ValueError(f"aux layer id {i}: the context has {num} hidden states (0..{num - 1})")
-    return torch.cat([ctx.target_hidden_states[i] for i in layer_ids], dim=-1)
+class AuxProposer(Generic[M]):
+    """What the EAGLE-3 and P-EAGLE proposers share: the model and its resolved aux layer ids
+    (internal: HF hidden_states indices), read by `ctx.features` at the start of a round."""
 
-
-class Eagle3Proposer:
-    def __init__(self, model: Eagle3Model):
+    def __init__(self, model: M):
         self.model = model
         assert model.cfg.aux_layer_ids is not None
         self.aux_layer_ids: tuple[int, ...] = model.cfg.aux_layer_ids
 
+
+class Eagle3Proposer(AuxProposer[Eagle3Model]):
+
     @torch.no_grad()
     def propose(self, ctx: DraftContext, num_tokens: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None) -> Proposal:
-        ids = ctx.token_ids
-        n = ids.numel() - 1
-        if n < 1 or num_tokens < 1:
-            raise ValueError(f"propose: need >= 2 committed tokens and num_tokens >= 1, got {n + 1} and {num_tokens}")
-        aux = aux_features(ctx, self.aux_layer_ids)
-        if aux.shape[0] != n:
-            raise ValueError(f"target_hidden_states: {aux.shape[0]} positions, expected {n} (tokens 0..n-1)")
+        if num_tokens < 1:
+            raise ValueError(f"propose: num_tokens {num_tokens}, expected >= 1")
+        aux = ctx.features(self.aux_layer_ids, "propose")  # [n, k*H_t]
         model = self.model
         device = model.fc.weight.device
-        state = model.prefill(ids[1:].to(device)[None], aux.to(device)[None])
+        state = model.prefill(ctx.token_ids[1:].to(device)[None], aux.to(device)[None])
         draws = ChainDraws(sampling, generator)
         for i in range(num_tokens):
             logits = draft_logits_to_target(state.logits[0].float(), model.d2t, model.spec.vocab_size)  # [V]
@@ -65,13 +62,8 @@ class Eagle3Proposer:
     def expand(self, ctx: DraftContext, nodes: TreeNodes) -> TreeExpansion:
         """Draft log-probs [N + 1, V] (target vocab) and pre-norm hidden [N + 1, H] of the root
         (row 0: the prefix's last row, which predicts the token after x_n) and of every node."""
-        ids = ctx.token_ids
-        n = ids.numel() - 1
-        if n < 1:
-            raise ValueError(f"expand: need >= 2 committed tokens, got {n + 1}")
-        aux = aux_features(ctx, self.aux_layer_ids)
-        if aux.shape[0] != n:
-            raise ValueError(f"target_hidden_states: {aux.shape[0]} positions, expected {n} (tokens 0..n-1)")
+        aux = ctx.features(self.aux_layer_ids, "expand")  # [n, k*H_t]
+        ids, n = ctx.token_ids, aux.shape[0]
         model = self.model
         device = model.fc.weight.device
         h = model.fc(aux.to(device, model.fc.weight.dtype))  # [n, H]

@@ -30,7 +30,9 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
-from drafters.common.contract import EXPORT_META_FILE, format_fields
+from drafters.common.contract import EXPORT_META_FILE
+from drafters.common.engine_args import check_format
+from drafters.common.export_format import written_dtype
 from drafters.eagle3 import export as eagle3_export
 from drafters.eagle3.export import Eagle3ExportConfig
 
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
 
 MASK_KEYS = ("mask_token_id", "ptd_token_id")  # config.json keys vLLM resolves (llm_base_proposer.py)
 MASK_HIDDEN = "mask_hidden"
+FORMATS = ("native",)  # one format: the EAGLE-3 native directory plus the mask pieces
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class PEagleExportConfig(Eagle3ExportConfig):
     num_depths: int = 1  # K trained: vLLM's num_speculative_tokens may not exceed it
 
     family: ClassVar[str] = "peagle"
+    label: ClassVar[str] = "P-EAGLE"
 
     @classmethod
     def from_peagle(cls, cfg: PEagleConfig, spec: TargetSpec) -> PEagleExportConfig:
@@ -66,17 +70,12 @@ class PEagleExportConfig(Eagle3ExportConfig):
         if self.num_depths < 1:
             raise ValueError(f"num_depths: got {self.num_depths}, expected >= 1")
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> PEagleExportConfig:
-        return cls(**format_fields(cls, data, "P-EAGLE"))
-
     def mask_hidden_shape(self) -> tuple[int, int]:
         return (1, len(self.aux_layer_ids) * self.target_hidden_size)
 
     def engine_tensors(self, state_dict: Mapping[str, Tensor], fmt: str = "native",
                        dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-        if fmt != "native":
-            raise ValueError(f"fmt: got {fmt!r}, expected 'native' (P-EAGLE has one export format)")
+        check_format(fmt, FORMATS)
         sd = dict(state_dict)
         mask = sd.pop(MASK_HIDDEN, None)
         if mask is None:
@@ -120,8 +119,7 @@ def export_peagle(state_dict: Mapping[str, Tensor], cfg: PEagleExportConfig, out
                   meta: Mapping[str, Any] | None = None) -> Path:
     """Write the native directory (module docstring); `meta` goes to verl_speco_meta.json."""
     tensors = cfg.engine_tensors(state_dict, fmt, dtype)
-    dtype_name = str(tensors["fc.weight"].dtype).removeprefix("torch.")
-    return eagle3_export.write_export(out_dir, tensors, native_config(cfg, dtype_name), cfg, fmt, meta)
+    return eagle3_export.write_eagle3_dir(out_dir, tensors, native_config(cfg, written_dtype(tensors)), cfg, fmt, meta)
 
 
 def export(model: nn.Module, cfg: PEagleConfig, target_spec: TargetSpec, out_dir: str | Path,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from drafters.common.collate import check_batch
 from drafters.common.losses import ObjectiveOutput, masked_match_count
 from drafters.eagle3.objective import prepare_targets, soft_ce_head
 from drafters.peagle.cod import cod_sample, document_ids
@@ -30,24 +31,11 @@ from drafters.peagle.model import PEagleModel
 REQUIRED_FIELDS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
 
 
-def check_batch(batch: dict[str, Tensor]) -> None:
-    missing = [k for k in (*REQUIRED_FIELDS, "attention_mask") if k not in batch]
-    if missing:
-        raise KeyError(f"P-EAGLE batch: missing fields {missing} (has {sorted(batch)})")
-    b, t = batch["input_ids"].shape
-    for key in ("loss_mask", "attention_mask", *(("document_ids",) if "document_ids" in batch else ())):
-        if tuple(batch[key].shape) != (b, t):
-            raise ValueError(f"P-EAGLE batch: {key} is {tuple(batch[key].shape)}, expected {(b, t)}")
-    for key in ("aux_hidden", "last_hidden"):
-        if tuple(batch[key].shape[:2]) != (b, t):
-            raise ValueError(f"P-EAGLE batch: {key} is {tuple(batch[key].shape)}, expected ({b}, {t}, ...)")
-
-
 def peagle_objective(model: PEagleModel, batch: dict[str, Tensor],
                      generator: torch.Generator | None = None) -> ObjectiveOutput:
     """The loss of one micro-batch (module docstring). `batch` may carry `document_ids` [B, T]
     (packed rows); COD draws use `generator` (default torch's global CPU generator)."""
-    check_batch(batch)
+    check_batch(batch, REQUIRED_FIELDS, "P-EAGLE", exact=("document_ids",))
     cfg = model.cfg
     targets = prepare_targets(model, batch)
     attention = batch["attention_mask"].to(torch.bool)

@@ -17,31 +17,23 @@ from __future__ import annotations
 import torch
 
 from drafters.common.contract import DraftContext, Proposal
-from drafters.common.sampling import SamplingParams, logits_to_probs, sample
+from drafters.common.sampling import SamplingParams
 from drafters.common.vocab import draft_logits_to_target
-from drafters.eagle3.proposer import aux_features
+from drafters.eagle3.proposer import AuxProposer
 from drafters.peagle.cod import chain_layout
 from drafters.peagle.model import PEagleModel
 
 
-class PEagleProposer:
-    def __init__(self, model: PEagleModel):
-        self.model = model
-        assert model.cfg.aux_layer_ids is not None
-        self.aux_layer_ids: tuple[int, ...] = model.cfg.aux_layer_ids
+class PEagleProposer(AuxProposer[PEagleModel]):
 
     @torch.no_grad()
     def draft_logits(self, ctx: DraftContext, num_tokens: int) -> torch.Tensor:
         """float32 [K, V] target-vocab draft logits of the K slots of one forward."""
-        ids = ctx.token_ids
-        n = ids.numel() - 1
-        if n < 1 or not 1 <= num_tokens <= self.model.cfg.num_depths:
-            raise ValueError(f"propose: need >= 2 committed tokens and 1 <= num_tokens <= num_depths="
-                             f"{self.model.cfg.num_depths} (the depths P-EAGLE was trained on), got {n + 1} and "
-                             f"{num_tokens}")
-        aux = aux_features(ctx, self.aux_layer_ids)
-        if aux.shape[0] != n:
-            raise ValueError(f"target_hidden_states: {aux.shape[0]} positions, expected {n} (tokens 0..n-1)")
+        if not 1 <= num_tokens <= self.model.cfg.num_depths:
+            raise ValueError(f"propose: num_tokens {num_tokens}, expected 1..num_depths={self.model.cfg.num_depths} "
+                             "(the depths P-EAGLE was trained on)")
+        aux = ctx.features(self.aux_layer_ids, "propose")  # [n, k*H_t]
+        ids, n = ctx.token_ids, aux.shape[0]
         model = self.model
         device = model.fc.weight.device
         layout = chain_layout(n, num_tokens, device)  # sequence x_0..x_n: row a reads x_{a+1}
@@ -53,8 +45,4 @@ class PEagleProposer:
     @torch.no_grad()
     def propose(self, ctx: DraftContext, num_tokens: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None) -> Proposal:
-        logits = self.draft_logits(ctx, num_tokens)  # [K, V]
-        if sampling.greedy:
-            return Proposal(logits.argmax(-1).long().cpu(), None)
-        q = logits_to_probs(logits, sampling)
-        return Proposal(sample(q, generator).long().cpu(), q.cpu())
+        return Proposal.drawn(self.draft_logits(ctx, num_tokens), sampling, generator)  # [K, V]: independent slots

@@ -16,14 +16,13 @@ from drafter_targets import tiny_spec
 from safetensors.torch import load_file, save_file
 
 from drafters.common.target import TargetHead
-from drafters.dflash import DFlashConfig, DFlashDraft
+from drafters.dflash import FAMILY, DFlashConfig, DFlashDraft
 from drafters.dflash.export import (
     META_FILE,
     DFlashExportConfig,
     check_export,
     engine_tensors,
     export,
-    load_dflash_export,
 )
 
 SPEC = tiny_spec(vocab=32, hidden=16, layers=8, heads=4, kv_heads=2)  # head_dim 4, intermediate 32
@@ -95,7 +94,7 @@ def test_export_check_load_round_trip_is_bit_exact(exported: Path) -> None:
         assert t.dtype == torch.float32 and torch.equal(t, want[name]), name
     cfg = check_export(exported)
     assert cfg == DFlashExportConfig.from_drafter(CFG, SPEC)
-    loaded = load_dflash_export(exported, _head())
+    loaded = FAMILY.load_export(exported, _head())
     assert not loaded.training and loaded.cfg == CFG.resolve(SPEC)
     got = loaded.state_dict()
     assert sorted(got) == sorted(want)
@@ -112,7 +111,7 @@ def test_bfloat16_export_round_trip(tmp_path: Path) -> None:
     config = json.loads((out / "config.json").read_text())
     assert config["torch_dtype"] == config["dtype"] == "bfloat16"
     assert check_export(out).dtype == "bfloat16"
-    loaded = load_dflash_export(out, _head())
+    loaded = FAMILY.load_export(out, _head())
     for name, t in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], t.to(torch.bfloat16)), name
 
@@ -121,7 +120,7 @@ def test_load_refuses_a_target_of_other_sizes(exported: Path) -> None:
     other = tiny_spec(vocab=32, hidden=16, layers=10, heads=4, kv_heads=2)
     head = TargetHead(other, torch.randn(32, 16), torch.randn(32, 16), torch.ones(16))
     with pytest.raises(ValueError, match="does not match the target"):
-        load_dflash_export(exported, head)
+        FAMILY.load_export(exported, head)
 
 
 # -- planted faults: each refused by check_export, the message naming the culprit -------------------------
@@ -203,7 +202,7 @@ def test_check_export_refuses_a_planted_fault(exported: Path, fault: str) -> Non
     for fragment in fragments:
         assert fragment in message, (fault, fragment, message)
     with pytest.raises(ValueError):  # the reader checks first
-        load_dflash_export(exported, _head())
+        FAMILY.load_export(exported, _head())
 
 
 def test_engine_tensors_refuse_a_bad_state_dict() -> None:

@@ -22,9 +22,10 @@ from drafters.common.blocks import (
 from drafters.common.contract import DraftContext
 from drafters.common.sampling import SamplingParams
 from drafters.common.target import TargetHead
+from drafters.dflash.export import check_export
 from drafters.domino import FAMILY
 from drafters.domino.config import DominoConfig, curriculum_lambda
-from drafters.domino.export import check_export, load_domino_export
+from drafters.domino.export import DominoExportConfig
 from drafters.domino.model import DominoDraft
 from drafters.domino.objective import domino_objective
 from drafters.domino.proposer import DominoProposer
@@ -205,7 +206,7 @@ def test_export_keys_round_trip_engine_args_and_refusals(tmp_path: Path) -> None
     shapes = {k: tuple(v.shape) for k, v in load_file(str(out / "model.safetensors")).items()}
     assert shapes["prefix_gru.weight_ih_l0"] == (18, 16) and shapes["prefix_gru.weight_hh_l0"] == (18, 6)
     assert shapes["embed_proj.0.weight"] == (5, 22) and shapes["embed_proj.2.weight"] == (32, 5)
-    loaded = load_domino_export(out, _head())
+    loaded = FAMILY.load_export(out, _head())
     for key, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
 
@@ -215,7 +216,7 @@ def test_export_keys_round_trip_engine_args_and_refusals(tmp_path: Path) -> None
     with pytest.raises(ValueError, match="export dtype 'float32', expected 'bfloat16'"):
         fmt.sglang_server_args(out, BS - 1)
     bf16 = FAMILY.export(model, model.cfg, SPEC, tmp_path / "bf16", dtype=torch.bfloat16)
-    served = check_export(bf16)
+    served = check_export(bf16, DominoExportConfig)
     assert served.sglang_server_args(bf16, BS - 1) == {
         "speculative_algorithm": "DFLASH", "speculative_draft_model_path": str(bf16), "speculative_num_draft_tokens": BS}
     with pytest.raises(ValueError, match="num_speculative_tokens=4, expected block_size - 1 = 3"):
@@ -237,4 +238,4 @@ def test_export_keys_round_trip_engine_args_and_refusals(tmp_path: Path) -> None
     ]
     for bad, message in cases:
         with pytest.raises(ValueError, match=message):
-            check_export(bad)
+            check_export(bad, DominoExportConfig)

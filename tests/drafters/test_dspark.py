@@ -233,8 +233,9 @@ def test_proposer_drafts_left_to_right_through_the_markov_head() -> None:
 
 
 def test_export_writes_every_engine_key_and_check_export_refuses_damage(tmp_path: Path) -> None:
+    from drafters.dflash.export import check_export
     from drafters.dspark import FAMILY
-    from drafters.dspark.export import check_export, load_dspark_export
+    from drafters.dspark.export import DSparkExportConfig
 
     model = _model(markov_head_type="gated").eval()
     out = FAMILY.export(model, model.cfg, SPEC, tmp_path / "ok")
@@ -248,7 +249,7 @@ def test_export_writes_every_engine_key_and_check_export_refuses_damage(tmp_path
     assert config["dspark_target_layer_ids"] == config["dflash_config"]["target_layer_ids"] == [1, 5]
     assert config["eagle_aux_hidden_state_layer_ids"] == [2, 6]  # vLLM capture index = output-of-layer + 1
     assert config["mask_token_id"] == config["dspark_noise_token_id"] == config["dflash_config"]["mask_token_id"] == 31
-    loaded = load_dspark_export(out, _head())
+    loaded = FAMILY.load_export(out, _head())
     for key, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
 
@@ -267,7 +268,7 @@ def test_export_writes_every_engine_key_and_check_export_refuses_damage(tmp_path
     ]
     for bad, message in cases:
         with pytest.raises(ValueError, match=message):
-            check_export(bad)
+            check_export(bad, DSparkExportConfig)
 
 
 def _unfused_reference(model: DSparkDraft, batch: dict[str, torch.Tensor], seed: int) -> tuple[torch.Tensor, float]:

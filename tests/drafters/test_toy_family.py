@@ -122,6 +122,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from drafters.common.collate import check_batch
 from drafters.common.losses import ObjectiveOutput
 from drafters.common.masks import shift_left
 
@@ -129,6 +130,7 @@ REQUIRED_FIELDS = ("input_ids", "loss_mask", "last_hidden")
 
 
 def toy_objective(model, batch: dict[str, Tensor]) -> ObjectiveOutput:
+    check_batch(batch, REQUIRED_FIELDS, "Toy")
     real = batch["attention_mask"].to(torch.bool)  # [B, T]
     features = batch["last_hidden"]  # [B, T, H]
     rows = batch["loss_mask"].to(torch.bool) & real & shift_left(real, 1, fill=False)
@@ -153,34 +155,32 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from drafters.common.contract import EXPORT_META_FILE, format_fields
+from drafters.common.engine_args import check_format
+from drafters.common.export_format import EngineFormatBase, export_meta, write_export, written_dtype
 from drafters.registry import engine_method
 
+FORMATS = ("native",)
 FROZEN = ("embed_tokens.weight",)  # the target's embedding: never exported
 
 
 @dataclass(frozen=True)
-class ToyExportConfig:
+class ToyExportConfig(EngineFormatBase):
+    """to_dict / from_dict and the engine arguments are the base's (the toy has no engine method yet:
+    they raise naming it)."""
+
     hidden_size: int
     vocab_size: int
     mlp_hidden: int
     dtype: str = "float32"
 
     family: ClassVar[str] = "{name}"
+    label: ClassVar[str] = "Toy"
 
     @classmethod
     def from_drafter(cls, cfg: Any, spec: Any) -> ToyExportConfig:
         return cls(spec.hidden_size, spec.vocab_size, cfg.resolve(spec).hidden)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {{"family": self.family, **asdict(self)}}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ToyExportConfig:
-        return cls(**format_fields(cls, data, "Toy"))
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         h, m = self.hidden_size, self.mlp_hidden
@@ -188,8 +188,7 @@ class ToyExportConfig:
 
     def engine_tensors(self, state_dict: Mapping[str, Tensor], fmt: str = "native",
                        dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-        if fmt != "native":
-            raise ValueError(f"fmt: got {{fmt!r}}, expected 'native'")
+        check_format(fmt, FORMATS)
         cast = dtype or getattr(torch, self.dtype)
         out = {{k: v.detach().to("cpu", cast).contiguous() for k, v in state_dict.items() if k not in FROZEN}}
         got = {{k: tuple(v.shape) for k, v in out.items()}}
@@ -199,19 +198,9 @@ class ToyExportConfig:
 
     def export(self, state_dict: Mapping[str, Tensor], out_dir: str | Path, fmt: str = "native",
                dtype: torch.dtype | None = None, meta: Mapping[str, Any] | None = None) -> Path:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        save_file(self.engine_tensors(state_dict, fmt, dtype), str(out / "model.safetensors"))
-        (out / "config.json").write_text(json.dumps({{"architectures": ["ToyMLPDrafter"], **asdict(self)}}))
-        doc = {{"family": self.family, "format": fmt, "engine_format": self.to_dict(), **dict(meta or {{}})}}
-        (out / EXPORT_META_FILE).write_text(json.dumps(doc))
-        return out
-
-    def vllm_speculative_config(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
-        return {{"method": engine_method(self.family, "vllm").method, "model": str(draft_dir)}}
-
-    def sglang_server_args(self, draft_dir: str | Path, num_speculative_tokens: int) -> dict[str, Any]:
-        return {{"speculative_algorithm": engine_method(self.family, "sglang").method}}
+        tensors = self.engine_tensors(state_dict, fmt, dtype)
+        config = {{"architectures": ["ToyMLPDrafter"], **asdict(self), "torch_dtype": written_dtype(tensors)}}
+        return write_export(out_dir, tensors, config, export_meta(self, fmt, meta))
 
     def sglang_expected_shapes(self) -> dict[str, tuple[int, ...]]:
         engine_method(self.family, "sglang")
@@ -226,11 +215,10 @@ def export(model: Any, cfg: Any, spec: Any, out_dir: str | Path, fmt: str = "nat
     return ToyExportConfig.from_drafter(cfg, spec).export(model.state_dict(), out_dir, fmt, meta=meta, **kwargs)
 
 
-def read_export(export_dir: str | Path) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """(the drafter config's fields, the exported tensors) of an export."""
-    root = Path(export_dir)
-    meta = json.loads((root / EXPORT_META_FILE).read_text())
-    return meta["drafter_config"], load_file(str(root / "model.safetensors"))
+def read_config(export_dir: str | Path) -> ToyExportConfig:
+    """The export config an export's config.json records."""
+    config = json.loads((Path(export_dir) / "config.json").read_text())
+    return ToyExportConfig(**{{k: config[k] for k in ("hidden_size", "vocab_size", "mlp_hidden", "dtype")}})
 ''',
     "proposer": '''
 """Step 5: chain drafting. d_i from f^ = model(d_{i-1}, previous feature), starting at (x_n, f_{n-1})."""
@@ -249,8 +237,8 @@ class ToyProposer:
     @torch.no_grad()
     def propose(self, ctx: DraftContext, num_tokens: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None) -> Proposal:
-        n = ctx.token_ids.numel() - 1
-        token, feature = ctx.token_ids[n], ctx.target_hidden_states[-1][n - 1]
+        features = ctx.features((len(ctx.target_hidden_states) - 1,))  # [n, H]: post-norm last hidden
+        token, feature = ctx.token_ids[-1], features[-1]
         draws = ChainDraws(sampling, generator)
         for _ in range(num_tokens):
             feature = self.model(token.view(1), feature[None])[0]
@@ -270,18 +258,16 @@ WIRING: dict[str, tuple[str, str, str]] = {
     def objective(self, model, batch, progress=0.0):
         return toy_objective(self._as_model(model), batch)
 '''),
-    "export": ("from {pkg}.export import ToyExportConfig, read_export\nfrom {pkg}.export import export as export_model",
+    "export": ("from drafters.common.export_format import load_checked, recorded_settings\n"
+               "from {pkg}.export import FROZEN, ToyExportConfig, read_config\nfrom {pkg}.export import export as export_model",
                "    export_cls = ToyExportConfig", '''
     def export(self, model, cfg, target_spec, out_dir, fmt="native", **kwargs):
         return export_model(self._as_model(model), cfg, target_spec, out_dir, fmt, **kwargs)
 
     def load_export(self, export_dir, target):
-        settings, tensors = read_export(export_dir)
-        model = self.build(self.config_cls(**settings), target)
-        missing, unexpected = model.load_state_dict(tensors, strict=False)
-        if unexpected or missing != ["embed_tokens.weight"]:
-            raise ValueError(f"{export_dir}: missing {missing}, unexpected {unexpected}")
-        return model.eval()
+        cfg = self.config_cls(**recorded_settings(export_dir))
+        want = ToyExportConfig.from_drafter(cfg, target.spec)
+        return load_checked(export_dir, read_config(export_dir), want, lambda: self.build(cfg, target), frozen=FROZEN)
 '''),
     "proposer": ("from {pkg}.proposer import ToyProposer", "    proposer_cls = ToyProposer", ""),
 }
@@ -367,6 +353,7 @@ def toy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_the_checklist_names_every_step() -> None:
     doc = (ROOT / "docs" / "adding-a-family.md").read_text()
     for piece in (*(f"{r}.py" for r in ROLES), "family.py", "__init__.py", "DrafterFamilyBase", "drafters/registry.py",
+                  "check_batch", "EngineFormatBase", "write_export", "load_checked", "ctx.features",
                   ENTRY_POINT_GROUP, "register_family", "configs/drafter/<name>.yaml", "test_family_contract.py"):
         assert piece in doc, piece
 

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from torch import Tensor
 
 from drafters import get_family
-from drafters.common.contract import StoreStats
+from drafters.common.contract import DrafterFamily, StoreStats
 from drafters.common.target import TargetHead
 from drafters.common.vocab import token_counts_from_samples
 from feature_store import StoreIndex
@@ -60,7 +60,7 @@ def store_stats(cfg: TrainerConfig, fam_cfg: Any, vocab_size: int, shard_set: di
     return StoreStats(token_counts=counts.cpu())
 
 
-def _make_export_fn(cfg: TrainerConfig, family: Any, fam_cfg: Any, target: TargetHead,
+def _make_export_fn(cfg: TrainerConfig, family: DrafterFamily, fam_cfg: Any, target: TargetHead,
                     stats: StoreStats | None) -> ckpt.ExportFn:
     formats = list(cfg.drafter.export_formats)
 

@@ -31,6 +31,8 @@ import torch
 from torch import Tensor, nn
 
 from drafters.common.chunked_head import chunk_count_sync
+from drafters.common.contract import DrafterFamily
+from drafters.common.losses import ObjectiveOutput
 from verl_speco.train.data import count_tokens, to_device
 from verl_speco.train.distributed import all_reduce_max_int, all_reduce_sum
 
@@ -108,7 +110,7 @@ class StageTimer:
             self.seconds["loss"] -= self.seconds["forward"] - before
 
 
-def _metric_pack(outs: Sequence[Any]) -> tuple[list[str], Tensor]:
+def _metric_pack(outs: Sequence[ObjectiveOutput]) -> tuple[list[str], Tensor]:
     """Names and [2, M] (sums; counts) of the objective metrics summed over micro-batches (on the
     metrics' device: no host sync here)."""
     names = sorted(outs[0].metrics)
@@ -141,17 +143,18 @@ def _fork_rng(device: torch.device) -> Any:
     return torch.random.fork_rng(devices=[device.index or 0], device_type=device.type)
 
 
-def _objective(family: Any, model: nn.Module, batch: dict[str, Tensor], progress: float, device: torch.device) -> Any:
+def _objective(family: DrafterFamily, model: nn.Module, batch: dict[str, Tensor], progress: float,
+               device: torch.device) -> ObjectiveOutput:
     """The family's objective with the chunked head's chunk counts equal on every rank (the max):
     a sharded head unit called once per chunk runs collectives per call (drafters/common/chunked_head.py)."""
     with chunk_count_sync(lambda n: all_reduce_max_int(n, device)):
         return family.objective(model, batch, progress)
 
 
-def _backward(model: nn.Module, family: Any, batches: list[dict[str, Tensor]], mode: str,
-              device: torch.device, progress: float, timer: StageTimer) -> tuple[Tensor, list[Any]]:
+def _backward(model: nn.Module, family: DrafterFamily, batches: list[dict[str, Tensor]], mode: str,
+              device: torch.device, progress: float, timer: StageTimer) -> tuple[Tensor, list[ObjectiveOutput]]:
     """Back-propagate the globally normalised loss; returns (this rank's loss part, outputs)."""
-    def objective(b: dict[str, Tensor]) -> Any:
+    def objective(b: dict[str, Tensor]) -> ObjectiveOutput:
         with timer.objective(model):
             return _objective(family, model, b, progress, device)
 
@@ -177,7 +180,7 @@ def _backward(model: nn.Module, family: Any, batches: list[dict[str, Tensor]], m
     return torch.stack(parts).sum(), outs
 
 
-def train_step(model: nn.Module, family: Any, micro: Sequence[list[dict[str, Tensor]]],
+def train_step(model: nn.Module, family: DrafterFamily, micro: Sequence[list[dict[str, Tensor]]],
                optimizer: torch.optim.Optimizer, grad_clip: float, device: torch.device,
                mode: str = "retain", progress: float = 0.0) -> StepResult:
     """Forward every micro-batch, normalise by the global denominators, backward, clip, step.
@@ -208,7 +211,7 @@ def train_step(model: nn.Module, family: Any, micro: Sequence[list[dict[str, Ten
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, family: Any, micro: Iterable[list[dict[str, Tensor]]],
+def evaluate(model: nn.Module, family: DrafterFamily, micro: Iterable[list[dict[str, Tensor]]],
              device: torch.device) -> dict[str, float]:
     """Held-out loss (global normalisation) and the objective metrics, incl. `sim_accept_len`.
 
