@@ -1,20 +1,11 @@
 """Storage encodings of floating per-token fields (``FieldSpec.encoding``); the one place fp8 numerics live.
 
-``fp8_e4m3``: each token row ``x`` (``[*shape]`` flattened) is stored as ``q = e4m3(x / s)`` with one float32
-scale ``s = max|x| / 448`` per row (448 = the largest finite e4m3fn value), so the row's largest value maps
-to the top of e4m3's range. Decoding is ``q * s`` in float32, cast to the field's dtype.
-
-Error bound, per element (``fp8_error_bound``): e4m3 keeps 3 mantissa bits, so a normal value is rounded
-to within half a step, ``2**-4`` of its magnitude; below e4m3's smallest normal (``2**-6 * s``) the
-spacing is the subnormal step ``2**-9 * s``, so the error is at most ``2**-10 * s``. Hence
-``|x - decode(encode(x))| <= 2**-4 * |x| + 2**-10 * s`` before the cast to the field's dtype (bf16 adds
-its own half step, ``2**-9`` relative).
-
-Worked example: row ``[1.0, -0.5, 0.01]``: ``s = 1/448``; ``x / s = [448, -224, 4.48]`` -> e4m3 ``[448,
--224, 4.5]`` -> decoded ``[1.0, -0.5, 0.010045]`` (error 4.5e-5 <= 2**-4 * 0.01 + 2**-10 / 448).
-
-A row of zeros gets the smallest positive normal float32 as its scale (never 0): every stored scale
-is finite and > 0, which the reader checks (``scale_problem``) so a corrupted scale is refused.
+``fp8_e4m3``: each token row ``x`` is stored as ``q = e4m3(x / s)`` with one float32 scale
+``s = max|x| / 448`` per row (448: e4m3fn's largest finite value); decoding is ``q * s`` in float32,
+cast to the field's dtype. Error bound per element (``fp8_error_bound``), from e4m3's 3 mantissa bits
+and its subnormal step: ``|x - decode(encode(x))| <= 2**-4 * |x| + 2**-10 * s``. A row of zeros gets
+the smallest positive normal float32 as its scale, so every stored scale is finite and > 0, which the
+reader checks (``scale_problem``).
 """
 
 from __future__ import annotations

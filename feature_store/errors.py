@@ -1,17 +1,6 @@
 """Errors raised by the Feature Store. Every message names the thing, the expected and the found value.
 
-Hierarchy (catch ``StoreError`` for "anything wrong with the store"):
-
-- ``StoreNotFoundError``   no ``store.json`` (not a store, or a wrong path)
-- ``SchemaError``          an invalid schema, or a schema that does not match what was asked for
-  - ``SchemaDriftError``   two writers / a writer and the store / a shard and the store disagree
-  - ``LayoutMismatchError`` the store was written for another layout than the reader asks for
-- ``SampleError``          a sample that does not match the schema (field, dtype, shape, length)
-  - ``NonFiniteError``, ``EmptyMaskError``, ``TokenIdError``  value checks
-- ``CorruptShardError``    a foreign, truncated or unparseable shard or commit record
-  - ``ChecksumError``      the shard's bytes do not match its commit record's checksum
-- ``ResumeStateError``     a reader state dict that does not fit this reader or this store
-- ``EmptyStoreError``      nothing committed (or nothing for this rank) to read
+Catch ``StoreError`` for "anything wrong with the store"; the subclasses below say what.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """``StoreIndex``: a snapshot of the committed shards and the global sample index over them.
 
-Global order: commit records sorted by shard name (``r<rank>-<run>-<seq>``), samples in shard order;
-global index g -> (shard k, local i) by binary search over cumulative counts. Only shards with a commit
-record exist; every commit is checked when the index is built (schema hash, shard present, byte size, and
-the shard header's writer id and seq = the record's: a shard copied or renamed under another name is
-refused, see provenance.py), the header again when the shard is opened, and, with ``verify_checksums``,
-each shard's checksum (checksum.py) the first time it is opened, together with its tensors' identity: a
-shard holding the same tensors as one already opened is refused (``CorruptShardError``, no sample of it is
-read), so no sample is read twice. Like any corrupt shard, these are errors, never silently skipped.
-
-``shard_set`` = {writer id: number of its shards}, the small description of a snapshot kept in reader
-states: a writer commits its shards in sequence order, so "seq < count" selects the same shards later
-even after other shards were committed (``fingerprint`` confirms it).
+Global order: commit records sorted by shard name, samples in shard order; global index g ->
+(shard k, local i) by binary search over cumulative counts. Every commit is checked when the index
+is built (schema hash, presence, byte size, header writer id and seq; provenance.py), and with
+``verify_checksums`` each shard's checksum and tensor identity when first opened (a duplicate is
+refused, never silently skipped). ``shard_set`` = {writer id: number of its shards} describes a
+snapshot in reader states: writers commit in sequence order, so it selects the same shards later.
 """
 
 from __future__ import annotations

@@ -8,7 +8,6 @@ Partition (world size W, rank r) of the epoch's permutation ``perm`` (length n):
   the ``n % W`` samples at the end of the permutation are skipped this epoch (another set next epoch).
 - ``remainder="wrap"``: each rank gets ``ceil(n / W)`` samples; the permutation is extended by
   wrapping around to its start, so every sample is seen and ``(-n) % W`` samples are seen twice.
-Worked example: n=5, W=2, perm=[3,0,4,1,2]: drop -> r0 [3,4], r1 [0,1]; wrap -> r0 [3,4,2], r1 [0,1,3].
 """
 
 from __future__ import annotations

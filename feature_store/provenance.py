@@ -1,17 +1,10 @@
 """Is a committed shard the one its commit record describes, and is a shard committed twice?
 
-- The writer records its writer id and sequence number in the shard's header (``__metadata__``:
-  ``writer_id``, ``seq``) and in the commit record, where they also give the file names
-  (``store.CommitRecord.load`` checks ``<writer_id>-<seq:08d>`` and ``writer_id = r<rank:05d>-<run_id>``).
-  A shard copied or renamed under another writer id or sequence number keeps its header:
-  ``header_mismatch`` catches it from the header alone (no tensor byte read).
-- Two files with the same bytes have the same header, and no two commit records have the same
-  (writer id, seq), so at most one of two byte-identical committed shards agrees with its record: the
-  header check alone refuses every byte-for-byte copy. What it cannot see is a copy whose header was
-  rewritten too (the same tensors under a new, consistent header and a new checksum). ``content_key``
-  identifies a shard's tensors (their table: names, dtypes, shapes, offsets from the first tensor byte;
-  and the ``s64x4k`` of the tensor bytes, computed in the checksum's read: ``shard.shard_checksums``),
-  so it is known wherever checksums are verified; two shards with equal keys hold the same samples.
+The writer records its writer id and sequence number in the shard's header and in the commit record,
+so ``header_mismatch`` catches a shard copied or renamed under another name from the header alone,
+which refuses every byte-for-byte copy (no two records share a (writer id, seq)). A copy whose header
+was rewritten too is caught by ``content_key``: the shard's tensor table plus a digest of the tensor
+bytes computed in the checksum's read, so two shards with equal keys hold the same samples.
 """
 
 from __future__ import annotations

@@ -6,13 +6,9 @@ is rows ``offsets[i]:offsets[i+1]``), per per-sample field ``[n, *shape]``, and 
 ``global_step``/``policy_version`` int64 ``[n]``. Worked example: lengths (3, 1, 2) ->
 ``offsets = [0, 3, 4, 6]``, sample 1 = rows 3:4.
 
-Layout written by ``StoreWriter`` (``ShardStream``): a header region padded with spaces to a multiple of
-4096 bytes, then the writer's *lead* field (its largest per-token field, rows a multiple of 8 bytes),
-streamed to the file at ``add()`` time, then the other tensors by decreasing item size then name.
-``write_shard`` (no lead field): header padded to 8 bytes, all tensors by decreasing item size then name
-(like ``safetensors.torch.save``). Either way every tensor is aligned and any safetensors reader opens
-the file; readers rely only on the header's offsets. The checksum (checksum.py, over the whole file) is
-computed as the bytes are written; ``sync_file_range`` starts writeback early so the final fsync is short.
+``StoreWriter`` (``ShardStream``) pads the header to 4096 bytes and streams its largest per-token
+field at ``add()`` time; ``write_shard`` writes everything at once. Either way every tensor is aligned,
+any safetensors reader opens the file, and the checksum (checksum.py) is computed as bytes are written.
 """
 
 from __future__ import annotations

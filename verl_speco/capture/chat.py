@@ -4,11 +4,7 @@ The loss mask is 1 exactly on the tokens the target produces for an assistant tu
 content and its end-of-turn token, found from the chat template's own boundaries (render the
 conversation up to the turn with the generation prompt; the response starts where that prefix
 ends and stops after the first end-of-turn token). Template text after the end-of-turn token
-(e.g. the newline) and the role header are not response tokens. Worked example, Qwen-style template
-``<|im_start|>{role}\\n{content}<|im_end|>\\n``:
-
-    tokens     <|im_start|> user \\n Q <|im_end|> \\n <|im_start|> assistant \\n  A1  A2 <|im_end|> \\n
-    loss_mask       0        0   0  0     0      0       0          0       0   1   1      1      0
+(e.g. the newline) and the role header are not response tokens.
 """
 
 from __future__ import annotations

@@ -103,15 +103,11 @@ def generate_responses_vllm(target_dir: str, prompts: Sequence[Sequence[int]], *
                             max_num_seqs: int | None = None, dtype: str | None = None,
                             enforce_eager: bool | None = None,
                             on_done: Callable[[int], None] | None = None) -> list[Generated]:
-    """`generate_responses` served by vLLM: the target regenerates the responses with the engine
-    users deploy (self-distillation as the EAGLE papers do; much faster than HF generate at real model
-    sizes). Greedy by default; with `temperature > 0` each request is seeded from `seed` and its index.
-    The engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0 unless the caller set it) with a
-    1 GiB CPU KV cache (`use_in_process_vllm_env`: without it vLLM CPU reserves 92% of the machine's
-    memory and refuses to start when another process holds some) and is shut down before returning.
-    `dtype`, `enforce_eager`, `max_num_seqs`: None leaves `vllm_engine.build_llm`'s device defaults,
-    except max_num_seqs on the CPU, 32 (`CPU_MAX_NUM_SEQS`). `on_done(n)` as requests finish, with
-    how many just did."""
+    """`generate_responses` served by vLLM (self-distillation with the engine users deploy). Greedy by
+    default; at `temperature > 0` each request is seeded from `seed` and its index. The engine runs in
+    this process with a bounded CPU KV cache (`use_in_process_vllm_env`) and is shut down before
+    returning; None options keep `build_llm`'s device defaults (CPU: `CPU_MAX_NUM_SEQS`).
+    `on_done(n)` is called as requests finish."""
     from verl_speco.cpu_port.env import use_in_process_vllm_env
     from verl_speco.device import accelerator_type
     from verl_speco.engines import vllm_engine

@@ -11,13 +11,8 @@ No ``output_hidden_states``: plain module hooks, so this works inside another fr
 (verl's actor old-logprob pass), with FSDP / checkpoint wrappers around the layers, and with padded
 or remove-padding (packed ``[1, nnz]``) inputs. Captured tensors are detached and copied at hook
 time (optionally ``select``-ed, cast and moved), so the model's activations are never retained.
-
-Example::
-
-    with FeatureCapture(model, layer_ids=(2, 4, 5)) as cap:
-        with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask)
-        feats = cap.pop()            # feats.aux_hidden [B, T, 3*H], feats.last_hidden [B, T, H]
+``FeatureCapture(model, layer_ids=(2, 4, 5))`` around a forward, then ``cap.pop()``:
+``aux_hidden [B, T, 3*H]``, ``last_hidden [B, T, H]``.
 """
 
 from __future__ import annotations

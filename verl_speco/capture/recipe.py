@@ -1,23 +1,15 @@
 """A collected store named by its recipe: reused only when the same recipe asks for it again.
 
 Applications that collect once and reuse the result (the quickstart, the family benchmark) name the
-store directory `<name>-<digest>`, where the digest covers the prompt file's bytes and every setting
-the collection depends on. Another --train-prompts, response cap or seed then collects a new store
-beside the old one instead of silently training on the old one.
+store `<name>-<digest>`, the digest covering the prompt file's bytes and every collection setting,
+so other settings collect a new store instead of silently training on the old one. A `.done` marker
+(the recipe as JSON and what `collect` returned) is written once collection returns; a directory
+without it is what a stopped collection left, and is removed first.
 
-Worked example: `collected_store(out / "stores", "train", prompts, {"max_new_tokens": 64}, collect)`
-returns `out/stores/train-1f0c...` (12 hex digits) and writes `out/stores/train-1f0c....done` (the
-recipe as JSON, plus what `collect` returned) once `collect(store, prompts)` has returned; a directory
-found without its `.done` marker is what a stopped collection left, and is removed before collecting again.
-
-Growing (`grow_from`): a complete store whose prompt file is the first lines of this one, collected with
-the same settings, is linked into the new store, and only the remaining prompts are collected, by a
-second writer run into the same store. The base's digest enters the recipe (`grown_from`), so a grown
-store never takes the name of one collected in one go: the two hold the same prompts in another shard
-order, and a recipe always gives the same bytes. Worked example: a base of prompts lines 1-4,000 and a
-prompt file of 8,000 lines collects lines 4,001-8,000 (written to `<store>.rest.jsonl`); the marker
-records `grown_from` (the base's digest), `base_rows` (4,000) and the summary
-`{"base": <the base's summary>, "added": <this collection's>}`.
+Growing (`grow_from`): a complete store whose prompt file is the first lines of this one, with the
+same settings, is linked in and only the remaining prompts are collected. The base's digest enters
+the recipe (`grown_from`), so a grown store (same prompts, other shard order) never takes the name of
+one collected in one go.
 """
 
 from __future__ import annotations

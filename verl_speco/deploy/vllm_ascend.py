@@ -1,22 +1,10 @@
 """vllm-ascend, the rollout engine on Ascend NPUs: what release 0.23.0 serves and how we configure it.
 
-Facts of vllm-ascend 0.23.0 (`ASCEND_RELEASE`, the versions file's ascend line), each checked
-against its source by tests/deploy/test_vllm_ascend_source.py through `AscendTree`, which reads the
-source with `ast` and never imports it:
-- `SPEC_METHODS`: the speculative methods its model runner builds a proposer for
-  (`vllm_ascend/spec_decode/__init__.py`, `get_spec_decode_method`). dspark is not among them
-  (only vllm-ascend's main branch has it): the versions file refuses dspark on vLLM 0.23.0.
-- `MAX_VERIFY_TOKENS`: k + 1 <= 16, the query length per request its attention metadata builder
-  asserts (`attention/attention_v1.py`: npu_fused_infer_attention_score's TND layout).
-- `SPEC_FIELDS_READ`: the `speculative_config` fields its proposers read that our settings set:
-  the draft's `enforce_eager` (`spec_decode/llm_base_proposer.py`) and P-EAGLE's `parallel_drafting`.
-- What the in-place draft reload (`verl_speco.engines.vllm_reload.DraftReloadMixin`) reaches on it:
-  `RUNNER_DRAFT_ATTR`, the NPU model runner's attribute holding the proposer; `PROPOSER_READS`, the
-  attributes its base proposer's `load_model` sets or reads to install the draft and P-EAGLE's
-  mask-slot state (the reload recomputes that state from the same attributes); `DFLASH_PATCH_BUFFERS`,
-  the weight-derived DFlash buffers its patched context K/V precompute reads (the reload rebuilds
-  them after every publish).
-
+Facts of vllm-ascend 0.23.0 (`ASCEND_RELEASE`), each checked against its source, read with `ast`,
+by tests/deploy/test_vllm_ascend_source.py (`AscendTree`): `SPEC_METHODS` (the methods its runner
+builds a proposer for; no dspark), `MAX_VERIFY_TOKENS` (k + 1 <= 16, its attention builder's limit),
+`SPEC_FIELDS_READ` (the `speculative_config` fields its proposers read that we set), and what the
+in-place draft reload reaches on it (`RUNNER_DRAFT_ATTR`, `PROPOSER_READS`, `DFLASH_PATCH_BUFFERS`).
 `ascend_refusal(method, k)` says why a speculative config cannot run on it (None: it can).
 """
 

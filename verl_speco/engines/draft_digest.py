@@ -1,19 +1,12 @@
 """What a vLLM worker really serves as its draft: a digest of the draft's own live tensors.
 
-vLLM's level-2 sleep (what verl 0.9.1's hybrid rollout uses on GPU: `vLLMHttpServer._sleep_hybrid`
-with `_resolve_sleep_level() == 2`) discards the weight memory of the target AND the draft; verl's
-weight sync then restores only the target. vLLM's wake-up does not reload draft parameters
-(vllm-project/vllm#52479, open), and vLLM 0.24.0 (verl's image) does not even restore the draft's
-buffers (its `Worker.sleep` snapshots `model_runner.model`'s buffers only; 0.32.0 also keeps
-`_sleep_saved_draft_buffers`). Outputs stay correct, acceptance silently drops to zero. The
-trainer therefore compares this digest after every wake-up with the one taken right after the
-version was loaded (`verl_integration/served_draft.py`).
-
-`DraftDigestMixin` is mixed into the worker extension next to `vllm_reload.DraftReloadMixin`, whose
-`_speco_drafter()` and `speco_draft_version()` it reads. Covered: the draft model's parameters and
-buffers (non-persistent ones included: they are what level-2 sleep loses on 0.24.0), the P-EAGLE
-proposer's mask-slot state, and never a tensor the draft shares with the target (the same tensor
-object as a target parameter or buffer: the target's sync changes those every step).
+Why: vLLM's level-2 sleep (verl's hybrid rollout on GPU) discards the draft's weights too, verl's
+weight sync restores only the target, and vLLM's wake-up does not reload the draft
+(vllm-project/vllm#52479): outputs stay correct while acceptance silently drops to zero. The trainer
+compares this digest after every wake-up with the one taken when the version was loaded
+(`verl_integration/served_draft.py`). `DraftDigestMixin` sits beside `vllm_reload.DraftReloadMixin`;
+it covers the draft's parameters and buffers (non-persistent ones included) and P-EAGLE's mask-slot
+state, never a tensor shared with the target.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Engine acceptance counters: snapshots, per-run deltas, and the derived figures (no engine import).
 
-The formulas live in `drafters.common.metrics.AcceptanceStats` (vLLM's convention,
-v1/spec_decode/metrics.py); this module only turns cumulative engine counters into them:
-
-- mean acceptance length = 1 + num_accepted_tokens / num_drafts (the bonus or recovered token
-  counts as 1, so a draft that is never right scores 1.0 and a perfect k-token draft scores 1 + k);
-- per-position acceptance rate i = accepted_per_pos[i] / num_drafts (non-increasing in i);
-- draft acceptance rate = num_accepted_tokens / num_draft_tokens.
-
-Worked example: 4 drafts of k = 3 tokens accepting 3, 1, 0, 2 tokens -> num_accepted_tokens = 6,
-accepted_per_pos = [3, 2, 1], mean acceptance length = 1 + 6/4 = 2.5, per-position rates
-[0.75, 0.5, 0.25], draft acceptance rate 6/12 = 0.5.
+The formulas live in `drafters.common.metrics.AcceptanceStats` (vLLM's convention): mean acceptance
+length = 1 + num_accepted_tokens / num_drafts (1.0 for a never-right draft, 1 + k for a perfect one),
+per-position rate i = accepted_per_pos[i] / num_drafts, draft acceptance rate = accepted / drafted
+tokens. This module only turns cumulative engine counters into them.
 """
 
 from __future__ import annotations

@@ -51,9 +51,7 @@ class DraftReloadMixin:
 
     def _speco_drafter(self) -> Any:
         """The model runner's draft proposer, the object holding the draft `model`: `drafter` in
-        vLLM's V1 model runner (`vllm/v1/worker/gpu_model_runner.py`, and the CPU runner built on
-        it), `speculator` in the V2 runner (`vllm/v1/worker/gpu/model_runner.py`, the only one
-        serving DSpark); both names in 0.32.0 and 0.24.0."""
+        vLLM's V1 model runner, `speculator` in the V2 runner (the only one serving DSpark)."""
         runner = self.model_runner
         for proposer in (getattr(runner, "drafter", None), getattr(runner, "speculator", None)):
             if getattr(proposer, "model", None) is not None:
@@ -330,8 +328,7 @@ def _rank_kv_rows(attn: Any, tensors: dict[str, torch.Tensor], layer: int, kind:
     "bias"): [2 * kv_size, H] or [2 * kv_size], what vLLM's builder slices (`[q_size:]`).
 
     The installed rows when `qkv_proj` holds all of them; else the published `k_proj`/`v_proj`
-    narrowed as `QKVParallelLinear.weight_loader` does (vLLM 0.32 layers/linear.py): kv_size rows
-    from `tp_rank // num_kv_head_replicas * kv_size` (ranks share a head when tp > kv heads)."""
+    narrowed as vLLM's `QKVParallelLinear.weight_loader` does."""
     proj = attn.qkv_proj
     installed = getattr(proj, kind)
     if installed.dim() >= 1 and installed.shape[0] == attn.q_size + 2 * attn.kv_size:
@@ -414,12 +411,8 @@ def _load_mask_hidden(model: Any, mask: torch.Tensor) -> None:
 def _refresh_parallel_drafting_hidden(drafter: Any) -> None:
     """Recompute the hidden state vLLM's proposer puts at mask slots from the weights now loaded.
 
-    vLLM 0.32's proposer computes it ONCE, in `load_model` (v1/spec_decode/llm_base_proposer.py
-    l. 1401-1414): `parallel_drafting_hidden_state_tensor.copy_(model.combine_hidden_states(
-    mask_hidden))` (= fc(mask_hidden) for EAGLE-3), and every draft step reads that copy. A publish
-    that changes fc or mask_hidden would otherwise leave the engine drafting its mask slots with
-    the OLD fc(mask_hidden) (outputs stay lossless, acceptance at positions >= 2 is the old
-    draft's: tests/engines/test_vllm_publish.py). Mirrors vLLM's code and its conditions."""
+    vLLM 0.32's proposer computes fc(mask_hidden) once, in `load_model`, so without this a publish
+    would leave the mask slots drafting with the old value. Mirrors vLLM's code and its conditions."""
     state = getattr(drafter, "parallel_drafting_hidden_state_tensor", None)
     if not (getattr(drafter, "parallel_drafting", False) and getattr(drafter, "pass_hidden_states_to_model", False)
             and state is not None):
@@ -454,10 +447,8 @@ def _end_reload(model: Any, draft_config: Any) -> None:
 
 def publish_draft(llm: LLM, path: str | Path, version: int) -> list[dict[str, Any]]:
     """Send a published version to every worker of `llm` (started with `DRAFT_EXTENSION`); the
-    workers' answers (`DraftReloadMixin`: status, version held after, reason).
-
-    `LLM.generate` is synchronous, so calling this between generate calls swaps the draft with
-    no request in flight."""
+    workers' answers (status, version held after, reason). Between `LLM.generate` calls (synchronous)
+    no request is in flight."""
     return list(llm.collective_rpc("speco_load_draft", args=(str(path), int(version))))
 
 

@@ -1,19 +1,11 @@
 """Deterministic generator of structured chat examples for the embedded target.
 
 Every example is a chat `{"messages": [user, assistant]}` whose assistant turn is a step-by-step
-trace (column addition and subtraction with borrows of 2-3 digit numbers, multiplication of a 2-3
-digit number by a digit, counting in steps, sorting 3-7 numbers): mostly template words and copied
-digits, so a drafter can predict it well.
-
-Example `i` of a stream is drawn from `random.Random(f"...:{seed}:{i}")` (string seeds hash with
-SHA-512, independent of PYTHONHASHSEED), so streams are reproducible across processes.
-
-The problem (operands and the user's phrasing) never depends on the variant: `variant="shifted"`
-renders the same problems with another, learnable answer style (different step phrasing, an extra
-check line), so a target fine-tuned on it drifts on the very prompts it was trained on.
-
-Train and test splits are disjoint by construction: a problem belongs to "test" iff the SHA-256 of
-its user message falls in bucket 0 of `_SPLIT_BUCKETS`.
+trace (column addition and subtraction, multiplication by a digit, counting, sorting): mostly
+template words and copied digits, so a drafter can predict it well. Example `i` is drawn from a
+string-seeded `random.Random` (reproducible across processes). `variant="shifted"` renders the same
+problems in another learnable answer style (a target fine-tuned on it drifts on the very prompts it
+was trained on). Train and test are disjoint by the SHA-256 bucket of the user message.
 """
 
 from __future__ import annotations

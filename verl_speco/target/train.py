@@ -1,16 +1,9 @@
 """Deterministic CPU training loop for the embedded target (used by the build and the fine-tune).
 
-Each step draws the next `batch_size` examples of the corpus stream (fresh data every step, so no
-epochs and no overfitting), renders them with the chat template and trains next-token prediction
-on the assistant turn only (its text and the closing `<|im_end|>`).
-
-Worked example of the loss mask for one sequence (tokens abbreviated):
-
-    tokens     <|im_start|> user \\n Q <|im_end|> \\n <|im_start|> assistant \\n  A1  A2 <|im_end|> \\n
-    loss_mask       0        0   0  0     0      0       0          0       0   1   1      1      0
-
-`labels[t] = tokens[t]` where loss_mask[t] == 1 else -100; the model shifts labels internally, so
-position t-1 is trained to predict an assistant token t.
+Each step draws the next `batch_size` examples of the corpus stream (fresh data every step: no
+epochs, no overfitting), renders them with the chat template and trains next-token prediction on the
+assistant turn only (its text and the closing `<|im_end|>`): `labels[t] = tokens[t]` where the loss
+mask is 1, else -100 (the model shifts labels internally).
 """
 
 from __future__ import annotations
@@ -31,14 +24,9 @@ from verl_speco.target.tokenizer import EOS_TOKEN, render_chat
 class TrainSpec:
     """Optimisation recipe: AdamW, linear warmup then cosine decay to `min_lr_ratio * lr`.
 
-    `num_threads` is the intra-op thread count training runs with, whatever the caller's setting
-    and the machine's load. It is part of the recipe because a CPU kernel may split a reduction
-    by the thread count (a full `sum` of more than 32768 floats gives other bits with 2 threads
-    than with 1 in torch 2.13), so another count may give other weights. Which kernels of this
-    training do so depends on the CPU and the torch build: on an AMD EPYC (AVX2) every step was
-    bit-identical with 1 and 2 threads, on the machine of issue 9 the full recipe was not. One
-    thread splits nothing, and slows least on a busy machine (CI, other jobs), where OpenMP
-    threads spin-wait on each other.
+    `num_threads` is the intra-op thread count training runs with, whatever the caller's setting:
+    a CPU kernel may split a reduction by the thread count, so another count may give other
+    weights. One thread splits nothing and slows least on a busy machine.
     """
 
     steps: int = 600

@@ -1,20 +1,12 @@
 """Process group, device and FSDP2 setup for the trainer (applied from outside the model code).
 
-- device: auto -> cuda if available, else npu (torch_npu, probed in a guarded import), else cpu
-  (`verl_speco.device`, the one module that imports torch_npu).
-- backend: auto -> nccl (cuda) | hccl (npu) | gloo (cpu).
-- collectives: HCCL has no float64 reduction, so on npu sums run in float32 and int maxima in int32
-  (`verl_speco.device.collective_dtype`); elsewhere float sums widen to float64.
-- Under torchrun (RANK/WORLD_SIZE set) the env:// rendezvous is used; a plain single process
-  gets a private in-memory store, so the same FSDP2 code path runs with world size 1.
-- FSDP2: each maximal proper submodule whose parameters are all trainable becomes one `fully_shard`
-  unit (also when the whole draft is trainable: the chunked LM head + loss calls head modules, e.g.
-  Domino's `embed_proj`, DSpark's Markov head, after the root's forward, and only a unit's own
-  forward gathers its parameters), then the root is sharded with every frozen parameter outside those units ignored
-  (`ignored_params`): frozen target pieces (embedding, target head) stay replicated, plain
-  tensors, and the root owns any trainable parameter held directly by a mixed module.
-  Gradients are SUM-reduced (divide factor 1): the objective is already normalised by the
-  global denominators, so summing over ranks gives the global-batch gradient.
+- device / backend: auto -> cuda + nccl, else npu + hccl (`verl_speco.device`, the one torch_npu
+  importer; HCCL has no float64 reduction, so npu sums run in float32), else cpu + gloo. torchrun
+  uses the env:// rendezvous; a single process gets a private store, so the same FSDP2 path runs.
+- FSDP2: each maximal proper submodule whose parameters are all trainable is one `fully_shard` unit
+  (head modules run after the root's forward, and only a unit's own forward gathers its parameters),
+  then the root with every frozen parameter ignored: frozen target pieces stay replicated plain
+  tensors. Gradients are SUM-reduced: the objective is already normalised by global denominators.
 """
 
 from __future__ import annotations

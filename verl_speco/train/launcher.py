@@ -1,16 +1,10 @@
 """`verl-speco-draft-train`: normalise single/multi-node arguments and start the trainer.
 
-- 1 node x 1 process: runs in this process (`verl_speco.train.entry`), no torchrun.
-- 1 node x N processes: `python -m torch.distributed.run --standalone --nnodes 1 --nproc-per-node N`.
-- M nodes: the same command on every node, with a c10d rendezvous at `--rdzv-endpoint` (default
-  `MASTER_ADDR:MASTER_PORT`) under `--rdzv-id`; `--rdzv-backend static` uses `--node-rank` and
-  `--master-addr/--master-port` instead.
-Arguments fall back to the environment: NNODES, NPROC_PER_NODE, NODE_RANK, MASTER_ADDR,
-MASTER_PORT, RDZV_ENDPOINT, RDZV_ID. `--dry-run` prints the exact command and exits 0 (the
-launcher runs that torchrun command in its own process).
-Everything else is passed to the trainer as Hydra overrides (key=value). The config and the
-inputs it names are checked here before torchrun starts: a user error is one line
-`verl-speco-draft-train: error: ...` on stderr and exit status 2, on both paths.
+1 node x 1 process runs in this process (`verl_speco.train.entry`); N processes or M nodes run
+`torch.distributed.run` (`--standalone`, or a c10d / static rendezvous), arguments falling back to
+NNODES, NPROC_PER_NODE, NODE_RANK, MASTER_ADDR, MASTER_PORT, RDZV_ENDPOINT, RDZV_ID. `--dry-run`
+prints the exact command. Everything else is a Hydra override; the config and its inputs are checked
+before torchrun starts (a user error: one line `verl-speco-draft-train: error: ...`, exit status 2).
 """
 
 from __future__ import annotations

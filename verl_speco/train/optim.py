@@ -6,7 +6,6 @@ The schedule keeps no state besides the step counter, so resuming only needs the
   - decay over the remaining `total - W` steps, progress p = (step - W) / max(1, total - W - 1):
     cosine: lr * (m + (1 - m) * (1 + cos(pi * p)) / 2); linear: lr * (1 - (1 - m) * p);
     constant: lr; with m = min_lr_ratio, so the last step runs at exactly lr * m.
-Worked example (lr=1, W=2, total=6, linear, m=0): steps 0..5 -> 0.5, 1, 1, 2/3, 1/3, 0.
 """
 
 from __future__ import annotations
