@@ -2,8 +2,9 @@
 
 Every value comes from one place in the repository, named in its `source`:
 - target sizes: `verl_speco.launchers.recipes.QWEN3_8B` (hidden, heads, kv heads, intermediate, vocab);
-- family settings: `recipes.GPU_SETTINGS[family]` (the published Qwen3-8B recipes), the rest from the
-  family's config class defaults (`recipes.family_config`: DFlashConfig.num_anchors, loss_gamma,
+- family settings: `recipes.drafter_recipe(family, "gpu")` (the published Qwen3-8B recipes, `recipes.gpu`
+  of configs/drafter/<family>.yaml), the rest from the family's config class defaults
+  (`recipes.family_config`: DFlashConfig.num_anchors, loss_gamma,
   num_target_features; DSparkConfig.markov_rank; PEagleConfig.cod_ratio, cod_ratio_min);
 - sequence length: `data.max_seq_len` of the family's Qwen3-8B trainer preset
   (`configs/preset/qwen3_8b_<family>.yaml`) where there is one, else the trainer's default
@@ -110,10 +111,10 @@ def recipe(family: str) -> dict[str, Setting]:
     out = {"hidden": Setting(spec.hidden_size, src), "heads": Setting(spec.num_attention_heads, src),
            "kv_heads": Setting(spec.num_key_value_heads, src),
            "intermediate": Setting(spec.intermediate_size, src), "vocab": Setting(spec.vocab_size, src)}
-    settings = recipes.GPU_SETTINGS[family]
+    settings = recipes.drafter_recipe(family, "gpu")
     cfg = recipes.family_config(family, dict(settings))
     for arg, attr in FAMILY_FIELDS[family].items():
-        where = (f"recipes.GPU_SETTINGS[{family!r}][{attr!r}]" if attr in settings
+        where = (f"configs/drafter/{family}.yaml recipes.gpu.{attr}" if attr in settings
                  else f"{type(cfg).__name__}.{attr} default")
         out[arg] = Setting(getattr(cfg, attr), where)
     seq, seq_src = recipe_seq_len(family)

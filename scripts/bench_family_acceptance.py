@@ -98,19 +98,20 @@ def _depth_settings(family: str, k: int) -> list[str]:
     return [f"drafter.settings.{key}={value}" for key, value in draft_depth_settings(family, k).items()]
 
 
-REAL_TARGET_SETTINGS = {  # a real target's vocabulary (49152 for SmolLM2) on 2 CPU cores
-    # block drafters: anchors per sequence (each anchor's block computes full-vocabulary logits)
-    "dflash": ["drafter.settings.num_anchors=64"], "dspark": ["drafter.settings.num_anchors=64"],
-    "domino": ["drafter.settings.num_anchors=64"],
-    # EAGLE-3 / P-EAGLE: a reduced draft vocabulary (the papers: 32000 of Qwen3's 151936); P-EAGLE's
-    # preset (no configs/drafter yaml) has no such key, so it is added
-    "eagle3": ["drafter.settings.draft_vocab_size=8192"], "peagle": ["+drafter.settings.draft_vocab_size=8192"],
-}
-
-
+@functools.cache
 def _target_settings(family: str, target: str) -> list[str]:
-    """The overrides a non-embedded target gets on top of the family's quickstart preset."""
-    return [] if target == "embedded" else REAL_TARGET_SETTINGS.get(family, [])
+    """The overrides a non-embedded target gets on top of the family's quickstart preset: the family's
+    `real_target` recipe (configs/drafter/<family>.yaml; e.g. the block drafters' anchors per sequence,
+    EAGLE-3's reduced draft vocabulary), `+` adding a key the composed preset does not have."""
+    if target == "embedded":
+        return []
+    from verl_speco.launchers.online import hydra_value
+    from verl_speco.launchers.recipes import drafter_recipe
+    from verl_speco.train.compose import compose_raw
+
+    have = compose_raw([f"preset=quickstart_{family}"]).drafter.settings
+    return [f"{'' if key in have else '+'}drafter.settings.{key}={hydra_value(value)}"
+            for key, value in drafter_recipe(family, "real_target").items()]
 
 
 def _recipe_settings(args: argparse.Namespace, family: str) -> list[str]:

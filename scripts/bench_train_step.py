@@ -65,12 +65,12 @@ Usage:
 
 --shapes qwen3-8b (benchmarks/train_step_shapes.py reads every value from the catalog and prints its
 source): QWEN3_8B's hidden 4096, 32/8 heads, intermediate 12288, vocab 151936 (verl_speco/launchers/
-recipes.py); per family GPU_SETTINGS (EAGLE-3 / P-EAGLE draft vocab 32000, TTT 7 / decay 0.8; DFlash
-5 layers block 16; DSpark 5 layers block 7; P-EAGLE 4 layers, 8 depths), the rest from the family
-config defaults (DFlash / DSpark num_anchors 512, loss_gamma 7 / 4, 5 context layers, Markov rank
-256; P-EAGLE COD r 0.7, r_min 0.2); sequence length data.max_seq_len of the family's Qwen3-8B trainer
-preset (EAGLE-3: configs/preset/qwen3_8b_eagle3.yaml, 4096), else the trainer default (DataSection:
-2048); bf16 autocast (that preset's run.mixed_precision); one sequence per step, 2 warmup steps
+recipes.py); per family the gpu recipe of configs/drafter/<family>.yaml (EAGLE-3 / P-EAGLE draft vocab
+32000, TTT 7 / decay 0.8; DFlash 5 layers block 16; DSpark 5 layers block 7; P-EAGLE 4 layers, 8 depths),
+the rest from the family config defaults (DFlash / DSpark num_anchors 512, loss_gamma 7 / 4, 5 context
+layers, Markov rank 256; P-EAGLE COD r 0.7, r_min 0.2); sequence length data.max_seq_len of the family's
+Qwen3-8B trainer preset (EAGLE-3: configs/preset/qwen3_8b_eagle3.yaml, 4096), else the trainer default
+(DataSection: 2048); bf16 autocast (that preset's run.mixed_precision); one sequence per step, 2 warmup steps
 (memory on the second: AdamW state already allocated), 2 timed. Reductions for a 24 GiB 2-core CPU
 host (CPU_FIT, printed with their reasons; --no-cpu-fit drops them, explicit flags win): DFlash /
 DSpark 1 layer and P-EAGLE 1 layer (weights + grads + AdamW of the recipe's layers do not fit, and

@@ -248,7 +248,7 @@ def test_bench_family_acceptance_store_is_named_by_its_collection_recipe(tmp_pat
 
 
 def test_bench_family_acceptance_real_target_overrides_compose(tmp_path: Path) -> None:
-    """Every family's overrides for a real target (depth settings + REAL_TARGET_SETTINGS) compose
+    """Every family's overrides for a real target (depth settings + its real_target recipe) compose
     into a trainer config with the values asked for (P-EAGLE's preset lacks draft_vocab_size: the
     override must add it), at both k of the README's tables."""
     from verl_speco.train.compose import load_config

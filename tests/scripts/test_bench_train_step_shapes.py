@@ -36,15 +36,21 @@ def test_preset_reads_the_catalog(monkeypatch: pytest.MonkeyPatch) -> None:
             spec.hidden_size, spec.num_attention_heads, spec.num_key_value_heads, spec.intermediate_size,
             spec.vocab_size), f
         assert v["batch"] == 1 and v["dtype"] == "bfloat16", f
-    assert values["eagle3"]["draft_vocab"] == recipes.GPU_SETTINGS["eagle3"]["draft_vocab_size"]
-    assert values["eagle3"]["ttt_steps"] == recipes.GPU_SETTINGS["eagle3"]["ttt_steps"]
+    gpu = {f: recipes.drafter_recipe(f, "gpu") for f in ("eagle3", "dspark", "peagle")}
+    assert values["eagle3"]["draft_vocab"] == gpu["eagle3"]["draft_vocab_size"] == 32000
+    assert values["eagle3"]["ttt_steps"] == gpu["eagle3"]["ttt_steps"] == 7
     assert values["eagle3"]["seq_len"] == 4096  # configs/preset/qwen3_8b_eagle3.yaml
     assert values["dflash"]["seq_len"] == 2048 and values["dflash"]["num_anchors"] == 512
-    assert values["dspark"]["block_size"] == recipes.GPU_SETTINGS["dspark"]["block_size"]
-    assert values["peagle"]["peagle_layers"] == recipes.GPU_SETTINGS["peagle"]["num_layers"]
+    assert values["dspark"]["block_size"] == gpu["dspark"]["block_size"] == 7
+    assert values["peagle"]["peagle_layers"] == gpu["peagle"]["num_layers"] == 4
     # planted: a changed catalog value changes the preset
-    monkeypatch.setitem(recipes.GPU_SETTINGS, "dflash", {**recipes.GPU_SETTINGS["dflash"], "block_size": 12,
-                                                         "num_layers": 3})
+    real = recipes.drafter_recipe
+
+    def planted_recipe(family: str, name: str) -> dict[str, Any]:
+        changed = {"block_size": 12, "num_layers": 3} if (family, name) == ("dflash", "gpu") else {}
+        return {**real(family, name), **changed}
+
+    monkeypatch.setattr(recipes, "drafter_recipe", planted_recipe)
     monkeypatch.setattr(recipes, "QWEN3_8B", replace(spec, hidden_size=2048, num_attention_heads=16))
     planted = shapes.recipe("dflash")
     assert (planted["block_size"].value, planted["layers"].value, planted["hidden"].value) == (12, 3, 2048)

@@ -139,7 +139,9 @@ def test_npu_serves_what_vllm_ascend_serves() -> None:
 
 
 def test_npu_refuses_more_than_16_verified_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(recipes.NPU_SETTINGS, "dflash", {"block_size": 18})  # planted: k = 17
+    real = recipes.drafter_recipe
+    monkeypatch.setattr(recipes, "drafter_recipe", lambda family, name: {"block_size": 18}  # planted: k = 17
+                        if (family, name) == ("dflash", "npu") else real(family, name))
     assert "verifies at most 16 tokens per request" in (recipes.refusal("dflash", "vllm", "npu") or "")
     assert recipes.refusal("dflash", "vllm", "gpu") is None  # the GPU recipe is untouched
 

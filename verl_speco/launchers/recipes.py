@@ -1,13 +1,16 @@
 """What the Qwen3-8B launchers run per drafter family: settings, drafted tokens k, serving engines.
 
-GPU settings are the published Qwen3-8B recipes (EAGLE-3 draft vocab 32000 and 7 TTT steps; DFlash
-and Domino blocks of 16 over 5 layers; DSpark blocks of 7 with the vanilla Markov head vLLM builds;
-P-EAGLE 4 layers, 8 depths; the MASK id of Qwen3's vocab, 151669, for the families that need one:
-Qwen3's tokenizer has no mask token). CPU settings are the quickstart presets' (sized for the
-embedded target), read from `configs/preset/quickstart_<family>.yaml`, so the CPU launchers and the
-quickstart train the same drafters. NPU settings are the GPU ones except where the upstream Ascend
-recipes differ (`NPU_SETTINGS`: DFlash verifies 15 tokens, blocks of 15); the NPU launchers serve
-with vllm-ascend (verl_speco/deploy/vllm_ascend.py: its methods, k + 1 <= 16) and have no SGLang.
+Every family's recipes live in one file, `configs/drafter/<family>.yaml` (`recipes:`), read here by
+`drafter_recipe`: `gpu`, the published Qwen3-8B recipe (EAGLE-3 draft vocab 32000 and 7 TTT steps;
+DFlash and Domino blocks of 16 over 5 layers; DSpark blocks of 7 with the vanilla Markov head vLLM
+builds; P-EAGLE 4 layers, 8 depths; the MASK id of Qwen3's vocab, 151669, for the families that need
+one: Qwen3's tokenizer has no mask token); `npu`, over `gpu` where the upstream Ascend recipes differ
+(DFlash verifies 15 tokens, blocks of 15); `real_target`, over the quickstart preset for a real
+target's vocabulary on CPU (scripts/bench_family_acceptance.py, `quickstart_<family>_smollm2`). CPU
+settings are the quickstart presets' (sized for the embedded target), read from
+`configs/preset/quickstart_<family>.yaml`, so the CPU launchers and the quickstart train the same
+drafters. The NPU launchers serve with vllm-ascend (verl_speco/deploy/vllm_ascend.py: its methods,
+k + 1 <= 16) and have no SGLang.
 
 k, what the rollout engine drafts per step, follows from the settings (`speculative_tokens`):
 dflash and domino block_size - 1 (a block is [anchor, MASK x (B - 1)]), dspark block_size, peagle
@@ -28,21 +31,12 @@ from verl_speco.train.config import build_family_config
 
 DEVICES = ("gpu", "cpu", "npu")
 ENGINES = ("vllm", "sglang")
+RECIPES = ("gpu", "npu", "real_target")  # the sections of configs/drafter/<family>.yaml `recipes`
 CHAIN_TOKENS = 3
 QWEN3_MASK_ID = 151669
-PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "preset"
-
-GPU_SETTINGS: dict[str, dict[str, Any]] = {
-    "eagle1": {},
-    "eagle2": {"top_k": 10, "depth": 7, "total_tokens": 60},  # SafeAILab's tree (SGLang serves it)
-    "eagle3": {"draft_vocab_size": 32000, "ttt_steps": 7, "ttt_decay": 0.8},
-    "dflash": {"num_layers": 5, "block_size": 16, "mask_token_id": QWEN3_MASK_ID},
-    "dspark": {"num_layers": 5, "block_size": 7, "markov_head_type": "vanilla", "mask_token_id": QWEN3_MASK_ID},
-    "domino": {"num_layers": 5, "block_size": 16, "mask_token_id": QWEN3_MASK_ID},
-    "peagle": {"draft_vocab_size": 32000, "num_layers": 4, "num_depths": 8, "mask_token_id": QWEN3_MASK_ID},
-}
-
-NPU_SETTINGS: dict[str, dict[str, Any]] = {"dflash": {"block_size": 15}}  # over GPU_SETTINGS
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+PRESET_DIR = CONFIG_DIR / "preset"
+DRAFTER_DIR = CONFIG_DIR / "drafter"
 
 # Qwen3-8B's sizes as our families see them (config.json; its tokenizer has no mask token)
 QWEN3_8B = TargetSpec(vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
@@ -72,25 +66,39 @@ def check_device(device: str) -> str:
 
 
 @functools.cache
-def _preset_settings(family: str) -> dict[str, Any]:
+def _yaml_mapping(path: Path, key: str) -> dict[str, Any]:
+    """The mapping at `key` of the YAML file `path` (empty when the key is absent); cached, never mutated."""
     from omegaconf import OmegaConf
 
-    path = PRESET_DIR / f"quickstart_{family}.yaml"
     if not path.is_file():
-        raise RecipeError(f"FAMILY={family!r}: no CPU preset {path} (expected one per family)")
-    node = OmegaConf.select(OmegaConf.load(path), "drafter.settings", default=None)
+        raise RecipeError(f"{path}: no such file (expected one per family)")
+    node = OmegaConf.select(OmegaConf.load(path), key, default=None)
     raw = OmegaConf.to_container(node, resolve=True) if node is not None else {}
     if not isinstance(raw, dict):
-        raise RecipeError(f"{path}: drafter.settings is {raw!r}, expected a mapping")
+        raise RecipeError(f"{path}: {key} is {raw!r}, expected a mapping")
     return {str(k): v for k, v in raw.items()}
 
 
+def drafter_recipe(family: str, name: str) -> dict[str, Any]:
+    """Recipe `name` (one of RECIPES) of `family`: `recipes.<name>` of configs/drafter/<family>.yaml, the
+    one place a family's sized settings are written (a copy; keys of the family's config class)."""
+    check_choice("FAMILY", family, known_families())
+    check_choice("recipe", name, RECIPES)
+    path = DRAFTER_DIR / f"{family}.yaml"
+    section = _yaml_mapping(path, "recipes").get(name)
+    if not isinstance(section, dict):
+        raise RecipeError(f"{path}: recipes.{name} is {section!r}, expected a mapping (one section per recipe: "
+                          f"{', '.join(RECIPES)}; {{}} when the family sets nothing there)")
+    return dict(section)
+
+
 def settings(family: str, device: str) -> dict[str, Any]:
-    """The drafter settings of `family` on `device` (a copy; keys of the family's config class)."""
+    """The drafter settings of `family` on `device` (a copy; keys of the family's config class): cpu the
+    quickstart preset's, gpu the `gpu` recipe, npu the `npu` recipe over the `gpu` one."""
     check_choice("FAMILY", family, known_families())
     if check_device(device) == "cpu":
-        return _preset_settings(family)
-    return {**GPU_SETTINGS[family], **(NPU_SETTINGS.get(family, {}) if device == "npu" else {})}
+        return dict(_yaml_mapping(PRESET_DIR / f"quickstart_{family}.yaml", "drafter.settings"))
+    return {**drafter_recipe(family, "gpu"), **(drafter_recipe(family, "npu") if device == "npu" else {})}
 
 
 def family_config(family: str, values: dict[str, Any]) -> Any:

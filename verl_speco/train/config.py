@@ -28,6 +28,9 @@ class DrafterSection:
     family: str = "eagle3"  # a name from drafters.registry.available_families()
     settings: dict[str, Any] = field(default_factory=dict)  # -> family.config_cls(**settings)
     export_formats: list[str] = field(default_factory=list)  # empty: the family's default format
+    # the family's sized setting sets (gpu, npu, real_target) that launchers, presets and benchmarks read
+    # (configs/drafter/<family>.yaml; verl_speco/launchers/recipes.py); the trainer trains `settings`
+    recipes: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
