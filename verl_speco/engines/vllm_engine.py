@@ -240,6 +240,48 @@ def _finished_counter(on_done: Callable[[int], None]) -> Callable[..., Any]:
     return factory
 
 
+def time_decode_steps(llm: LLM, prompts: Sequence[Sequence[int]], batch: int, steps: int, warmup: int,
+               max_tokens: int) -> tuple[float, float]:
+    """(prefill seconds, median decode-step seconds) of `batch` requests cycling over `prompts`, greedy
+    and ignoring EOS, the engine stepped by hand (`LLMEngine.step`): the prefill is the time until every
+    request has its first token, then `warmup` steps, then `steps` timed ones; the requests are aborted
+    after. RuntimeError when a step did not advance every request (`max_tokens` too small, or the
+    engine's max_num_seqs below `batch`)."""
+    from itertools import cycle, islice
+    from statistics import median
+    from time import monotonic_ns, perf_counter
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [f"speco-calibrate-{monotonic_ns()}-{i}" for i in range(batch)]
+    started = perf_counter()
+    for rid, prompt in zip(ids, islice(cycle(prompts), batch)):
+        engine.add_request(rid, TokensPrompt(prompt_token_ids=[int(t) for t in prompt]), params)
+    have: dict[str, int] = {}
+    try:
+        while len(have) < batch:
+            for out in engine.step():
+                have[out.request_id] = len(out.outputs[0].token_ids)  # type: ignore[index]
+        prefill = perf_counter() - started
+        durations = []
+        for i in range(warmup + steps):
+            t0 = perf_counter()
+            outs = engine.step()
+            if len(outs) != batch or any(o.finished for o in outs):
+                raise RuntimeError(f"calibration step {i}: {len(outs)} of {batch} requests advanced (max_tokens "
+                                   f"{max_tokens} too small, or the engine's max_num_seqs below {batch})")
+            if i >= warmup:
+                durations.append(perf_counter() - t0)
+    finally:
+        engine.abort_request(ids)
+        while engine.has_unfinished_requests():
+            engine.step()
+    return prefill, median(durations)
+
+
 def snapshot_spec_counters(llm: LLM) -> SpecCounters:
     """Cumulative acceptance counters now (summed over engine labels; zeros without speculation)."""
     return _counters(llm.get_metrics())

@@ -3,62 +3,21 @@ with its drafter at every k = 0..k_max, over a grid of batch sizes, plus the dra
 position. Each drafting k is an engine of `num_speculative_tokens = k_max` whose batch-size schedule
 gives k everywhere, so k = 0 is measured as a rollout under a schedule runs it.
 
-A measurement: `batch` requests of the calibration prompts (ignore_eos, no cap reached), the engine
-stepped by hand (`LLMEngine.step`): the prefill is the time until every request has its first token,
-then `warmup` steps, then the median of `steps` timed steps; the requests are aborted after. The
-engines run one after another; the step times need a machine doing nothing else (state its load).
+A measurement is `vllm_engine.time_decode_steps`: `batch` requests stepped by hand, the prefill (until
+every request has its first token) and the median decode step. The engines run one after another; the
+step times need a machine doing nothing else (state its load).
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Sequence
-from itertools import cycle, islice
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from verl_speco.speculation.cost_model import StepTimes
 from verl_speco.speculation.plan import Calibration
 
-if TYPE_CHECKING:
-    from vllm import LLM
-
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
-
-
-def time_steps(llm: LLM, prompts: Sequence[Sequence[int]], batch: int, steps: int, warmup: int,
-               max_tokens: int) -> tuple[float, float]:
-    """(prefill seconds, median decode-step seconds) of `batch` requests cycling over `prompts`."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    engine = llm.llm_engine
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    ids = [f"speco-calibrate-{time.monotonic_ns()}-{i}" for i in range(batch)]
-    started = time.perf_counter()
-    for rid, prompt in zip(ids, islice(cycle(prompts), batch)):
-        engine.add_request(rid, TokensPrompt(prompt_token_ids=[int(t) for t in prompt]), params)
-    have: dict[str, int] = {}
-    try:
-        while len(have) < batch:
-            for out in engine.step():
-                have[out.request_id] = len(out.outputs[0].token_ids)  # type: ignore[index]
-        prefill = time.perf_counter() - started
-        durations = []
-        for i in range(warmup + steps):
-            t0 = time.perf_counter()
-            outs = engine.step()
-            if len(outs) != batch or any(o.finished for o in outs):
-                raise RuntimeError(f"calibration step {i}: {len(outs)} of {batch} requests advanced (max_tokens "
-                                   f"{max_tokens} too small, or the engine's max_num_seqs below {batch})")
-            if i >= warmup:
-                durations.append(time.perf_counter() - t0)
-    finally:
-        engine.abort_request(ids)
-        while engine.has_unfinished_requests():
-            engine.step()
-    return prefill, statistics.median(durations)
 
 
 def calibrate(target_dir: str | Path, draft_dir: str | Path | None, spec: dict[str, Any], prompts: Sequence[Sequence[int]],
@@ -83,7 +42,7 @@ def calibrate(target_dir: str | Path, draft_dir: str | Path | None, spec: dict[s
     context = vllm_engine.context_length(max(len(p) for p in prompts), max(max_tokens, acceptance_tokens), k_max)
     extra = {key: v for key, v in spec.items() if key not in ("method", "num_speculative_tokens", "model")}
 
-    def engine(k: int | None) -> LLM:
+    def engine(k: int | None) -> Any:
         if k is None:
             return vllm_engine.build_llm(target_dir, None, max_model_len=context, max_num_seqs=max_num_seqs,
                                          **engine_options)
@@ -105,7 +64,7 @@ def calibrate(target_dir: str | Path, draft_dir: str | Path | None, spec: dict[s
             for sweep in range(passes):  # ascending, then descending batch sizes: min over the sweeps
                 for batch in batch_sizes if sweep % 2 == 0 else batch_sizes[::-1]:
                     before = vllm_engine.snapshot_spec_counters(llm)
-                    prefill, step = time_steps(llm, prompts, batch, steps, warmup, max_tokens)
+                    prefill, step = vllm_engine.time_decode_steps(llm, prompts, batch, steps, warmup, max_tokens)
                     _require_drafts_of(k, vllm_engine.snapshot_spec_counters(llm) - before, batch,
                                        exact=draft_dir is not None)
                     have = best.get(batch, (prefill, step))
