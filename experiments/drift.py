@@ -39,8 +39,8 @@ from typing import Any, cast
 import torch
 
 from drafters.common.tokens import cut_at_end
+from experiments.drift_stats import paired_difference
 from verl_speco.cpu_port.env import use_in_process_vllm_env
-from verl_speco.drift_stats import paired_difference
 from verl_speco.engines.spec_metrics import SpecCounters, acceptance_summary
 from verl_speco.online.capture import CapturedRows, OnlineCapture
 from verl_speco.online.config import CAPTURE_PASSES, SCHEDULES, CaptureCaps, DrafterRunConfig
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     from verl_speco.quickstart import quickstart_families
 
     d = DriftConfig(out="")
-    p = argparse.ArgumentParser(prog="verl-speco-drift", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.drift", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="output directory (metrics.jsonl, summary.json, acceptance.png)")
     p.add_argument("--steps", type=int, default=d.steps, help="RL steps after the initial policy")
     p.add_argument("--finetune-steps", type=int, default=d.finetune_steps, help="target fine-tune steps per RL step")

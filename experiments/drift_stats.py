@@ -1,5 +1,5 @@
 """Statistics of the drift studies, in one place: the paired per-prompt difference of two drafts
-(`verl_speco.drift`, the embedded harness), the goal window of a paired verl run
+(`experiments.drift`, the embedded harness), the goal window of a paired verl run
 (`scripts/drift_real_grpo.py`, `scripts/drift_reachable.py`), the reader of a run's `metrics.jsonl`,
 and the interval on how often the goal is met over runs (`scripts/drift_seeds.py`).
 """

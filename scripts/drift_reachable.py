@@ -32,7 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from drafters.common.metrics import reachable_chain_counts  # noqa: E402
-from verl_speco.drift_stats import (  # noqa: E402
+from experiments.drift_stats import (  # noqa: E402
     GOAL_FROM_STEP,
     GOAL_RATIO,
     goal_window,

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # experiments/ (the drift statistics) is not installed with the package
 ARMS = ("frozen", "cotrained", "publish_off")
 KEYS = {  # metrics.jsonl field -> verl / trainer metric
     "heldout_acceptance": "drafter/heldout/mean_acceptance_length",
@@ -147,7 +148,7 @@ def plot(records: list[dict[str, Any]], path: Path, title: str) -> None:
 
 def summarize(records: list[dict[str, Any]], runs: dict[str, Any], args: argparse.Namespace,
               drafter: Path) -> dict[str, Any]:
-    from verl_speco.drift_stats import GOAL_FROM_STEP, goal_window
+    from experiments.drift_stats import GOAL_FROM_STEP, goal_window
 
     last: dict[str, Any] = {}
     for arm in ARMS:
@@ -173,7 +174,7 @@ def summarize(records: list[dict[str, Any]], runs: dict[str, Any], args: argpars
         paired = [r for r in records if r["arm"] == "cotrained" and "heldout_baseline_acceptance" in r]
         summary["paired_margin"] = {str(r["step"]): round(r["heldout_acceptance"] - r["heldout_baseline_acceptance"], 4)
                                     for r in paired}
-        if any(r["step"] >= GOAL_FROM_STEP for r in paired):  # the goal's window (verl_speco/drift_stats.py)
+        if any(r["step"] >= GOAL_FROM_STEP for r in paired):  # the goal's window (experiments/drift_stats.py)
             summary["goal_window"] = goal_window(paired)
     same = {arm: g for arm, g in gains.items() if arm != "cotrained" and g}
     if same:  # the served draft is the initial one: the paired comparison's own noise

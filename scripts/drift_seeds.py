@@ -5,7 +5,7 @@ validation step from the window's first at a gain of 1.3 or more). Whether a set
 a rate over runs that differ only in their seed, and a handful of runs bounds that rate loosely. This
 script reads the runs' `metrics.jsonl`, groups them by a label, and prints one line per run (the goal
 window's figures) and one per group: the runs that met the goal, those that missed it by one step, and
-the 95% Wilson interval on the met rate (`verl_speco.drift_stats.wilson_interval`). `--png` draws every
+the 95% Wilson interval on the met rate (`experiments.drift_stats.wilson_interval`). `--png` draws every
 run's gain per step, one colour per group, with the goal's ratio and the window's first step.
 
     python scripts/drift_seeds.py --run 32=runs/lever/steps_b8_s0/results \\
@@ -17,7 +17,7 @@ it is printed as partial and left out of its group's counts.
 
 `--reachable` also reads each run's `reachable.json` (`scripts/drift_reachable.py`: beside the
 `metrics.jsonl`, or above its `results/` directory) and prints, for every step that missed the goal, the gain
-of a draft that gets every token right but the computed numbers (`verl_speco.drift_stats.reachability`),
+of a draft that gets every token right but the computed numbers (`experiments.drift_stats.reachability`),
 then how many missed steps had a ceiling below the lowest ceiling of any step that met the goal.
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from verl_speco.drift_stats import (  # noqa: E402
+from experiments.drift_stats import (  # noqa: E402
     GOAL_FROM_STEP,
     GOAL_RATIO,
     goal_window,

@@ -7,9 +7,11 @@ in a fresh interpreter (importing `drafters`/`feature_store` loads no engine and
 from __future__ import annotations
 
 import ast
+import fnmatch
 import json
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -127,11 +129,12 @@ def test_family_import_scan_can_fail(tmp_path: Path) -> None:
     assert _family_imports(bad, {"eagle1", "eagle3"}) == ["drafters.eagle1", "drafters.eagle3.export"]
 
 
-# Applications sit on top of the library: the README's quickstart and the drift study (it trains its
-# initial drafter with the quickstart), plus the benchmarks and scripts. No library module (anything
-# else under verl_speco/, drafters/, feature_store/) imports one.
-APP_FILES = ("verl_speco/quickstart.py", "verl_speco/drift.py")
-APP_MODULES = ("verl_speco.quickstart", "verl_speco.drift", "benchmarks", "scripts")
+# Applications sit on top of the library: the README's quickstart, the studies of experiments/ (the
+# drift study trains its initial drafter with the quickstart), the benchmarks and scripts. No library
+# module (anything else under verl_speco/, drafters/, feature_store/) imports one.
+APP_FILES = ("verl_speco/quickstart.py",)
+APP_MODULES = ("verl_speco.quickstart", "experiments", "benchmarks", "scripts")
+APP_PACKAGES = ("experiments", "benchmarks")  # beside the library at the repository root, never installed
 
 
 def _named_modules(path: Path, package: str) -> set[str]:
@@ -156,7 +159,8 @@ def _app_imports(path: Path, package: str) -> list[str]:
 
 
 def test_no_library_module_imports_an_application() -> None:
-    assert all((ROOT / app).is_file() for app in APP_FILES)  # the list names real modules
+    assert all((ROOT / app).is_file() for app in APP_FILES)  # the lists name real modules
+    assert all((ROOT / app / "__init__.py").is_file() for app in APP_PACKAGES)
     offenders = {}
     for path in [p for top in OURS for p in _py_files(top)]:
         rel = path.relative_to(ROOT).as_posix()
@@ -168,8 +172,21 @@ def test_no_library_module_imports_an_application() -> None:
 def test_application_import_scan_can_fail(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("from verl_speco import quickstart\nimport benchmarks.family_table\n"
-                   "def f():\n    from ..drift import main\n    from scripts import gpu_check\n"
-                   "from verl_speco.online import session\n")
+                   "def f():\n    from experiments.drift import main\n    from scripts import gpu_check\n"
+                   "    import experiments\n    from ..quickstart import run\n"
+                   "from verl_speco.online import session\nimport experimental\n")
     assert _app_imports(bad, "verl_speco.online") == [
-        "benchmarks.family_table", "scripts", "scripts.gpu_check", "verl_speco.drift", "verl_speco.drift.main",
-        "verl_speco.quickstart"]
+        "benchmarks.family_table", "experiments", "experiments.drift", "experiments.drift.main", "scripts",
+        "scripts.gpu_check", "verl_speco.quickstart", "verl_speco.quickstart.run"]
+
+
+def _shipped(package: str) -> bool:
+    """Whether pyproject's `[tool.setuptools.packages.find] include` patterns take `package` into the wheel."""
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    return any(fnmatch.fnmatchcase(package, pattern) for pattern in include)
+
+
+def test_applications_are_not_installed_with_the_package() -> None:
+    assert [p for p in OURS if not _shipped(p)] == []  # the patterns do take the libraries
+    assert [p for p in (*APP_PACKAGES, "scripts") if _shipped(p)] == []
+    assert not _shipped("experiments.drift") and _shipped("verl_speco.online")

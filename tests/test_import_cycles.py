@@ -12,7 +12,7 @@ from pathlib import Path
 from import_graph import import_cycles, import_graph, upward_imports
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("feature_store", "drafters", "verl_speco")  # a package imports only those before it
+LAYERS = ("feature_store", "drafters", "verl_speco", "experiments")  # a package imports only those before it
 
 
 def test_our_modules_import_no_circle() -> None:

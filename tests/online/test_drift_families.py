@@ -49,7 +49,7 @@ def test_drift_harness_runs_the_family_through_the_seam(tmp_path: Path, name: st
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from drafters.common.target import TargetHead
     from drafters.registry import export_family, get_family
-    from verl_speco.drift import DriftConfig, DriftHarness
+    from experiments.drift import DriftConfig, DriftHarness
     from verl_speco.target.build import ensure_target
 
     target = ensure_target()

@@ -40,7 +40,7 @@ def run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    from verl_speco.drift import DriftConfig, DriftHarness
+    from experiments.drift import DriftConfig, DriftHarness
 
     out = tmp_path_factory.mktemp("drift")
     base = DriftConfig(out=str(out))

@@ -1,4 +1,4 @@
-"""The drift studies' statistics (verl_speco/drift_stats.py), against figures worked by hand."""
+"""The drift studies' statistics (experiments/drift_stats.py), against figures worked by hand."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_speco.drift_stats import (
+from experiments.drift_stats import (
     goal_window,
     paired_difference,
     paired_gains,

@@ -75,7 +75,7 @@ def test_table_divides_the_reachable_acceptance_by_the_initial_one(tmp_path: Pat
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not any(line.startswith("steps ") for line in lines)  # no step in the goal's window (from 4)
     reach.main(["--valgen", str(valgen), "--results", str(results), "--goal-from", "1"])
-    # step 1 only: margin 2.6 - 1.5, gain 2.6 / 1.5 (verl_speco/drift_stats.py goal_window)
+    # step 1 only: margin 2.6 - 1.5, gain 2.6 / 1.5 (experiments/drift_stats.py goal_window)
     assert capsys.readouterr().out.splitlines()[-1] == (
         "steps 1 to 1: margin 1.10 (sd 0.00), gain 1.733 min / 1.733 mean, 1 of 1 steps at 1.3 or more: the goal, met")
 

@@ -1,6 +1,6 @@
 """`OnlineController`: the one schedule of online drafter co-training, shared by the verl trainer
 (`verl_integration.trainer`, the drafter behind the Ray drafter group) and the drift study
-(`verl_speco.drift`, an in-process `DrafterSession` behind `session_link.SessionLink`).
+(`experiments.drift`, an in-process `DrafterSession` behind `session_link.SessionLink`).
 
 Per RL step the host hands it the step's rows (`end_step`, or `add` then `maybe_train`). It decides:
 
