@@ -12,7 +12,7 @@ trap 'echo "[run_tests] phase times: ${PHASES[*]:-none} (total ${SECONDS}s)"' EX
 bash scripts/setup_env.sh
 phase_done setup
 export HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 TOKENIZERS_PARALLELISM=false
-.venv/bin/ruff check feature_store drafters verl_speco tests scripts benchmarks
+.venv/bin/ruff check feature_store drafters verl_speco tests scripts benchmarks experiments
 phase_done ruff
 .venv/bin/mypy
 phase_done mypy
