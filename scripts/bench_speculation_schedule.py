@@ -126,7 +126,8 @@ def _draw(out: Path, report: dict[str, Any]) -> None:
     (out / "table.md").write_text(_table(report) + "\n")
 
     def grid(key: str) -> dict[str, dict[int, float]]:
-        return {arm: {int(w[2:]): row[w][key] for w in row if w.startswith("b=")} for arm, row in report["points"].items()}
+        return {arm: {int(w[2:]): row[w][key] for w in row if w.startswith("b=")}
+                for arm, row in report["points"].items() if arm != "auto"}  # auto is one of the others per point
 
     settings, described = report["settings"], report["plan"]["describe"] if report["plan"]["speculate"] else "plain"
     plot(out / "speculation.png", grid("predicted_tokens_per_s"), grid("measured_tokens_per_s"),
