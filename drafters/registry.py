@@ -1,18 +1,10 @@
 """The catalog: the one place a drafter family is registered (docs/design/architecture.md section 2).
 
-Families load lazily by import path, so `import drafters.registry` imports no family code.
-Engine method names (vLLM `speculative_config["method"]`, SGLang `--speculative-algorithm`)
-are catalog data (docs/design/algorithms.md sections 1-7; docs/design/engines.md for what each engine serves).
-
-A family of this repository is one `CatalogEntry` line in `BUILTIN` below. A family from another
-package registers its `CatalogEntry` without editing this file (docs/adding-a-family.md):
-- an entry point in the group `ENTRY_POINT_GROUP` ("verl_speco_drafters") naming the entry, e.g. in
-  that package's pyproject.toml `[project.entry-points.verl_speco_drafters] toy = "toyfam.catalog:ENTRY"`:
-  found in every process where the package is installed (verl's workers too), at the first catalog
-  lookup and again whenever a name is not found;
-- or `register_family(entry)` in the process that uses it (`unregister_family(name)` undoes it).
-`get_family` checks a family object against the contract once (`contract_gaps`) and refuses an
-incomplete one naming what it lacks (`FamilyContractError`).
+Families load lazily by import path (`import drafters.registry` imports no family code); engine method
+names are catalog data. A built-in family is one `CatalogEntry` in `BUILTIN`; another package's family
+registers through the entry-point group `ENTRY_POINT_GROUP` ("verl_speco_drafters", found in every
+process where it is installed) or `register_family(entry)` (docs/adding-a-family.md). `get_family`
+refuses a family that lacks a contract member, naming it (`FamilyContractError`).
 """
 
 from __future__ import annotations
@@ -66,11 +58,9 @@ class EngineMethod:
 
 @dataclass(frozen=True)
 class CatalogEntry:
-    """import_path: "module:attribute" of the family object. draft_depth: the config field that
-    fixes how many tokens one round drafts, and its offset: k drafts per round need `field = k +
-    offset` (a block drafter's block_size, P-EAGLE's num_depths); None: k is a decoding choice.
-    trains_as: the family whose weights and training step this one uses (EAGLE-2 is EAGLE-1's weights
-    drafted as a tree); None: its own."""
+    """import_path: "module:attribute" of the family object. draft_depth: the config field fixing k
+    drafts per round and its offset (`field = k + offset`), None when k is a decoding choice.
+    trains_as: the family whose weights and training step this one uses (EAGLE-2: EAGLE-1's)."""
 
     name: str
     summary: str
@@ -167,10 +157,9 @@ def unregister_family(name: str) -> None:
 
 
 def discover_families() -> tuple[str, ...]:
-    """Register every family an installed package declares under the entry-point group
-    `ENTRY_POINT_GROUP` (value: "module:ATTRIBUTE" of its `CatalogEntry`, whose name must equal the
-    entry point's); returns the names found. One that fails to load is remembered with its error,
-    which a lookup of that name reports."""
+    """Register every family installed packages declare under `ENTRY_POINT_GROUP` (value
+    "module:ATTRIBUTE" of a `CatalogEntry` of the same name); returns the names found. One that fails
+    to load is remembered with its error, which a lookup of that name reports."""
     global _discovered
     _discovered = True
     found = []

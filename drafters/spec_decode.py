@@ -1,27 +1,14 @@
 """Reference speculative decoder (pure torch, one sequence, recompute without KV cache).
 
-Target: any HF-like nn.Module called as `target(input_ids=[1, T], output_hidden_states=True)`
-returning `.logits` [1, T, V] and `.hidden_states` (L + 1 tensors [1, T, H]). Drafter: any
-`Proposer` (common/contract.py), e.g. `get_family(name).proposer(model, target_spec)`.
+Target: an HF-like module, `target(input_ids=[1, T], output_hidden_states=True)` -> `.logits` [1, T, V],
+`.hidden_states` (L + 1 of [1, T, H]). Drafter: any `Proposer` (common/contract.py). A round drafts
+d_1..d_k, runs one target pass over [x_0..x_n, d_1..d_k] (position n + i - 1 scores d_i, n + k gives the
+bonus), verifies (drafters/verify.py) and commits the accepted drafts plus one target token. Greedy mode
+reproduces greedy decoding exactly; sampling mode is lossless. Stats follow vLLM's counters.
 
-Round (committed tokens x_0..x_n, x_n just emitted by the target):
-    drafts d_1..d_k = proposer.propose(...)
-    one target pass over [x_0..x_n, d_1..d_k]: logits at position n + i - 1 score d_i, the
-    logits at position n + k give the bonus; verify (drafters/verify.py), commit the accepted
-    drafts plus one target token, and keep the target's hidden states of the committed positions.
-Greedy mode (temperature 0) reproduces plain greedy decoding exactly; sampling mode keeps the
-target's distribution exactly (lossless). Drafting is greedy by default (vLLM's default); with
-draft_sampling="probabilistic" the proposer samples with the same sampling params and returns q.
-Stats follow vLLM's counters (common/metrics.py).
-
-EAGLE-2 dynamic tree (`tree_speculative_generate`, drafter: any `TreeProposer`, common/tree.py):
-    tree = build_draft_tree(proposer, ctx, TreeConfig(top_k, depth, total_tokens))
-    ONE target pass over [x_0..x_n; tree nodes] with the tree attention mask and positions
-    (C = n + 1; the target must accept a 4-D additive `attention_mask` and `position_ids`, as HF
-    Qwen3 / Llama do); row n scores the root's children, row n + 1 + i node i's children;
-    verify_tree_greedy / verify_tree_sampling (drafters/verify.py) walk the accepted path; commit
-    it plus one target token, and keep the target's hidden states of x_0..x_n and of the path
-    (each node's row equals a causal pass over its path, so they are the committed states).
+`tree_speculative_generate` (EAGLE-2): build_draft_tree, then ONE target pass over [x_0..x_n; nodes]
+with the tree mask and positions (C = n + 1; the target takes a 4-D additive `attention_mask`), the
+walk of drafters/verify.py, and the committed path's hidden states (a node row equals a causal pass).
 """
 
 from __future__ import annotations
@@ -156,9 +143,8 @@ def tree_speculative_generate(target: nn.Module, tree_proposer: TreeProposer, pr
                               top_k: int, depth: int, total_tokens: int, max_new_tokens: int,
                               sampling: SamplingParams | None = None, eos_token_id: int | None = None,
                               generator: torch.Generator | None = None) -> SpecDecodeResult:
-    """Generate up to `max_new_tokens` after `prompt_ids` [T0] with EAGLE-2 dynamic-tree drafts
-    (module docstring; TreeConfig documents top_k / depth / total_tokens). Stats: one draft per
-    round, num_draft_tokens += tree nodes, accepted = accepted path length, per-depth counts."""
+    """Generate up to `max_new_tokens` after `prompt_ids` [T0] with EAGLE-2 dynamic-tree drafts (module
+    docstring). Stats: one draft per round of tree-node count, accepted = path length."""
     cfg = TreeConfig(top_k, depth, total_tokens)
     if max_new_tokens < 1 or prompt_ids.numel() < 1:
         raise ValueError(f"need max_new_tokens >= 1 and a non-empty prompt; got {max_new_tokens}, "

@@ -1,27 +1,15 @@
 """Verification of a draft against the target: lossless speculative sampling (docs/design/algorithms.md section 0).
 
-Shapes: draft_ids int64 [k] (target ids); draft_probs float [k, V] or None (greedy drafting:
-q is one-hot at the draft token, as vLLM does with draft_probs=None); target rows [k + 1, V]
-where row i scores draft token i (0-based) and row k is the bonus position.
-Each function returns (num_accepted in 0..k, next_token): the first num_accepted draft tokens
-are kept, then next_token (recovered at the first rejection, else the bonus) is emitted.
+Chains: draft_ids int64 [k] (target ids); draft_probs float [k, V] or None (greedy drafting: q one-hot,
+as vLLM); target rows [k + 1, V], row i scores draft token i, row k is the bonus. Returns (num_accepted
+in 0..k, next_token).
 
-Trees (EAGLE-2, drafters/common/tree.py): token_ids / parents int64 [N]; target rows [N + 1, V],
-row 0 at the root x_n (scores the root's children), row 1 + i at node i (scores its children,
-or is the bonus row when the walk ends at node i). The walk starts at the root; it returns
-(path: accepted node indices root-to-node, next_token). Sampling scheme, multi-candidate
-speculative sampling with DETERMINISTIC candidates (EAGLE-2's top-k children; SafeAILab
-`evaluate_posterior`): at a node with target distribution p, try its children c_1, c_2, ... in
-node order (rank order); q is one-hot at the child being tried, so child token x is accepted with
-probability min(1, p(x)/1) = p(x); after a rejection p <- norm(max(p - onehot(x), 0)), i.e. p
-with x zeroed and renormalised (`recovered_distribution` with q one-hot); accepting a child moves the walk there (its own row);
-when every child is rejected (or the node is a leaf) next_token is drawn from the current p.
-Lossless: by induction over the children, token x_j is emitted with probability
-prod_{i<j}(1 - p_i(x_i)) * p_j(x_j) = p(x_j) (p_j is p with x_1..x_{j-1} removed), and any
-other token y with prod_i (1 - p_i(x_i)) * p_m(y) = p(y); so each step emits exactly the
-target's distribution at that position, and the next step conditions on what was emitted.
-(Candidates SAMPLED from q with or without replacement would need SpecInfer's / the recursive
-rejection scheme with the real q; this decoder drafts trees by top-k only.)
+Trees (EAGLE-2): token_ids / parents int64 [N]; target rows [N + 1, V], row 0 at the root, row 1 + i at
+node i. Returns (accepted path, next_token). Candidates are deterministic (top-k children; SafeAILab
+`evaluate_posterior`): children are tried in rank order with q one-hot, so child x is accepted with
+probability p(x); after a rejection p <- p with x zeroed and renormalised; if none is accepted
+next_token is drawn from the current p. This emits exactly the target's distribution (each candidate
+x_j with prod_{i<j}(1 - p_i(x_i)) * p_j(x_j) = p(x_j)); sampled candidates would need SpecInfer's scheme.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Attention core with two backends over one mask function.
 
-- `sdpa`: `scaled_dot_product_attention` with the dense bool mask from `AttentionMask.dense()`.
-  Runs everywhere, forward and backward (CPU training uses it).
-- `flex`: flex attention with a `BlockMask` built by `create_block_mask` from the same mask
-  function. Compiled on CUDA (`_flex`: one graph per mask function for every length and offset);
-  on CPU it runs uncompiled, forward only (its backward is not implemented on CPU in torch 2.13),
-  which is enough for the agreement test.
-- `auto`: flex on CUDA, sdpa elsewhere (Ascend NPUs and every other device take the dense-mask
-  path; flex is refused on them: torch_npu has no flex attention kernel).
-
-Shapes: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] with Hq a multiple of Hkv (grouped-query attention);
-output [B, Hq, Tq, D]. `mask=None` means every query sees every key.
+- `sdpa`: `scaled_dot_product_attention` with the dense bool mask of `AttentionMask.dense()`; everywhere.
+- `flex`: flex attention with a `BlockMask` from the same function; compiled on CUDA, uncompiled and
+  forward-only on CPU (torch 2.13 has no CPU backward).
+- `auto`: flex on CUDA, sdpa elsewhere (torch_npu has no flex kernel, so flex is refused on NPUs).
+Shapes: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] (Hq a multiple of Hkv) -> [B, Hq, Tq, D]; `mask=None`
+means every query sees every key.
 """
 
 from __future__ import annotations
@@ -47,11 +42,8 @@ def resolve_backend(backend: str, device: torch.device) -> Literal["sdpa", "flex
 
 
 def _masked_flex(q: Tensor, k: Tensor, v: Tensor, mask_mod: MaskMod | None, batch: int, gqa: bool) -> Tensor:
-    """flex attention under `mask_mod` evaluated for `batch` rows at the tensors' own lengths.
-
-    The BlockMask is built here, inside the compiled graph, from q's and k's lengths: a BlockMask
-    built outside carries its lengths as Python ints, which the compiled graph is specialized to.
-    """
+    """flex attention under `mask_mod` for `batch` rows at the tensors' own lengths; the BlockMask is
+    built inside the compiled graph (one built outside would pin its lengths as Python ints)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     block_mask = None
@@ -68,12 +60,9 @@ def _compiled_flex() -> Callable[..., Any]:
 
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask | None) -> Tensor:
-    """Compiled, q/k/v are made contiguous (a graph is specialized to its inputs' layout: EAGLE-3's
-    first TTT step passes transposed views, later steps concatenated keys), and their lengths and
-    every size of the tensors the mask function captures are marked dynamic before the first call:
-    one graph per mask function serves every sequence length, TTT step, row offset and block size
-    (benchmarks/flex_compiles.py counts them). Still separate graphs: another mask function, grad
-    mode, batch size, and a length within one 128-row block against a longer one."""
+    """Compiled, with contiguous q/k/v and every length and captured size marked dynamic, so one graph
+    per mask function serves every length, TTT step, offset and block size (benchmarks/flex_compiles.py
+    counts them)."""
     gqa = q.shape[1] != k.shape[1]
     mask_mod = None if mask is None else mask.mask_mod
     batch = q.shape[0] if mask is None else mask.batch
@@ -165,10 +154,9 @@ def _slot_scores(qg: Tensor, kd: Tensor, dbias: Tensor | None, scale: float) -> 
 
 
 class _TTTAttention(torch.autograd.Function):
-    """Softmax attention of q [B, Hq, Tq, D] over the union of flash-attention key blocks and J
-    keys of each query's own (kd/vd [B, Hkv, Tq, J, D]; dbias [B, 1, Tq, J] 0 / -inf masks empty
-    slots). A block is (k, v [B, Hkv, Tk, D], additive mask [B, 1, Tq, Tk] or None, causal
-    flag); `tensors` lists k, v, mask per block, `causal` the flags. Returns [B, Hq, Tq, D]."""
+    """Softmax attention of q [B, Hq, Tq, D] over flash-attention key blocks (`tensors`: k, v
+    [B, Hkv, Tk, D], additive mask or None per block; `causal` flags) plus J own keys per query
+    (kd/vd [B, Hkv, Tq, J, D], dbias [B, 1, Tq, J] 0 / -inf). Returns [B, Hq, Tq, D]."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, kd: Tensor, vd: Tensor, dbias: Tensor | None, scale: float,
@@ -220,11 +208,8 @@ class _TTTAttention(torch.autograd.Function):
 
 
 def ttt_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: TTTAttentionMask) -> Tensor:
-    """Same result as SDPA over `mask.dense()` (forward and backward), without the dense keys.
-
-    Keys: step 0 as flash blocks (no padding: keys before q_offset unmasked + keys from q_offset
-    on with is_causal; padding: one block with the step-0 mask), steps 1..j as diagonals.
-    """
+    """Same result as SDPA over `mask.dense()` (forward and backward) without the dense keys: step 0
+    as flash blocks, steps 1..j as diagonals."""
     t, lo, steps = mask.key_valid.shape[1], mask.q_offset, mask.step
     if k.shape[2] != (steps + 1) * t:
         raise ValueError(f"keys: {k.shape[2]}, expected (step + 1) * T = {(steps + 1) * t}")
@@ -255,11 +240,9 @@ def ttt_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: TTTAttentionMask) -> Tensor:
 
 @dataclass
 class BlockGatherMask(AttentionMask):
-    """A mask function with its structure: key kv < block_len is visible to query q iff
-    block_mask[b, 0, q, kv]; a key kv >= block_len iff kv is one of gather_index[b, q, :]
-    (-1 = empty slot). `dense()` still evaluates `mask_mod`: the two must agree (the builder's
-    tests prove it). block_mask: bool [B, 1, Tq, block_len], every row with a True;
-    gather_index: int64 [B, Tq, J]."""
+    """A mask function with its structure: key kv < block_len is visible iff block_mask[b, 0, q, kv]
+    (bool [B, 1, Tq, block_len]), a later key iff it is in gather_index[b, q, :] (int64 [B, Tq, J],
+    -1 = empty); `dense()` still evaluates `mask_mod`, and tests prove the two agree."""
 
     block_mask: Tensor
     gather_index: Tensor

@@ -1,25 +1,16 @@
-"""Numerics for block drafting (DFlash, DSpark, Domino share them; docs/design/algorithms.md sections 4-6).
+"""Numerics for block drafting (DFlash, DSpark, Domino; docs/design/algorithms.md sections 4-6).
 
-A training batch of block drafts is laid out as
-    context: the target features of every sequence position, RoPE positions 0..n-1 (n = ctx_len);
-    blocks:  `num_blocks` blocks of B = block_size rows each, flattened block-major
-             (query row q belongs to block q // B, slot q % B); block b starts at anchor a_b and
-             occupies RoPE positions a_b .. a_b + B - 1.
-Attention keys are [context ; all blocks]: key kv < n is context position kv, key kv >= n is
-row kv - n of the flattened blocks.
-
-Block attention rule: a query of block b sees the context keys at positions < a_b and every key
-of its own block (non-causal inside the block); blocks never see each other. A padding block
-(anchor_valid False) sees its own block only, so no softmax row is empty; it carries no loss.
-
-Worked example, ctx_len 6, B 3, anchors (1, 3), both valid; 1 = may attend::
+Layout: the context (target features, RoPE positions 0..n-1), then `num_blocks` blocks of B rows
+flattened block-major (row q is block q // B, slot q % B); block b sits at positions a_b .. a_b + B - 1.
+Keys are [context ; all blocks]. A block sees the context before its anchor and all of its own block
+(non-causal), never another block; a padding block sees only itself (no empty softmax row, no loss).
+Worked example, ctx_len 6, B 3, anchors (1, 3); 1 = may attend::
 
                  context      block 0   block 1
     rows 0-2:   1 0 0 0 0 0    1 1 1     0 0 0      (a_0 = 1: context position 0 only)
     rows 3-5:   1 1 1 0 0 0    0 0 0     1 1 1      (a_1 = 3: context positions 0, 1, 2)
 
-Padding assumption: sequences are right-padded (common/collate.py) and anchors satisfy
-a + B <= length, so every context key before an anchor is a real token.
+Sequences are right-padded and a + B <= length, so every context key before an anchor is real.
 """
 
 from __future__ import annotations
@@ -34,20 +25,13 @@ from drafters.common.masks import AttentionMask, MaskMod, int_scalar
 
 def sample_anchors(valid_mask: Tensor, block_size: int, num_anchors: int,
                    generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
-    """Per sequence, `num_anchors` block starts drawn uniformly without replacement.
+    """Per sequence, `num_anchors` block starts drawn uniformly without replacement (from `generator`
+    only, on its device).
 
-    valid_mask: bool [batch, seq] (e.g. loss_mask & attention_mask). Candidates of a row are the
-    positions a with valid_mask[a] and a + block_size <= length, where length = last True index
-    + 1 (0 for an all-False row). Returns (anchors int64 [batch, nb], anchor_valid bool
-    [batch, nb]) with nb = min(num_anchors, the largest candidate count of any row), at least 1
-    (so a short batch never pays for num_anchors blocks of padding): per row the chosen anchors
-    in increasing order, then padding entries (anchor 0, anchor_valid False) when the row has
-    fewer than nb candidates. The draw uses `generator` only (same generator state -> same
-    anchors), on the generator's device.
-
-    Worked example: valid_mask [[0, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1]], block_size 3: row 0
-    (length 5) has candidates 1 and 2 (3 + 3 > 5), row 1 has 0..4; num_anchors 3 -> nb 3, row 0
-    anchors [1, 2, 0] valid [1, 1, 0]; with row 0 alone, nb = 2: anchors [[1, 2]], valid [[1, 1]].
+    valid_mask: bool [batch, seq]. Candidates: a with valid_mask[a] and a + block_size <= length
+    (last True index + 1). Returns anchors int64 [batch, nb] (increasing) and anchor_valid bool
+    [batch, nb], nb = min(num_anchors, largest candidate count) >= 1, so a short batch pays for no
+    padding blocks; short rows are padded with (anchor 0, valid False).
     """
     if valid_mask.dim() != 2:
         raise ValueError(f"valid_mask: got shape {tuple(valid_mask.shape)}, expected [batch, seq]")
@@ -78,30 +62,20 @@ def sample_anchors(valid_mask: Tensor, block_size: int, num_anchors: int,
 
 
 def block_position_ids(anchors: Tensor, block_size: int) -> Tensor:
-    """RoPE positions of the flattened blocks: anchors [batch, nb] -> [batch, nb * block_size],
-    block b's rows at a_b .. a_b + B - 1.
-
-    Worked example: anchors [[1, 3]], block_size 3 -> [[1, 2, 3, 3, 4, 5]].
-    """
+    """RoPE positions of the flattened blocks: anchors [batch, nb] -> [batch, nb * block_size].
+    Worked example: anchors [[1, 3]], block_size 3 -> [[1, 2, 3, 3, 4, 5]]."""
     offsets = torch.arange(block_size, device=anchors.device)
     return (anchors.long()[:, :, None] + offsets).flatten(1)
 
 
 def context_position_ids(batch: int, ctx_len: int, device: torch.device | str = "cpu") -> Tensor:
-    """RoPE positions of the context: [batch, ctx_len] = 0..ctx_len-1 per row.
-
-    Worked example: batch 2, ctx_len 3 -> [[0, 1, 2], [0, 1, 2]].
-    """
+    """RoPE positions of the context: [batch, ctx_len] = 0..ctx_len-1 per row."""
     return torch.arange(ctx_len, device=device).expand(batch, ctx_len)
 
 
 def block_input_ids(input_ids: Tensor, anchors: Tensor, block_size: int, mask_token_id: int) -> Tensor:
-    """Block input tokens [batch, nb, block_size]: [x_{a_b}, MASK x (B - 1)] per block.
-
-    input_ids [batch, seq]; anchors [batch, nb] (padding anchors read position 0; they carry no
-    loss). Worked example: input_ids [[5, 6, 7, 8]], anchors [[1, 2]], B 3, mask 9 ->
-    [[[6, 9, 9], [7, 9, 9]]].
-    """
+    """Block input tokens [batch, nb, block_size]: [x_{a_b}, MASK x (B - 1)] per block (padding anchors read
+    position 0). Worked example: [[5, 6, 7, 8]], anchors [[1, 2]], B 3, mask 9 -> [[[6, 9, 9], [7, 9, 9]]]."""
     first = input_ids.long().gather(1, anchors.long())  # [batch, nb]
     out = torch.full((*anchors.shape, block_size), mask_token_id, dtype=torch.long, device=input_ids.device)
     out[:, :, 0] = first
@@ -109,11 +83,8 @@ def block_input_ids(input_ids: Tensor, anchors: Tensor, block_size: int, mask_to
 
 
 def block_labels(input_ids: Tensor, anchors: Tensor, block_size: int) -> Tensor:
-    """Tokens at the block positions [batch, nb, block_size]: slot k of block b holds x_{a_b + k}
-    (0 where a_b + k is past the sequence). DFlash: slot k >= 1 predicts its own token.
-
-    Worked example: input_ids [[5, 6, 7, 8]], anchors [[1, 2]], B 3 -> [[[6, 7, 8], [7, 8, 0]]].
-    """
+    """Tokens at the block positions [batch, nb, block_size]: slot k holds x_{a_b + k} (0 past the end).
+    Worked example: input_ids [[5, 6, 7, 8]], anchors [[1, 2]], B 3 -> [[[6, 7, 8], [7, 8, 0]]]."""
     seq = input_ids.shape[1]
     pos = block_position_ids(anchors, block_size).view(*anchors.shape, block_size)
     inside = pos < seq
@@ -130,14 +101,9 @@ def next_token_anchor_candidates(valid: Tensor) -> Tensor:
 
 
 def next_token_prefix_mask(valid: Tensor, anchors: Tensor, anchor_valid: Tensor, block_size: int) -> Tensor:
-    """bool [batch, nb, B]: in the "anchor predicts the first token" layout (slot k's label is
-    x_{a+k+1}), slot k counts iff the labels a + 1 .. a + k + 1 are all inside the sequence and
-    valid (the contiguous valid prefix: the first invalid label ends the run). valid bool [batch, seq].
-
-    Worked example: valid [[0, 1, 1, 1, 0, 1]], B 3, anchors [[1, 2]] (both valid): block 1 labels
-    x2, x3, x4 -> valid [1, 1, 0] -> [1, 1, 0]; block 2 labels x3, x4, x5 -> [1, 0, 1] -> [1, 0, 0]
-    (x5 is valid but comes after the invalid x4).
-    """
+    """bool [batch, nb, B]: slot k (label x_{a+k+1}) counts iff labels a + 1 .. a + k + 1 are all
+    valid (the first invalid label ends the run). valid bool [batch, seq]. Worked example: valid
+    [[0, 1, 1, 1, 0, 1]], B 3, anchors [[1, 2]] -> [[[1, 1, 0], [1, 0, 0]]] (x5 comes after x4)."""
     seq = valid.shape[1]
     pos = block_position_ids(anchors + 1, block_size).view(*anchors.shape, block_size)  # label positions
     ok = valid.gather(1, pos.clamp(max=seq - 1).flatten(1)).view_as(pos) & (pos < seq)
@@ -145,20 +111,14 @@ def next_token_prefix_mask(valid: Tensor, anchors: Tensor, anchor_valid: Tensor,
 
 
 def next_token_slot_weights(num_slots: int, gamma: float) -> Tensor:
-    """float32 [num_slots]: slot k (label x_{a+k+1}, i.e. draft k + 1) weighs exp(-k / gamma), the
-    exp(-(j - 1) / gamma) of draft j. Worked example: 3 slots, gamma 2 -> [1, 0.6065, 0.3679]."""
+    """float32 [num_slots]: slot k (draft k + 1) weighs exp(-k / gamma)."""
     return torch.exp(-torch.arange(num_slots, dtype=torch.float32) / gamma)
 
 
 def block_mask_mod(anchors: Tensor, anchor_valid: Tensor, ctx_len: int, block_size: int) -> MaskMod:
-    """The block attention rule (module docstring) as a flex-attention mask function.
-
-    mask_mod(b, h, q_idx, kv_idx): query q_idx is block q_idx // block_size; key kv_idx < ctx_len
-    is context position kv_idx (visible iff the block is valid and kv_idx < anchor), a larger
-    kv_idx is block row kv_idx - ctx_len (visible iff it lies in the query's block).
-    Worked example (ctx_len 6, B 3, anchors (1, 3)): (q 4, kv 2) -> True (2 < 3);
-    (q 4, kv 3) -> False; (q 4, kv 9) -> True (own block 1); (q 0, kv 9) -> False.
-    """
+    """The block attention rule (module docstring) as a flex-attention mask function: key kv_idx <
+    ctx_len is context (visible iff the block is valid and kv_idx < anchor), a larger one is block
+    row kv_idx - ctx_len (visible iff in the query's block q_idx // block_size)."""
     anchors = anchors.long()
     valid = anchor_valid.to(torch.bool)
     n, size = int_scalar(ctx_len, anchors), int_scalar(block_size, anchors)  # tensors: no compile per value
@@ -185,16 +145,13 @@ def block_attention_mask(anchors: Tensor, anchor_valid: Tensor, ctx_len: int, bl
 
 
 def dense_block_mask(anchors: Tensor, anchor_valid: Tensor, ctx_len: int, block_size: int) -> Tensor:
-    """bool [batch, 1, nb * B, ctx_len + nb * B] for SDPA (keys = [context ; all blocks]); see the
-    worked example in the module docstring."""
+    """bool [batch, 1, nb * B, ctx_len + nb * B] for SDPA (keys = [context ; all blocks])."""
     return block_attention_mask(anchors, anchor_valid, ctx_len, block_size).dense(anchors.device)
 
 
 def flex_block_mask(anchors: Tensor, anchor_valid: Tensor, ctx_len: int, block_size: int) -> Any:
     """A flex-attention `BlockMask` of the same rule on the anchors' device, or None when flex
-    attention is not importable. Meant for CUDA (the model's "auto" backend picks flex there);
-    it also builds on CPU. flex_attention is imported here, lazily: importing `drafters` never
-    touches it (nor CUDA)."""
+    attention is not importable (imported lazily: importing `drafters` never touches it)."""
     try:
         from torch.nn.attention.flex_attention import create_block_mask
     except ImportError:

@@ -1,36 +1,15 @@
 """The LM head and every loss term that reads its logits, over chunks of rows (issue 21).
 
-A drafter's loss reads [rows, vocab] logits (draft head, and for the soft targets the frozen
-target head applied to the stored last hidden). Materialising them for every loss row at once
-dominates training memory (rows = batch * anchors * block or batch * seq, vocab up to 150k).
-`chunked_rows(fn, rows, chunk_rows)` applies `fn` (head projection(s) + per-row loss terms) to
-`chunk_rows` rows at a time and concatenates its per-row outputs; each chunk runs under a
-non-reentrant `torch.utils.checkpoint`, so its [chunk, vocab] logits are freed after the
-forward and recomputed when autograd reaches that chunk's backward. At most one chunk of
-logits (and its softmax temporaries) is alive at once, forward or backward; the loss and every
-gradient (rows, head weights, additive-bias parameters) are those of the unchunked computation
-up to float summation order.
+[rows, vocab] logits for every loss row at once dominate training memory. `chunked_rows(fn, rows,
+chunk_rows)` runs `fn` (head projection(s) + per-row loss terms) on `chunk_rows` rows at a time, each
+chunk under a non-reentrant `torch.utils.checkpoint`: one chunk of logits alive at once, and the loss
+and gradients of the unchunked computation up to summation order. `fn` returns per-row tensors only
+([n] or [n, k]), never logits, and draws no random numbers.
 
-`fn` may call modules (FSDP2 hooks fire per chunk, as for any repeated module call) and read
-buffers; it must return per-row tensors only ([n] or [n, k]: loss terms, argmax / top-k ids),
-never logits, and must not draw random numbers (draw them before and close over them).
-
-Under FSDP2 over several ranks a module that `fn` calls is a sharded unit (a trainable head: EAGLE-3's
-`lm_head`, Domino's `embed_proj`, DSpark's Markov head): each call gathers its parameters, and its
-backward gathers and reduce-scatters them, so every rank must make the same number of calls, while
-the rows per rank differ. The trainer runs objectives inside `chunk_count_sync(sync)`: every
-`chunked_rows` call then runs sync(local count) chunks (the max over ranks), the
-extra ones empty (0 rows).
-
-Fused paths (common/fused_head.py: DFlash's frozen-head CE, DSpark's and EAGLE-1's head loss, EAGLE-3 / P-EAGLE's
-soft-CE head) use each chunk's logits once, in the forward, keep the gradient they need and only scale
-it in the backward (no recompute). `head_weight` gives a frozen head in the dtype its matmul runs in
-(under autocast: autocast's dtype, so a bf16 head is not copied to float32). `draft_vocab_targets`
-computes EAGLE-3 / P-EAGLE's targets once per position.
-
-The per-row terms (`target_probs`, `soft_ce_prob_rows`, `soft_ce_rows`, `hard_ce_rows`, `l1_rows`,
-`topk_ids`, `row_argmax`) and their gradients (`hard_ce_grad_rows`, `soft_ce_grad_rows`) are the one
-place the families' logit numerics live. They compute in float32 (float64 inputs stay float64).
+Under FSDP2 a head `fn` calls is a sharded unit, so every rank must make the same number of calls:
+the trainer runs objectives inside `chunk_count_sync(sync)`, which pads each call to the max chunk
+count over ranks with empty chunks. Fused paths (common/fused_head.py) use each chunk's logits once and
+keep the gradient instead of recomputing. The per-row terms here compute in float32 (float64 stays).
 """
 
 from __future__ import annotations
@@ -93,10 +72,8 @@ def chunk_bounds(n: int, chunk_rows: int) -> list[tuple[int, int]]:
 def chunked_rows(fn: RowFn, rows: Sequence[Tensor], chunk_rows: int) -> tuple[Tensor, ...]:
     """`fn(*[r[i:j] for r in rows])` over consecutive row chunks [i, j), outputs concatenated on dim 0.
 
-    rows: tensors sharing dim 0 (N rows; any trailing shape, any dtype). fn returns a tuple of
-    per-row tensors, each [n, ...] for a chunk of n rows. Returns the same tuple for all N rows
-    ([N, ...]); with N = 0, fn runs once on the empty rows (shapes and dtypes stay right).
-    Differentiable in the float rows and in whatever parameters fn reads (chunk-wise recompute).
+    rows: tensors sharing dim 0 (N rows). fn returns a tuple of per-row tensors [n, ...]; the result
+    is that tuple for all N rows ([N, ...]); with N = 0, fn runs once on the empty rows.
     """
     check_chunk_rows(chunk_rows)
     n = int(rows[0].shape[0])
@@ -117,16 +94,9 @@ def chunked_rows(fn: RowFn, rows: Sequence[Tensor], chunk_rows: int) -> tuple[Te
 
 
 def head_weight(weight: Tensor, like: Tensor) -> Tensor:
-    """A frozen head weight [V, H] (no grad) in the dtype its matmul with the float rows `like` computes
-    in: autocast's dtype when autocast is on for like's device and like is float32 or that dtype (autocast
-    would cast the weight to it anyway, per call), else like's dtype. Cast once per loss, not per chunk.
-
-    The logits are those of `like @ weight.to(like.dtype).T` under the same autocast (a float32 copy of
-    a bfloat16 weight holds the same values, and autocast casts it back per chunk), without the copy:
-    at Qwen3-8B's 151936 x 4096 head that float32 copy alone is 2.5 GB and its per-chunk cast back to
-    bfloat16 a further 1.25 GB and 0.6 G element copies per chunk, forward and recompute (issue 21).
-    Worked example: bf16 weight, float32 rows under cpu bf16 autocast -> the weight itself (no copy);
-    float64 rows without autocast -> a float64 copy.
+    """A frozen head weight [V, H] (no grad) in the dtype its matmul with the float rows `like` runs in
+    (autocast's dtype when autocast is on and like is float32 or that dtype, else like's dtype), cast
+    once per loss: same logits as `like @ weight.to(like.dtype).T`, without a float32 copy of a bf16 head.
     """
     dtype = like.dtype
     device = like.device.type
@@ -169,8 +139,8 @@ def l1_rows(draft_logits: Tensor, target_logits: Tensor) -> Tensor:
 
 
 def row_argmax(logits: Tensor) -> Tensor:
-    """[n, V] -> int64 [n]: argmax(-1) (the first of tied maxima; no grad), as `max(-1).indices`, which
-    is 2.5-3x faster than `argmax` on CPU for bfloat16 [512, 32000 or 151936] (torch 2.13)."""
+    """[n, V] -> int64 [n]: argmax(-1) as `max(-1).indices` (first of tied maxima; no grad), which is
+    faster than `argmax` on CPU for bfloat16."""
     return logits.detach().max(-1).indices
 
 
@@ -181,11 +151,9 @@ def topk_ids(logits: Tensor, k: int) -> Tensor:
 
 def draft_vocab_targets(head: Callable[[Tensor], Tensor], hidden: Tensor, t2d: Tensor,
                         chunk_rows: int) -> tuple[Tensor, Tensor]:
-    """The frozen target head's outputs that EAGLE-3 / P-EAGLE need, one head matmul per row (no grad):
-    hidden [N, H] (target last hidden), t2d bool [V] (the draft vocab) -> (argmax over all V, int64 [N];
-    `target_probs` of the draft-vocab logits head(hidden)[:, t2d] for the rows whose argmax is in the
-    draft vocab, [count(t2d[argmax]), Vd], in row order). Chunk by chunk: one [chunk, V] logits alive.
-    The loss reads those rows as its targets, so no loss chunk (or its backward) rebuilds them."""
+    """The frozen target head's outputs EAGLE-3 / P-EAGLE need, one [chunk, V] logits alive at a time
+    (no grad): hidden [N, H], t2d bool [V] -> (argmax over V, int64 [N]; `target_probs` of the
+    draft-vocab logits for the rows whose argmax is in the draft vocab, [count, Vd], row order)."""
     check_chunk_rows(chunk_rows)
     args, probs = [], []
     with torch.no_grad():

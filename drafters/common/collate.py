@@ -1,17 +1,9 @@
 """Pad feature-store samples into a right-padded training batch.
 
-Input: a list of samples, each a dict from the feature store, e.g.
-    input_ids [T_i] int, loss_mask [T_i] uint8/bool, aux_hidden [T_i, k*H], last_hidden [T_i, H],
-    plus optional per-sample scalars (global_step, policy_version: 0-dim tensors).
-Output (B = number of samples, T = max T_i, rounded up to `pad_to_multiple_of`):
-    every per-token field [B, T, ...] (same dtype; padding = `PAD_VALUES[name]` or 0),
-    every scalar field [B], plus
-    attention_mask bool [B, T] (True on real tokens) and lengths int64 [B].
-
-Worked example: lengths 3 and 1 -> attention_mask [[1, 1, 1], [1, 0, 0]]; the loss mask of the
-padding is 0, so padded rows never carry loss.
-
-`check_batch` is the objectives' check of such a batch (every family's objective calls it first).
+Samples (input_ids [T_i], loss_mask [T_i], aux_hidden [T_i, k*H], last_hidden [T_i, H], optional 0-dim
+scalars) -> per-token fields [B, T, ...] (T = max T_i rounded up to `pad_to_multiple_of`; padding
+`PAD_VALUES[name]` or 0, so padded rows carry no loss), scalars [B], attention_mask bool [B, T] and
+lengths int64 [B]. `check_batch` is every objective's first check of such a batch.
 """
 
 from __future__ import annotations
@@ -61,10 +53,8 @@ def collate(samples: Sequence[Mapping[str, Tensor]], pad_to_multiple_of: int = 1
 
 
 def check_batch(batch: Mapping[str, Tensor], required: Sequence[str], label: str, exact: Sequence[str] = ()) -> None:
-    """A collated batch for an objective: every `required` field and attention_mask present (KeyError
-    naming the missing ones); input_ids [B, T]; loss_mask, attention_mask and the `exact` fields the
-    batch has exactly [B, T]; every other required field [B, T, ...] with at least 3 dims (features).
-    `label` names the family in the message ("EAGLE-3 batch: ...")."""
+    """A collated batch for an objective: every `required` field and attention_mask present, input_ids,
+    loss_mask, attention_mask and the `exact` fields [B, T], other fields [B, T, ...] (features)."""
     missing = [k for k in (*required, "attention_mask") if k not in batch]
     if missing:
         raise KeyError(f"{label} batch: missing fields {missing} (has {sorted(batch)})")

@@ -1,15 +1,6 @@
-"""Types shared by every family and by the reference decoder (docs/internals.md, drafters section).
-
-- `StoreStats`: what `build` may read from the training data (token counts for vocab selection).
-- `DraftContext` / `Proposal` / `Proposer`: the interface between `drafters.spec_decode` and a
-  family's drafting code (`DraftContext.features`: the target features every proposer starts from).
-- `EngineFormat`: what a family ships to the engines for one resolved config and target: the
-  `config.json` per export format, the engine tensors (one function serves export and live
-  publish), the speculative arguments per engine and the publish-manifest round trip.
-- `DrafterFamily`: the protocol every catalog entry implements (`drafters.common.tree.TreeDrafterFamily`
-  adds the optional methods of a family that drafts EAGLE-2 dynamic trees).
-  `drafters.common.family_base.DrafterFamilyBase` implements its shared half once;
-  `contract_gaps(family)` names what a family object lacks (docs/adding-a-family.md).
+"""Types shared by every family and by the reference decoder (docs/internals.md, drafters section):
+`StoreStats`, the proposer interface (`DraftContext` / `Proposal` / `Proposer`), `EngineFormat` (what a
+family ships to the engines) and the `DrafterFamily` protocol with `contract_gaps(family)`.
 """
 
 from __future__ import annotations
@@ -39,22 +30,15 @@ class StoreStats:
 
 @dataclass
 class DraftContext:
-    """What a proposer sees at the start of a round (one sequence).
-
-    token_ids: int64 [n + 1], committed tokens x_0..x_n; x_n was just emitted by the target and
-        has no target features yet.
-    target_hidden_states: the target's HF `hidden_states` (L + 1 tensors, each [n, H_t]) at
-        positions 0..n-1; entry 0 is the embedding output, entry L is post-final-norm.
-    """
+    """What a proposer sees at the start of a round (one sequence): token_ids int64 [n + 1] (x_n just
+    emitted, no features yet); target_hidden_states the HF `hidden_states` (L + 1 of [n, H_t])."""
 
     token_ids: Tensor
     target_hidden_states: tuple[Tensor, ...]
 
     def features(self, state_ids: Sequence[int], caller: str = "propose") -> Tensor:
-        """The cat of the target hidden states at `state_ids` (HF indices) over the positions 0..n-1 the
-        target has run: [n, len(state_ids) * H_t], n = len(token_ids) - 1. Every proposer's preamble:
-        ValueError naming `caller` without context (n < 1), for an id outside the states, or for states
-        at other than n positions."""
+        """The cat of the target hidden states at `state_ids` (HF indices) over positions 0..n-1:
+        [n, len(state_ids) * H_t]; ValueError naming `caller` for no context, a bad id or wrong length."""
         n = self.token_ids.numel() - 1
         if n < 1:
             raise ValueError(f"{caller}: need >= 2 committed tokens (the context and the token just emitted), "
@@ -96,12 +80,9 @@ class Proposer(Protocol):
 
 
 class EngineFormat(Protocol):
-    """The engine side of one family's draft (see the module docstring).
-
-    `to_dict()` is JSON (it names the family: `{"family": name, ...}`) and
-    `drafters.registry.engine_format_from_dict` rebuilds the object from it: that is how a publish
-    manifest tells a rollout server what it receives. `drafters.common.export_format.EngineFormatBase`
-    implements the shared half (to_dict, from_dict, the engine arguments of a chain)."""
+    """The engine side of one family's draft. `to_dict()` is JSON naming the family and
+    `drafters.registry.engine_format_from_dict` rebuilds it: how a publish manifest tells a rollout
+    server what it receives."""
 
     family: ClassVar[str]
 
@@ -109,9 +90,8 @@ class EngineFormat(Protocol):
 
     def engine_tensors(self, state_dict: Mapping[str, Tensor], fmt: str = "native",
                        dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-        """Training state dict -> the tensors of export format `fmt`, checkpoint names, on CPU
-        (what `model.safetensors` holds, what an engine's `load_weights` takes, what a live
-        publish sends)."""
+        """Training state dict -> the tensors of format `fmt`, checkpoint names, on CPU (export and
+        live publish)."""
         ...
 
     def export(self, state_dict: Mapping[str, Tensor], out_dir: str | Path, fmt: str = "native",
@@ -136,10 +116,8 @@ class EngineFormat(Protocol):
 
 
 class DrafterFamily(Protocol):
-    """A catalog entry. `resolve` returns a config with every target-dependent field filled in (no
-    Optional left); `mutable_settings` are the config fields that may change on a drafter loaded
-    from an export (training-only choices); `objective(..., progress)` gets the fraction of
-    training done in [0, 1] (curricula)."""
+    """A catalog entry. `resolve` fills every target-dependent field; `mutable_settings` may change on
+    a drafter loaded from an export; `objective(..., progress)` gets the training fraction done in [0, 1]."""
 
     @property
     def name(self) -> str: ...
@@ -194,10 +172,8 @@ def contract_members() -> tuple[str, ...]:
 
 
 def contract_gaps(family: object) -> list[str]:
-    """What `family` lacks of the contract, by name: every `DrafterFamily` member it does not have,
-    then every class attribute its base declares in `HOOKS` (`DrafterFamilyBase`: config_cls,
-    model_cls, export_cls, ...) that it does not set. Empty for a complete family. Example: a family
-    written without its export role (no export.py) -> ['load_export', 'export', 'export_cls']."""
+    """What `family` lacks of the contract, by name: missing `DrafterFamily` members, then unset class
+    attributes its base declares in `HOOKS`. Empty for a complete family."""
     missing = [n for n in contract_members() if not hasattr(family, n)]
     hooks = getattr(type(family), "HOOKS", ())
     return missing + [n for n in hooks if n not in missing and not hasattr(family, n)]

@@ -1,18 +1,6 @@
-"""What every family's export shares: the engine-format base class, the directory writer and the
-checked reader (docs/adding-a-family.md, step 4).
-
-- `EngineFormatBase`: the half of `drafters.common.contract.EngineFormat` that is the same for every
-  family. A family's frozen dataclass subclasses it and sets `family` and `label`; it gets
-  `to_dict` / `from_dict` (the manifest round trip), `vllm_speculative_config` (the method from the
-  catalog) and `sglang_server_args` (a chain of K steps), and writes the four methods that differ
-  (`engine_tensors`, `export`, `sglang_expected_shapes`, `sglang_never_published`: abstract, so a
-  format missing one fails at construction naming it).
-- `DecoderFormat`: an `EngineFormatBase` whose first fields are the target's decoder sizes.
-- `write_export`: the export directory, `model.safetensors` + `config.json` + `verl_speco_meta.json`
-  (`export_meta` builds the last: family, format, export config, engine format, then the caller's keys).
-- `check_export_dir` / `load_checked`: read a directory back, refusing a tensor name an engine
-  refuses before any value is read, then checking every tensor; load the weights into a model built
-  for the target, refusing an export made for other sizes.
+"""What every family's export shares (docs/adding-a-family.md, step 4): `EngineFormatBase` (the
+manifest round trip and engine arguments; four abstract methods a family writes), `DecoderFormat`,
+the directory writer `write_export` and the checked readers `check_export_dir` / `load_checked`.
 """
 
 from __future__ import annotations
@@ -97,9 +85,8 @@ class EngineFormatBase(ABC):
 
 @dataclass(frozen=True)
 class DecoderFormat(EngineFormatBase):
-    """An engine format whose draft layers copy the target's decoder sizes (the first fields of
-    `TargetSpec.layer_sizes()`; a subclass adds its own after them). Checks that the heads group
-    into the kv heads and that the subclass's `dtype` field is an export dtype."""
+    """An engine format whose first fields are the target's decoder sizes (`TargetSpec.layer_sizes()`);
+    checks the heads group into the kv heads and `dtype` is an export dtype."""
 
     hidden_size: int
     num_attention_heads: int
@@ -154,10 +141,8 @@ def write_export(out_dir: str | Path, tensors: dict[str, Tensor], config: Mappin
 def check_export_dir(export_dir: str | Path, parse_config: Callable[[dict[str, Any], str], C],
                      refuse_names: Callable[[Iterable[str], str], None],
                      check_tensors: Callable[[Mapping[str, Tensor], C, str], None]) -> C:
-    """The export config of a servable directory: `parse_config(config.json, where)` checks and
-    rebuilds it; `refuse_names(names, where)` sees the tensor names before any value is read (a
-    name alone can disqualify); `check_tensors(tensors, cfg, where)` checks every tensor.
-    Each raises ValueError naming the file and the key or tensor."""
+    """The export config of a servable directory: `parse_config` rebuilds it, `refuse_names` sees the
+    names before any value is read, `check_tensors` checks every tensor; ValueError names the file."""
     root = Path(export_dir)
     cfg = parse_config(json.loads((root / CONFIG_FILE).read_text()), str(root / CONFIG_FILE))
     weights = root / WEIGHTS_FILE
@@ -176,10 +161,8 @@ def recorded_settings(export_dir: str | Path) -> dict[str, Any]:
 
 def load_checked(export_dir: str | Path, cfg: object, want: object, build: Callable[[], nn.Module],
                  skip: tuple[str, ...] = (), frozen: tuple[str, ...] = ()) -> nn.Module:
-    """A checked export's weights in a fresh model, eval mode. `cfg` is the export's config, `want` the
-    one the target would give (they must be equal: ValueError naming both otherwise); `build()` makes
-    the model, which takes the weights' dtype; `skip` are exported names the model has no parameter
-    for, `frozen` the model entries an export never carries (the target's pieces)."""
+    """A checked export's weights in a fresh model (`build()`), eval mode; `cfg` must equal `want` (the
+    target's). `skip`: exported names without a parameter; `frozen`: target pieces never exported."""
     if want != cfg:
         raise ValueError(f"{export_dir}: export config {cfg} does not match the target's sizes {want}")
     tensors = load_file(str(Path(export_dir) / WEIGHTS_FILE))

@@ -1,31 +1,10 @@
 """`DrafterFamilyBase`: the family methods every catalog entry shares, written once.
 
-A family (drafters/<name>/family.py; docs/adding-a-family.md) subclasses it, names its pieces in
-class attributes (`HOOKS`) and writes only what really differs between families:
-
-    name              catalog name ("eagle3"), the `family` of every config, export and manifest
-    label             the family in messages ("EAGLE-3")
-    config_cls        the frozen config dataclass; `cfg.resolve(target_spec)` fills the
-                      target-dependent fields (config.py)
-    model_cls         the draft nn.Module; `model.cfg` is its resolved config, `model.spec` the
-                      target's TargetSpec (model.py)
-    required          the Feature Store fields the objective reads (objective.py)
-    export_cls        the engine format (contract.EngineFormat): `export_cls.from_drafter(cfg,
-                      target_spec)` and `export_cls.from_dict(data)` (export.py)
-    proposer_cls      `proposer_cls(model)` is the chain `Proposer` of the reference decoder (proposer.py)
-    mutable_settings  config fields a drafter loaded from an export may change (training-only choices)
-    target_embed, target_lm_head
-                      where `set_target_head` writes the frozen target pieces: attribute paths of
-                      the model; a parameter is copied in place, a buffer is replaced
-                      (defaults: an `embed_tokens` embedding and a `target_lm_head` buffer)
-
-Shared here: `resolve`, `config_of`, `with_settings`, `set_target_head`, `build` (the default:
-`model_cls(resolved cfg, target)`), `engine_format`, `format_from_dict`, `required_fields`,
-`collate`, `proposer`. Each family writes `required_layout`, `objective`, `export`, `load_export`
-(and `build` when it needs the store statistics, e.g. EAGLE-3's draft vocab).
-
-`drafters.common.contract.contract_gaps` lists the contract members and hooks a family lacks;
-`drafters.registry.get_family` refuses such a family naming them.
+A family (drafters/<name>/family.py; docs/adding-a-family.md) subclasses it, names its pieces in the
+class attributes listed in `HOOKS` (config_cls, model_cls, export_cls, proposer_cls, required,
+mutable_settings, the frozen target pieces' attribute paths) and writes only `required_layout`,
+`objective`, `export`, `load_export` (and `build` when it needs store statistics).
+`drafters.registry.get_family` refuses a family that lacks a member (`contract_gaps`).
 """
 
 from __future__ import annotations

@@ -1,36 +1,13 @@
 """Fused head + loss paths (issue 21): each chunk's [n, V] logits are used once, in the forward, which keeps
 the gradient the backward needs; the backward only scales it by the incoming gradient (no recompute).
 
-`frozen_head_ce_rows` (DFlash): a FROZEN head with a per-row hard CE; the forward keeps d CE_i / d row_i
-[N, H] (Liger-style).
-
-`fused_head_loss` (DSpark, EAGLE-1): a frozen head's logits plus an optional trainable low-rank bias, and a weighted loss
-over them, fused chunk by chunk with the frozen target head's logits (DSpark's loss, issue 21; EAGLE-1's soft CE of
-the target head on the predicted feature against the same head on the true one, no bias).
-
-Rows i = 0..N-1: draft logits z_i = W h_i + B^T e_i ([V]: W the FROZEN head [V, H], e_i [r] and B [r, V]
-trainable, the bias optional), target logits t_i = W g_i (frozen: no grad). A caller's `RowLoss` maps one
-chunk of (z, t) to a scalar loss (its per-row weights closed over; `chunk_rows` rows at a time) and to
-per-row outputs without grad (metrics, top-k ids). `fused_head_loss` returns the sum of the chunks' losses
-and the per-row outputs.
-
-Why fused: the weights are frozen and the loss of the rows is known once the forward has seen them, so the
-forward takes d loss / d z per chunk by autograd over the caller's own row terms (the numerics stay in
-chunked_head.py) and keeps only d loss / d h [N, H], d loss / d e [N, r] and d loss / d B [r, V]; the
-backward scales them by the incoming scalar. Each chunk's two [n, V] head matmuls run once (the unfused
-`chunked_rows` path recomputes the draft logits in the backward, and rebuilt the target's too), and no
-[n, V] tensor outlives its chunk. Equal to plain autograd over all rows up to float summation order (under
-autocast: d z is rounded to z's dtype before, not after, the incoming scale).
-
-B reaches the function as a tensor: a caller whose bias is a module (DSpark's `markov_w2`, an FSDP unit)
-gets B^T by calling the module on the identity (`bias_matrix`), so the module's own forward gathers its
-parameter and its backward takes B's gradient.
-
-`soft_ce_head_rows` (EAGLE-3 / P-EAGLE: a trainable draft head over a small draft vocabulary, the targets
-computed once per position): each chunk calls the head module once (its backward needs only its input
-rows and weight), and a soft CE whose forward keeps d CE_i / d logits_i in the logits' dtype ([N, Vd] in
-all: 350 MB for P-EAGLE's 5500 loss rows x 32000 at bf16). No chunk is recomputed in the backward (the
-checkpointed `chunked_rows` reran the head matmul, the log-softmax and the argmax).
+- `frozen_head_ce_rows` (DFlash): a frozen head with a per-row hard CE (Liger-style).
+- `fused_head_loss` (DSpark, EAGLE-1): draft logits z_i = W h_i + B^T e_i (W the frozen head [V, H], the
+  low-rank bias B [r, V] optional and trainable) and target logits t_i = W g_i, a caller's `RowLoss` over
+  each chunk of (z, t); the forward keeps d loss / d h [N, H], d e [N, r] and d B [r, V].
+- `soft_ce_head_rows` (EAGLE-3 / P-EAGLE): a trainable head over a small draft vocabulary, called once per
+  chunk, with the soft CE gradient kept in the logits' dtype.
+Valid because the loss of a row depends on that row only; equal to plain autograd up to summation order.
 """
 
 from __future__ import annotations
@@ -55,9 +32,8 @@ RowLoss = Callable[[Tensor, Tensor, int, int], tuple[Tensor, tuple[Tensor, ...]]
 
 
 def bias_matrix(linear: nn.Module, rank: int, like: Tensor) -> Tensor:
-    """B [r, V] with linear(e) = e @ B for e [.., r] (a bias-free Linear(r -> V)): linear applied to the
-    identity [r, r] in like's dtype / device (one module call: under FSDP its forward gathers the weight
-    and its backward reduce-scatters d B; under autocast B comes in autocast's dtype, as linear(e) would)."""
+    """B [r, V] with linear(e) = e @ B: the bias-free Linear(r -> V) applied to the identity [r, r], one
+    module call, so under FSDP its forward gathers the weight and its backward reduce-scatters d B."""
     return linear(torch.eye(rank, dtype=like.dtype, device=like.device))
 
 
@@ -115,14 +91,10 @@ class _FusedHeadLoss(torch.autograd.Function):
 def fused_head_loss(hidden: Tensor, target_hidden: Tensor, weight: Tensor, target_weight: Tensor,
                     markov: Tensor | None, bias: Tensor | None, row_loss: RowLoss,
                     chunk_rows: int) -> tuple[Tensor, tuple[Tensor, ...]]:
-    """(sum over chunks of row_loss(z, t, start, stop)[0], the per-row outputs row_loss(...)[1] concatenated
-    over the chunks, without grad), module docstring. hidden [N, H] and markov e [N, r] (may need grad),
-    target_hidden [N, H] (no grad taken), weight [V, H] the FROZEN head (`chunked_head.head_weight`) and
-    target_weight the same head in target_hidden's matmul dtype (often the same tensor), bias
-    B [r, V] (`bias_matrix`; may need grad) or None with markov None. row_loss gets z [n, V] (widened to float32,
-    float64 stays; a leaf that
-    requires grad), t [n, V] and the chunk's [start, stop): its loss must depend on z row-wise only.
-    Differentiable in hidden, markov and bias; N = 0 runs row_loss once on empty rows."""
+    """(sum over chunks of row_loss(z, t, start, stop)[0], the per-row outputs [1] concatenated, no grad).
+    hidden [N, H] and markov e [N, r] (may need grad), target_hidden [N, H] (no grad), weight [V, H] the
+    FROZEN head, target_weight the same in target_hidden's dtype, bias B [r, V] or None. row_loss gets z
+    [n, V] (float32 leaf), t [n, V] and [start, stop); its loss must depend on z row-wise only."""
     check_chunk_rows(chunk_rows)
     if weight.requires_grad or target_weight.requires_grad:
         raise ValueError("fused_head_loss: the head weight must not require grad (frozen head only)")
@@ -208,17 +180,10 @@ class _FrozenHeadCE(torch.autograd.Function):
 
 def frozen_head_ce_rows(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_rows: int,
                         top_k: int) -> tuple[Tensor, Tensor]:
-    """hidden [N, H] (float, may need grad), a FROZEN head weight [V, H] (`head_weight`: no grad taken),
-    labels int64 [N] in 0..V-1 -> (CE [N] = hard_ce_rows(hidden @ weight.T, labels), top-`top_k` ids
-    [N, min(top_k, V)]), `chunk_rows` rows at a time.
-
-    Fused head + loss (Liger-style): each chunk's [n, V] logits are used once, in the forward, to get
-    CE, the top ids and d CE_i / d hidden_i = (softmax - onehot) @ weight, kept as one [N, H] tensor;
-    the backward multiplies it by the per-row incoming gradient. Valid because the weight is frozen
-    and each CE_i depends on row i only: equal to `chunked_rows` over the same terms (loss and row
-    gradient, up to float summation order; under autocast the d logits are rounded to the logits'
-    dtype before, not after, the incoming scale), without its backward recompute of the logits (one
-    head matmul per chunk fewer). No module is called, so no chunk-count sync is needed."""
+    """hidden [N, H] (may need grad), a FROZEN head weight [V, H], labels int64 [N] -> (CE [N] =
+    hard_ce_rows(hidden @ weight.T, labels), top-`top_k` ids [N, min(top_k, V)]), `chunk_rows` at a
+    time; the forward keeps d CE / d hidden = (softmax - onehot) @ weight (module docstring). No module
+    is called, so no chunk-count sync is needed."""
     check_chunk_rows(chunk_rows)
     if int(labels.shape[0]) != int(hidden.shape[0]):
         raise ValueError(f"rows: hidden {int(hidden.shape[0])} vs labels {int(labels.shape[0])}")

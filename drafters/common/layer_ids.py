@@ -12,11 +12,7 @@ decoder layer i-1). Engine keys:
 | vllm.dspark_target_layer_ids                        | i - 1  (vLLM adds +1)         |
 | sglang.return_aux_hidden_state_layer_ids (server)   | i - 1  (rollout aux capture)  |
 
-Worked example, 36-layer target, EAGLE-3 default internal (2, 18, 33): vLLM top-level
-(2, 18, 33); SGLang eagle_config (1, 17, 32). The same integers under the two keys name
-different layers, so exports write both keys explicitly. SGLang's rollout capture
-(`--return-aux-hidden-state-layer-ids`, verl_speco/engines/sglang_capture.py) takes the same
-output-of-layer integers: internal (2, 4, 5) on an 8-layer target -> `--return-aux-hidden-state-layer-ids 1 3 4`.
+Worked example, internal (2, 18, 33): vLLM top-level (2, 18, 33), SGLang eagle_config (1, 17, 32).
 """
 
 from __future__ import annotations
@@ -57,11 +53,8 @@ def from_engine_layer_ids(engine_ids: Sequence[int], engine_key: str, num_layers
 
 
 def default_eagle3_layer_ids(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3 default aux layers, internal convention: (2, L // 2, L - 3) (vLLM, SGLang, SafeAILab).
-
-    They are distinct and increasing only for L >= 7 (L = 6 gives (2, 3, 3); vLLM would capture
-    a repeated layer once and feed fc fewer features), so smaller targets must choose ids.
-    """
+    """EAGLE-3 default aux layers, internal convention: (2, L // 2, L - 3) (vLLM, SGLang, SafeAILab);
+    distinct only for L >= 7, so smaller targets must choose ids."""
     if num_layers < 7:
         raise ValueError(f"num_hidden_layers: got {num_layers}; the EAGLE-3 default aux layers (2, L//2, L-3) "
                          "are distinct only for targets with at least 7 layers; set aux_layer_ids explicitly")
@@ -80,11 +73,8 @@ def check_servable_aux_ids(layer_ids: Sequence[int], num_layers: int) -> tuple[i
 
 
 def default_dflash_layer_ids(num_layers: int, num_context_layers: int) -> tuple[int, ...]:
-    """DFlash default context layers (z-lab `build_target_layer_ids`), converted to internal ids.
-
-    z-lab gives output-of-layer ids round(1 + i * (L - 4) / (m - 1)), e.g. [1, 9, 17, 25, 33] for
-    L = 36, m = 5; internal = those + 1 = (2, 10, 18, 26, 34). m = 1 gives output-of-layer L // 2.
-    """
+    """DFlash default context layers (z-lab `build_target_layer_ids`: output-of-layer ids
+    round(1 + i * (L - 4) / (m - 1)), L // 2 for m = 1), converted to internal ids (+ 1)."""
     if num_context_layers < 1 or num_layers < 4:
         raise ValueError(f"need num_context_layers >= 1 and num_layers >= 4, got {num_context_layers}, {num_layers}")
     if num_context_layers == 1:

@@ -88,12 +88,8 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: Tensor, position_ids: Tensor, mask: AttentionMask | None,
                 kv_before: KV | None = None, backend: str = "auto", q_offset: int = 0) -> tuple[Tensor, KV]:
-        """x [B, T, in], position_ids [B, T] -> (out [B, T, H], this call's (k, v) [B, Hkv, T, D]).
-
-        Attention runs over keys cat(kv_before, this call's keys) along the key axis.
-        q_offset > 0: x holds sequence rows q_offset.. only; this call's keys/values are returned
-        (and attended) front-padded with q_offset zero rows, so every step keeps T keys.
-        """
+        """x [B, T, in], position_ids [B, T] -> (out [B, T, H], this call's (k, v) [B, Hkv, T, D]), over keys
+        cat(kv_before, this call's); q_offset > 0: x holds rows q_offset.. and the k/v are front-padded to T."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)

@@ -1,9 +1,7 @@
 """Masked loss pieces returned as (numerator, denominator) sums, and `ObjectiveOutput`.
 
-Why sums: the loss of a global batch is `sum_s w_s * sum(num_s) / sum(den_s)`, with the
-denominator sums taken over every micro-batch and rank. A family returns per-term sums; the
-trainer all-reduces the denominators, so 1 and N processes give the same loss for the same
-global batch (docs/internals.md).
+The loss of a global batch is `sum_s w_s * sum(num_s) / sum(den_s)` over every micro-batch and rank: the
+trainer all-reduces the denominators, so 1 and N processes give the same loss (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -16,14 +14,8 @@ from torch import Tensor
 
 @dataclass
 class ObjectiveOutput:
-    """One micro-batch's loss terms; S = number of loss terms (EAGLE-3: one per TTT step).
-
-    numerators:   [S] float, differentiable: sum over masked rows of the per-row loss
-    denominators: [S] float, no grad: how many (or how much weight of) rows each numerator sums
-    weights:      [S] float, no grad: w_s in the total
-    metrics:      name -> (sum, count) scalar tensors, no grad; report sum / count after
-                  all-reducing both over micro-batches and ranks.
-    """
+    """One micro-batch's S loss terms (EAGLE-3: one per TTT step): numerators [S] (differentiable sums
+    over masked rows), denominators [S] and weights [S] (no grad), metrics name -> (sum, count)."""
 
     numerators: Tensor
     denominators: Tensor
@@ -58,13 +50,8 @@ def masked_match_count(pred: Tensor, target: Tensor, mask: Tensor) -> tuple[Tens
 
 
 def smooth_l1_rows(pred: Tensor, target: Tensor, mask: Tensor, beta: float = 1.0) -> tuple[Tensor, Tensor]:
-    """sum over rows of mask * mean_h SmoothL1(pred, target), and sum(mask) (EAGLE-1's v-loss).
-
-    SmoothL1(d) = 0.5 d^2 / beta if |d| < beta else |d| - 0.5 beta (torch.nn.SmoothL1Loss).
-    pred, target [..., H] (target no grad), mask [...] (0/1 or bool). Returns (numerator scalar,
-    denominator scalar float). Worked example: pred [[0, 3]], target [[0.5, 0]], mask [1] ->
-    per-element (0.125, 2.5), mean 1.3125 -> (1.3125, 1.0).
-    """
+    """sum over rows of mask * mean_h SmoothL1(pred, target), and sum(mask) (EAGLE-1's v-loss, as
+    torch.nn.SmoothL1Loss). pred, target [..., H] (target no grad), mask [...] -> (numerator, denominator)."""
     if pred.shape != target.shape:
         raise ValueError(f"pred {tuple(pred.shape)} vs target {tuple(target.shape)}")
     per_row = torch.nn.functional.smooth_l1_loss(pred.float(), target.float(), reduction="none", beta=beta).mean(-1)

@@ -1,19 +1,13 @@
 """Attention masks as mask functions (one definition serves SDPA and flex attention) and the
 left shift used by every training-time alignment.
 
-A mask function `mask_mod(b, h, q_idx, kv_idx) -> bool` follows flex attention's `mask_mod`
-signature. `AttentionMask.dense()` evaluates it by broadcasting into a dense `[B, 1, Tq, Tk]`
-bool tensor for SDPA; `drafters.common.attention` builds a flex `BlockMask` from the same function.
+A mask function `mask_mod(b, h, q_idx, kv_idx) -> bool` has flex attention's signature;
+`AttentionMask.dense()` broadcasts it into a bool [B, 1, Tq, Tk] for SDPA. Mask functions capture
+tensors only (`int_scalar`), so compiled flex attention serves every offset with one graph.
 
-EAGLE-3 training-time test (TTT) mask
--------------------------------------
-At TTT step j the keys are the concatenation of the keys computed at steps 0..j, each `T` long:
-key index `kv = i * T + s` is step i, sequence position s. Query row t (step j) may see
-
-- step-0 keys at positions s <= t (causal) whose position is real (not padding), and
-- the step-i keys (1 <= i <= j) at the same position s == t (a diagonal per step).
-
-Worked example, T = 4, step j = 2 (12 keys), every position real; 1 = may attend::
+EAGLE-3 TTT mask: at step j the keys are steps 0..j, T each (kv = i * T + s). Query row t sees the
+step-0 keys s <= t that are real, and the step-i keys (1 <= i <= j) at s == t. Worked example,
+T = 4, j = 2, every position real; 1 = may attend::
 
             step-0 keys   step-1 keys   step-2 keys
     row 0:   1 0 0 0       1 0 0 0       1 0 0 0
@@ -21,21 +15,8 @@ Worked example, T = 4, step j = 2 (12 keys), every position real; 1 = may attend
     row 2:   1 1 1 0       0 0 1 0       0 0 1 0
     row 3:   1 1 1 1       0 0 0 1       0 0 0 1
 
-Padding: `key_valid [B, T]` marks real positions. A padded step-0 key is hidden from every
-other query; every query keeps its own position (the diagonal of each block), so a padded query
-row (it carries no loss) is never empty (no NaN). With key_valid = [1, 1, 0, 0] the step-0
-blocks of rows 2 and 3 above become `1 1 1 0` and `1 1 0 1`; real rows are unchanged under right
-padding.
-
-Mask functions capture tensors only (sizes and offsets as 0-d tensors, `int_scalar`), never
-Python ints: compiled flex attention (drafters.common.attention) then serves every offset and
-length with one graph.
-
-Precomputed masks
------------------
-`dense_attention_mask(mask)` wraps a bool [Tq, Tk] matrix (e.g. the EAGLE-2 tree mask of
-`drafters.common.tree`) as a mask function `mask[q_idx, kv_idx]`, the same for every batch row
-and head. Worked example: mask = [[1, 0], [1, 1]] is the causal mask for T = 2.
+A padded step-0 key (`key_valid [B, T]` False) is hidden from every other query; each query keeps
+its own position, so a padded row (no loss) is never empty (no NaN).
 """
 
 from __future__ import annotations
@@ -69,10 +50,8 @@ class AttentionMask:
 
 
 def int_scalar(value: int, like: Tensor) -> Tensor:
-    """`value` as a 0-d int64 tensor on `like`'s device, for a mask function to capture: a captured
-    tensor is an input of a compiled flex graph, a captured Python int a constant it is specialized
-    to (one compile per TTT offset, block size, context length). Filled on the device: no copy from
-    the host, no wait for the device."""
+    """`value` as a 0-d int64 tensor on `like`'s device for a mask function to capture: a tensor is an
+    input of a compiled flex graph, a Python int a constant it would be recompiled for."""
     return torch.full((), value, dtype=torch.int64, device=like.device)
 
 
@@ -89,11 +68,8 @@ def dense_attention_mask(mask: Tensor, batch: int = 1) -> AttentionMask:
 
 
 def ttt_mask_mod(key_valid: Tensor, q_offset: int = 0) -> MaskMod:
-    """TTT mask function for keys laid out step-major (kv = step * T + s); key_valid: bool [B, T].
-
-    q_offset: query row q_idx stands for sequence position q_idx + q_offset (TTT steps that only
-    compute the rows from q_offset on; the key layout is unchanged).
-    """
+    """TTT mask function for keys laid out step-major (kv = step * T + s); key_valid: bool [B, T];
+    query row q_idx stands for position q_idx + q_offset (steps that compute only the later rows)."""
     valid = key_valid.to(torch.bool)
     seq_len, offset = int_scalar(key_valid.shape[1], valid), int_scalar(q_offset, valid)
 
@@ -123,11 +99,8 @@ class TTTAttentionMask(AttentionMask):
 
 
 def ttt_attention_mask(key_valid: Tensor, step: int, q_offset: int = 0) -> TTTAttentionMask:
-    """Mask for TTT step `step` (0-based): queries (rows q_offset..T-1 of [B, T]) against
-    (step + 1) * T keys.
-
-    Step 0 is the ordinary causal mask with padded keys hidden.
-    """
+    """Mask for TTT step `step` (0-based; step 0 is plain causal with padded keys hidden): queries
+    (rows q_offset..T-1 of [B, T]) against (step + 1) * T keys."""
     if step < 0:
         raise ValueError(f"step: got {step}, expected >= 0")
     batch, seq_len = key_valid.shape
@@ -139,11 +112,8 @@ def ttt_attention_mask(key_valid: Tensor, step: int, q_offset: int = 0) -> TTTAt
 
 
 def ttt_position_ids(position_ids: Tensor, step: int) -> Tensor:
-    """RoPE positions at TTT step j are the step-0 positions + j ([B, T] -> [B, T]).
-
-    Row t at step j stands for the token j places after the step-0 row t, as in inference where
-    draft step j sits at position n + j (SafeAILab `position_ids + lck`).
-    """
+    """RoPE positions at TTT step j: the step-0 positions + j ([B, T] -> [B, T]), as draft step j sits
+    at position n + j at inference (SafeAILab `position_ids + lck`)."""
     return position_ids + step
 
 

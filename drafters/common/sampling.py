@@ -1,7 +1,5 @@
 """Turn logits into the distribution a sampler draws from: temperature, top-k, top-p (vLLM order).
-
-Temperature 0 means greedy: the "distribution" is one-hot at the argmax (lowest id on ties).
-Shapes: logits [..., V] -> probs [..., V] float32, rows summing to 1.
+Temperature 0 is greedy (one-hot at the argmax, lowest id on ties). logits [..., V] -> probs [..., V] float32.
 """
 
 from __future__ import annotations
@@ -58,12 +56,8 @@ def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
 
 
 class ChainDraws:
-    """The draft tokens of one chain, drawn position by position, and the distribution q each was drawn
-    from when sampling (the verifier's rejection test needs q; greedy verification needs only the tokens).
-
-    Worked example, 2 positions: `draw(l1)` -> d_1, `draw(l2)` -> d_2; `stacked()` -> tokens [2] int64 and
-    probs [2, V] (None when greedy). Greedy picks the argmax, the lowest id on ties.
-    """
+    """The draft tokens of one chain, drawn position by position, with the distribution q each was
+    drawn from when sampling: `stacked()` -> tokens [k] int64, probs [k, V] (None when greedy)."""
 
     def __init__(self, sampling: SamplingParams, generator: torch.Generator | None = None):
         self.sampling, self.generator = sampling, generator

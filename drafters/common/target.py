@@ -1,10 +1,6 @@
-"""The frozen target pieces a drafter needs, read from an HF model directory without transformers.
-
-- `TargetSpec`: sizes from `config.json` (text decoders; a nested `text_config` is followed), and
-  the tokenizer's mask token when it has one (`mask_token_discovery`: block drafters' MASK id).
-- `TargetHead`: frozen `embed_tokens [V, H]`, `lm_head [V, H]`, `final_norm [H]`, loaded from
-  `model.safetensors` or a sharded `model.safetensors.index.json`. A checkpoint without
-  `lm_head.weight` is accepted only when the config ties the embeddings (or says nothing).
+"""The frozen target pieces a drafter needs, read from an HF model directory without transformers:
+`TargetSpec` (sizes from `config.json`, the tokenizer's mask token) and `TargetHead` (frozen embedding,
+final norm and LM head from safetensors; a missing `lm_head.weight` only with tied embeddings).
 """
 
 from __future__ import annotations
@@ -147,11 +143,8 @@ def _load_one(files: dict[str, Path], candidates: tuple[str, ...], dtype: torch.
 
 
 class TargetHead:
-    """Frozen target embedding, final norm and LM head (no gradients, plain tensors).
-
-    embed_tokens: [V, H]; lm_head: [V, H]; final_norm: [H]. `logits(last_hidden)` applies the head
-    to post-final-norm hidden states: [..., H] -> [..., V].
-    """
+    """Frozen target embed_tokens [V, H], lm_head [V, H], final_norm [H] (no gradients);
+    `logits(last_hidden)`: [..., H] post-final-norm -> [..., V]."""
 
     def __init__(self, spec: TargetSpec, embed_tokens: Tensor, lm_head: Tensor, final_norm: Tensor):
         v, h = spec.vocab_size, spec.hidden_size

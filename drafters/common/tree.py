@@ -1,22 +1,11 @@
 """EAGLE-2 dynamic draft trees (docs/design/algorithms.md section 2): the tree, its attention mask and
-positions, the `TreeProposer` protocol a drafter implements, the `TreeDrafterFamily` protocol a
-family that drafts trees implements, and expand + rerank.
+positions, the `TreeProposer` / `TreeDrafterFamily` protocols, and expand + rerank.
 
-Tree layout. A round starts from the committed tokens x_0..x_n; the ROOT is x_n (just emitted
-by the target). A tree of N draft nodes is stored in topological order (a parent before its
-children): `token_ids` int64 [N] (target ids), `parents` int64 [N] (-1 = the root, else an index
-< i), `depths` int64 [N] (1 = a child of the root). Any forward over a tree lays the rows out as
-[C context rows; N node rows] and uses
-
-- mask (bool [C + N, C + N], True = may attend): the context rows are causal; node i sees every
-  context row, its ancestors and itself (never a sibling or a cousin);
-- positions (int64 [C + N]): context row t -> t; node i -> C + depths[i] - 1.
-
-The target's verification pass uses C = n + 1 (rows x_0..x_n), so a depth-1 node sits at n + 1,
-right after the root. An EAGLE draft uses C = n (its row t pairs embed(x_{t+1}) with the target
-feature f_t, so the root's row is n - 1 and a depth-1 node sits at n, as in chain drafting).
-
-Worked example, C = 2 (x0, x1 = root) and 4 nodes
+The ROOT is x_n, the last committed token. N draft nodes in topological order: `token_ids`,
+`parents` (-1 = root), `depths` (1 = child of the root), each int64 [N]. A forward over a tree
+lays out [C context rows; N node rows]: context rows are causal, node i sees every context row,
+its ancestors and itself; its position is C + depths[i] - 1. The target verifies with C = n + 1,
+an EAGLE draft uses C = n. Worked example, C = 2 (x0, x1 = root), 4 nodes:
     root x1 ── a(0) ── c(2)                token_ids = [a, b, c, d]
             │        └─ d(3)               parents   = [-1, -1, 0, 0]
             └─ b(1)                        depths    = [1, 1, 2, 2]
@@ -28,13 +17,8 @@ mask (rows = queries, columns = keys)     positions = [0, 1, 2, 2, 3, 3]
       b :   1  1  0  1  0  0               (b does not see its sibling a)
       c :   1  1  1  0  1  0
       d :   1  1  1  0  0  1               (d does not see its sibling c)
-Each node row then computes exactly what a causal pass over its root-to-node path computes:
-the row of d equals the last row of a causal pass over [x0, x1, a, d] at positions 0..3.
-
-HF targets (Qwen3, Llama) take this mask as a 4-D additive float `attention_mask` [1, 1, T, T]
-(0 = attend, dtype-min = masked; `additive_mask`) together with `position_ids` [1, T]:
-transformers' `masking_utils` passes a 4-D mask to the attention kernel unchanged (verified with
-transformers 5.19, sdpa and eager, in tests/drafters/test_tree_decode.py).
+so the row of d equals the last row of a causal pass over [x0, x1, a, d] at positions 0..3.
+HF targets take it as an additive float mask [1, 1, T, T] (`additive_mask`) with position_ids [1, T].
 """
 
 from __future__ import annotations
@@ -131,10 +115,8 @@ class DraftTree:
 
 @dataclass
 class TreeNodes:
-    """Nodes a `TreeProposer` runs, closed under parents (every parent is an earlier node here
-    or the root). token_ids / parents / depths int64 [N]; parent_hidden [N, H_d] is the draft's
-    hidden state at each node's parent (row 0 or a node row of an earlier `TreeExpansion`);
-    N = 0 (the root-only call) has parent_hidden of shape [0, 0]."""
+    """Nodes a `TreeProposer` runs, closed under parents. token_ids / parents / depths int64 [N];
+    parent_hidden [N, H_d], the draft's hidden state at each node's parent ([0, 0] when N = 0)."""
 
     token_ids: Tensor
     parents: Tensor
@@ -164,24 +146,10 @@ class TreeExpansion:
 class TreeProposer(Protocol):
     """What `build_draft_tree` needs from an EAGLE-style drafter (EAGLE-1/2, EAGLE-3).
 
-    expand(ctx, nodes): one draft forward over [context rows; nodes] with `tree_attention_mask`
-    and `tree_position_ids` at C = the drafter's context rows (C = n for EAGLE: row t pairs
-    embed(x_{t+1}) with the target feature f_t; node rows pair embed(token) with parent_hidden).
-    Node i must compute what chain drafting computes at the end of its root-to-node path, so a
-    tree with top_k = 1 is the chain. Stateless (recomputed per call); deterministic.
-
-    Contract: `nodes` is closed under parents (`build_draft_tree` passes every node expanded so
-    far: the frontiers of depths 1..d-1, each node's parent before it); return a TreeExpansion
-    with N + 1 rows, row 0 the root = the last context row. log_probs are over the TARGET vocab
-    (-inf for tokens the draft cannot emit); hidden is whatever the drafter feeds a child (its
-    width H_d is the drafter's business). Examples:
-      EAGLE-3 (drafters/eagle3/proposer.py `expand`): context rows h = fc(cat aux f_t); node rows
-        h = parent_hidden (the parent's pre-norm output); log_probs = log_softmax(lm_head(norm)).
-      EAGLE-1/2: context rows pair embed(x_{t+1}) with f_t = the target's last (post-norm)
-        hidden; node rows pair embed(token) with parent_hidden = the parent's predicted feature;
-        log_probs = log_softmax(target lm_head(predicted feature)); hidden = the predicted feature.
-    Check an implementation like tests/drafters/test_tree_decode.py does for EAGLE-3: each node
-    row of `expand` equals the chain drafter's state after stepping along that node's path.
+    expand(ctx, nodes): one stateless draft forward over [context rows; nodes] with
+    `tree_attention_mask` / `tree_position_ids`; `nodes` is closed under parents. Node i must compute
+    what chain drafting computes at the end of its path (so top_k = 1 is the chain). Returns N + 1
+    rows, row 0 the root; log_probs over the TARGET vocab (-inf where the draft cannot emit).
     """
 
     def expand(self, ctx: DraftContext, nodes: TreeNodes) -> TreeExpansion: ...
@@ -192,13 +160,11 @@ class TreeProposer(Protocol):
 
 @dataclass(frozen=True)
 class TreeConfig:
-    """EAGLE-2 tree shape (SafeAILab `top_k`, `depth`, `total_token`; SafeAILab defaults 10, 7, 60).
+    """EAGLE-2 tree shape (SafeAILab `top_k`, `depth`, `total_token`; defaults there 10, 7, 60).
 
-    top_k: nodes expanded per depth AND children per expanded node; depth: longest path (draft
-    tokens per path); total_tokens: draft nodes kept by rerank, the root excluded (SGLang's
-    --speculative-num-draft-tokens counts the root: it is total_tokens + 1). The candidate pool
-    holds top_k + (depth - 1) * top_k^2 nodes, so total_tokens is at most that.
-    top_k = 1, total_tokens = depth is a chain of `depth` greedy draft tokens.
+    top_k: frontier nodes per depth and children per node; depth: longest path; total_tokens: nodes
+    kept by rerank, root excluded (SGLang's --speculative-num-draft-tokens = total_tokens + 1).
+    top_k = 1, total_tokens = depth is the greedy chain.
     """
 
     top_k: int
@@ -219,13 +185,9 @@ class TreeConfig:
 
 @runtime_checkable
 class TreeDrafterFamily(DrafterFamily, Protocol):
-    """A family whose reference drafting is an EAGLE-2 dynamic tree (optional, e.g. eagle2).
-
-    `isinstance(family, TreeDrafterFamily)` tells a caller to decode with
-    `drafters.spec_decode.tree_speculative_generate(target, family.tree_proposer(model, spec),
-    ..., **asdict(family.tree_config(family.config_of(model))))` instead of the chain `proposer`
-    (verl_speco/evaluation.py `reference_acceptance` does). `proposer` stays the chain the family's
-    engines serve where they have no tree (vLLM 0.32)."""
+    """A family whose reference drafting is an EAGLE-2 dynamic tree (e.g. eagle2): callers decode
+    with `drafters.spec_decode.tree_speculative_generate` and `tree_proposer`; `proposer` stays the
+    chain its engines serve where they have no tree (vLLM 0.32)."""
 
     def tree_config(self, cfg: Any) -> TreeConfig:
         """The tree shape (top_k, depth, total_tokens) of a resolved config."""
@@ -269,14 +231,10 @@ def _best(pool: _Pool, candidates: list[int], k: int) -> list[int]:
 def build_draft_tree(proposer: TreeProposer, ctx: DraftContext, cfg: TreeConfig) -> DraftTree:
     """EAGLE-2 dynamic tree (SafeAILab `topK_genrate`, SGLang `organize_draft_results`).
 
-    value(node) = sum of draft log-probs along its path.
-      depth 1: the top_k children of the root;
-      depth d = 2..depth: run the draft on the frontier (the top_k nodes of depth d - 1 by value)
-        and add the top_k children of each (top_k^2 candidates; the best top_k are the next frontier);
-      rerank: keep the total_tokens nodes of highest value over every candidate.
-    A child's value is <= its parent's (log-probs <= 0) and ties rank the shallower node first, so
-    every kept node's parent is kept: the selection is a tree, returned in rank order (topological).
-    Each draft call recomputes every expanded node (the proposer is stateless).
+    value(node) = sum of draft log-probs along its path. Depth 1: the root's top_k children; each
+    further depth expands the top_k frontier nodes by value (top_k children each); rerank keeps the
+    total_tokens best of all candidates. Values only fall along a path and ties favour the shallower
+    node, so every kept node's parent is kept: the result is a tree, in rank (topological) order.
     """
     pool = _Pool([], [], [], [], [])
     root = proposer.expand(ctx, TreeNodes.root_only())

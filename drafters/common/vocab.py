@@ -1,17 +1,10 @@
 """Reduced draft vocabulary (EAGLE-3 / P-EAGLE): selection by frequency and the d2t / t2d maps.
 
-- The draft vocab is the `Vd` most frequent target tokens over loss-masked positions, sorted by
-  target id (SafeAILab `scandata`). Ties and unseen tokens are broken by the lower id.
-- `d2t [Vd]` int64 holds OFFSETS: target_id = draft_id + d2t[draft_id] (vLLM and SGLang both
-  compute it this way). `t2d [V]` bool marks target ids that are in the draft vocab.
-- Because the draft ids follow ascending target ids, `target_logits[..., t2d]` lists target
-  logits in draft-id order.
-
-Worked example (V = 6, Vd = 3): counts [0, 5, 0, 9, 9, 1] -> draft vocab = target ids [1, 3, 4],
-d2t = [1-0, 3-1, 4-2] = [1, 2, 2], t2d = [F, T, F, T, T, F]; draft id 2 -> target 2 + 2 = 4.
-
-Export rule: when Vd == V the maps are the identity (d2t all zeros, t2d all true) and are
-omitted from exports (`export_tensors()` returns {}); an `arange` d2t must never be exported.
+The draft vocab is the `Vd` most frequent target tokens over loss-masked positions, sorted by target id
+(SafeAILab `scandata`; ties to the lower id), so `target_logits[..., t2d]` is in draft-id order.
+`d2t [Vd]` int64 holds OFFSETS (target_id = draft_id + d2t[draft_id], as both engines compute it);
+`t2d [V]` bool marks the kept target ids. Worked example, counts [0, 5, 0, 9, 9, 1], Vd = 3: kept
+[1, 3, 4], d2t = [1, 2, 2], t2d = [F, T, F, T, T, F]. A full vocab (Vd == V) is never exported.
 """
 
 from __future__ import annotations
@@ -40,12 +33,8 @@ def token_counts_from_samples(samples: Iterable[Mapping[str, Tensor]], vocab_siz
 
 
 def vocab_map_problems(d2t: Tensor, t2d: Tensor | None, vocab_size: int) -> list[str]:
-    """Why (d2t, t2d) is not a valid draft vocab map of a V = `vocab_size` target (empty: valid): the
-    one place this rule lives (model, exports, engine contracts).
-
-    d2t int64 [Vd] OFFSETS: draft id i is target id i + d2t[i]; the target ids are in [0, V) and strictly
-    increasing (the draft vocab is the sorted list of kept ids); t2d bool [V] marks exactly them.
-    Example, kept target ids [1, 3, 4] of V = 6: d2t = [1, 2, 2], t2d = [F, T, F, T, T, F]."""
+    """Why (d2t, t2d) is not a valid draft vocab map of a `vocab_size` target (empty: valid), the one place
+    this rule lives: draft ids map to strictly increasing target ids in [0, V), t2d marks exactly them."""
     if d2t.dtype != torch.int64:
         return [f"d2t: dtype {d2t.dtype}, expected torch.int64 offsets"]
     targets = torch.arange(d2t.numel()) + d2t

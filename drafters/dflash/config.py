@@ -1,12 +1,7 @@
 """DFlash drafter configuration (docs/design/algorithms.md section 4; docs/design/engines.md sections 2.4 and 4.5).
 
-The draft's sizes (hidden, heads, kv heads, head_dim, intermediate, rope_theta, eps) are the
-target's; only the fields below are choices. `resolve(target_spec)` fills the defaults that
-depend on the target and validates everything against it.
-
-Layer ids: `target_layer_ids` uses the engines' DFlash convention, "output of layer i" (what
-`dflash_config.target_layer_ids` holds in vLLM and SGLang); `hidden_state_ids` converts them to
-the internal HF `hidden_states` index (+1) through drafters.common.layer_ids.
+`target_layer_ids` are the engines' "output of layer i" ids; `hidden_state_ids` converts them to internal
+HF `hidden_states` indices (+1, drafters.common.layer_ids). `resolve(target_spec)` fills and checks the rest.
 """
 
 from __future__ import annotations
@@ -29,31 +24,17 @@ LAYER_ID_KEY = "vllm.dflash_config.target_layer_ids"  # output-of-layer ids (eng
 
 @dataclass(frozen=True)
 class DFlashConfig:
-    """
-    num_layers: draft decoder layers (Qwen3-8B recipe: 5).
-    block_size: B, rows per block: [anchor, MASK x (B - 1)]; B - 1 drafts per block.
-    target_layer_ids: output-of-layer ids of the m context layers, strictly increasing within
-        0..L-2; None = z-lab's default [1 + round(i * (L - 4) / (m - 1))] ([1, 9, 17, 25, 33] for
-        L = 36, m = 5).
-    num_target_features: m, how many target layers feed `fc` (m * H -> H).
-    mask_token_id: the MASK token id (Qwen3: 151669); None = the target tokenizer's mask token
-        (`TargetSpec.mask_token_id`); checked against the target vocab.
-    loss_gamma: slot k >= 1 has loss weight exp(-(k - 1) / gamma) (7 for B = 16).
-    num_anchors: blocks sampled per sequence per step (512).
-    attn_backend: "auto" (flex on CUDA, else SDPA), "sdpa" or "flex".
-    loss_chunk_rows: loss rows per chunk of the LM head + loss (drafters/common/chunked_head.py): at
-        most this many rows of [rows, vocab] logits are alive at once; the loss does not depend on it.
-    """
+    """The DFlash draft's choices; its sizes are the target's."""
 
-    num_layers: int = 5
-    block_size: int = 16
-    target_layer_ids: tuple[int, ...] | None = None
-    num_target_features: int = 5
-    mask_token_id: int | None = None
-    loss_gamma: float = 7.0
-    num_anchors: int = 512
-    attn_backend: str = "auto"
-    loss_chunk_rows: int = DEFAULT_LOSS_CHUNK_ROWS
+    num_layers: int = 5  # draft decoder layers
+    block_size: int = 16  # B rows: [anchor, MASK x (B - 1)], B - 1 drafts per block
+    target_layer_ids: tuple[int, ...] | None = None  # output-of-layer ids in 0..L-2; None = z-lab's default
+    num_target_features: int = 5  # m target layers feed `fc` (m * H -> H)
+    mask_token_id: int | None = None  # None = the target tokenizer's mask token (Qwen3: 151669)
+    loss_gamma: float = 7.0  # slot k >= 1 weighs exp(-(k - 1) / gamma)
+    num_anchors: int = 512  # blocks sampled per sequence per step
+    attn_backend: str = "auto"  # "auto" (flex on CUDA, else SDPA), "sdpa" or "flex"
+    loss_chunk_rows: int = DEFAULT_LOSS_CHUNK_ROWS  # rows of logits alive at once (common/chunked_head.py)
 
     def __post_init__(self) -> None:
         check_chunk_rows(self.loss_chunk_rows)

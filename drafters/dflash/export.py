@@ -1,25 +1,10 @@
 """DFlash draft export for vLLM (`method="dflash"`) and SGLang (`DFLASH`), its check, and the reader.
 
-One format, `native` (a directory: `config.json` + `model.safetensors` + our `verl_speco_meta.json`),
-docs/design/engines.md sections 2.4 and 4.5:
-- `architectures: ["DFlashDraftModel"]`, `model_type: "qwen3"`, Qwen3 decoder keys with
-  `num_hidden_layers` = the draft's layers and `vocab_size` = the target's; `block_size`,
-  `num_target_layers` (the target's L), `layer_types` all `"full_attention"`;
-  `dflash_config: {mask_token_id, target_layer_ids (output-of-layer ids), use_aux_hidden_state:
-  true, causal: false[, mask_token: the tokenizer's string for that id]}` and the top-level `eagle_aux_hidden_state_layer_ids` = vLLM capture
-  indices (output-of-layer id + 1, through drafters.common.layer_ids).
-- Never an `eagle_config` dict: vLLM V1 lets `eagle_config` override the DFlash layer ids
-  silently (docs/design/engines.md section 1.3).
-- Tensors, exactly the `DFlashDraft` parameters (its training names are the engine names):
-  `fc.weight [H, m*H]`, `hidden_norm.weight`, `norm.weight`,
-  `layers.i.{input_layernorm,post_attention_layernorm}.weight`,
-  `layers.i.self_attn.{q,k,v,o}_proj.weight`, `layers.i.self_attn.{q_norm,k_norm}.weight`,
-  `layers.i.mlp.{gate,up,down}_proj.weight`.
-  Never `embed_tokens.weight` / `lm_head.weight` (both engines share the target's) nor
-  `mask_hidden` (vLLM asserts).
-- K rule: vLLM queries are `[bonus, MASK x K]`, so a model trained with block B is served with
-  `num_speculative_tokens = B - 1` (vLLM does not check it); SGLang takes
-  `--speculative-num-draft-tokens = B`.
+One format, `native`: `config.json` + `model.safetensors` + `verl_speco_meta.json`
+(docs/design/engines.md sections 2.4 and 4.5). The tensors are exactly the `DFlashDraft` parameters,
+never the target's embedding or head nor `mask_hidden` (vLLM asserts); the config never carries an
+`eagle_config` dict, which vLLM V1 lets override the DFlash layer ids silently. K rule: a model
+trained with block B is served with `num_speculative_tokens = B - 1` (vLLM does not check it).
 `check_export(dir)` enforces all of this before any engine sees a directory.
 """
 
@@ -341,14 +326,8 @@ def match_config(config: Mapping[str, Any], want: Mapping[str, Any], where: str)
 
 
 def check_export(export_dir: str | Path, export_cls: type[DFlashExportConfig] | None = None) -> DFlashExportConfig:
-    """Check a directory is a servable export of `export_cls` (default DFlash; DSpark and Domino
-    pass theirs): config and every tensor; returns its config.
-
-    Refuses, naming the file and key or tensor: an `eagle_config` dict, layer ids that disagree
-    between `dflash_config.target_layer_ids` and `eagle_aux_hidden_state_layer_ids`, a wrong
-    architecture or any config value other than the one `config_json` writes; an engine-refused,
-    missing, unexpected, wrong-shape, wrong-dtype or non-finite tensor; an fc width other than
-    len(target_layer_ids) x hidden_size."""
+    """Check a directory is a servable export of `export_cls` (default DFlash; DSpark and Domino pass
+    theirs): config and every tensor as the module docstring says; returns its config."""
     cls = DFlashExportConfig if export_cls is None else export_cls
     return export_format.check_export_dir(export_dir, cls.from_config_json, refuse_names, check_tensors)
 

@@ -1,23 +1,12 @@
 """DFlash draft backbone (docs/design/algorithms.md section 4; z-lab `dflash/model.py`, vLLM `qwen3_dflash.py`).
 
-Parameter names are the engines' tensor names (docs/design/engines.md sections 2.4, 4.5):
-    fc.weight [H, m*H]; hidden_norm.weight [H]; norm.weight [H];
-    layers.<i>.{input_layernorm,post_attention_layernorm}.weight [H];
-    layers.<i>.self_attn.{q,k,v,o}_proj.weight; layers.<i>.self_attn.{q_norm,k_norm}.weight [D];
-    layers.<i>.mlp.{gate,up,down}_proj.weight.
-The draft has no embedding or head of its own: the frozen target `embed_tokens` [V, H] and
-`lm_head` [V, H] are the non-persistent buffers `target_embed_tokens` / `target_lm_head` (never
-trained, never saved).
-
-Forward, with n context positions and nb blocks of B rows (layout: drafters.common.blocks):
+Parameter names are the engines' tensor names (drafters/dflash/export.py). The draft has no embedding
+or head of its own: the frozen target ones are the non-persistent buffers `target_embed_tokens` /
+`target_lm_head` (never saved). Forward, n context positions, nb blocks of B rows (common/blocks.py):
     H_ctx = hidden_norm(fc(features))                          # [batch, n, H], fixed for all layers
     x = target_embed_tokens[anchor, MASK x (B - 1)]            # [batch, nb*B, H]
-    every layer:
-        y = input_layernorm(x)
-        q = q_norm(q_proj(y))                                  # queries: block rows only
-        k = k_norm(k_proj([H_ctx ; y])), v = v_proj([H_ctx ; y])   # keys: context then blocks
-        RoPE: context positions 0..n-1, block b positions a_b..a_b+B-1
-        x = x + o_proj(attention under the block mask); x = x + mlp(post_attention_layernorm(x))
+    every layer: queries from the block rows, keys/values from [H_ctx ; rows], RoPE context 0..n-1,
+        block b at a_b..a_b+B-1; x += o_proj(block-masked attention); x += mlp(norm(x))
     logits = target_lm_head(norm(x))                           # [batch, nb, B, V]
 """
 
@@ -111,14 +100,10 @@ class DFlashDraft(nn.Module):
         return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
 
     def forward(self, features: Tensor, block_ids: Tensor, anchors: Tensor, anchor_valid: Tensor) -> Tensor:
-        """Post-norm block hidden states [batch, nb, B, H] (`logits` maps them through the frozen
-        target head; the objective does so on the loss rows only). The forward, so FSDP's hooks
-        gather the sharded parameters around it.
+        """Post-norm block hidden states [batch, nb, B, H] (`logits` maps them through the frozen head).
 
-        features: [batch, n, m*H] target features at positions 0..n-1 (row p = position p);
-        block_ids: int64 [batch, nb, B] block input tokens, B <= block_size rows (target ids; normally
-        `blocks.block_input_ids`: anchor then MASKs); anchors: int64 [batch, nb] block starts;
-        anchor_valid: bool [batch, nb] (False = padding block: sees its own block only).
+        features: [batch, n, m*H] (row p = position p); block_ids: int64 [batch, nb, B] (normally
+        `blocks.block_input_ids`); anchors: int64 [batch, nb]; anchor_valid: bool [batch, nb].
         """
         batch, nb, bs = block_ids.shape
         if not 2 <= bs <= self.cfg.block_size:  # training: block_size rows; drafting K < B - 1: K + 1 rows
@@ -142,7 +127,6 @@ class DFlashDraft(nn.Module):
         return DFlashDraft.forward(self, features, block_ids, anchors, anchor_valid)
 
     def logits(self, hidden: Tensor, head: Tensor | None = None) -> Tensor:
-        """[..., H] post-norm draft hidden -> [..., V] logits through the frozen target lm_head. head: that
-        lm_head [V, H] already in the matmul's dtype (`chunked_head.head_weight`), when the caller casts
-        it once for many calls (the chunked loss); None casts it here."""
+        """[..., H] post-norm draft hidden -> [..., V] logits through the frozen target lm_head; `head`:
+        that weight already cast (`chunked_head.head_weight`), or None to cast it here."""
         return hidden @ (head_weight(self.target_lm_head, hidden) if head is None else head).T

@@ -1,19 +1,9 @@
 """DFlash block drafting for the reference decoder, as vLLM's `DFlashProposer` does it (docs/design/engines.md section 2.4).
 
-Round with committed tokens x_0..x_n (x_n just emitted by the target, no target features yet)
-and target features at positions 0..n-1: ONE draft forward over the block
-    [x_n, MASK x K]  at positions n .. n + K            (K = num_tokens <= block_size - 1)
-with the context = fc + hidden_norm of the target features at positions 0..n-1 as extra
-keys/values (anchor n: every context position < n is visible; the block is non-causal). Slot k
-(k = 1..K) predicts the token at its own position n + k, i.e. draft d_k.
-Worked example, n = 4, K = 3: the block [x_4, M, M, M] sits at positions 4, 5, 6, 7, sees the
-context rows 0..3, and slots 1, 2, 3 give d_1, d_2, d_3 (the tokens at positions 5, 6, 7).
-
-A smaller K than block_size - 1 drafts with a shorter block (K + 1 rows), as vLLM does when
-`num_speculative_tokens` < B - 1 (our export refuses that K for serving; the reference decoder
-allows it). Greedy drafting takes each slot's argmax; probabilistic drafting samples every slot
-independently from its own distribution q_k and reports q (each d_k is drawn from q_k whatever
-the other drafts are, so rejection sampling with q stays lossless).
+ONE draft forward per round over [x_n, MASK x K] at positions n .. n + K (K <= block_size - 1), with the
+context features at 0..n-1 as extra keys; slot k predicts d_k at n + k. Worked example, n = 4, K = 3:
+the block [x_4, M, M, M] at positions 4..7 sees context rows 0..3; slots 1..3 give d_1..d_3. Sampled
+drafting draws each slot from its own q_k and reports q (lossless).
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Domino draft export: SGLang's DFLASH with `projector_type: "domino"` (docs/design/engines.md sections 2.6, 4.6, 5.6).
 
-One format, `native`: the DFlash export (drafters/dflash/export.py: `DFlashDraftModel`, Qwen3
-keys, `dflash_config` with the mask id and output-of-layer ids, top-level
-`eagle_aux_hidden_state_layer_ids`, never an `eagle_config`) with
-- `dflash_config` += {projector_type: "domino", shift_label: true, pure_draft_prefix_len: 1,
-  gru_hidden_dim: G, emb_dim: E}, and the top-level `emb_dim` (SGLang reads either and requires
-  them to agree);
-- tensors += prefix_gru.weight_ih_l0 [3G, H], prefix_gru.weight_hh_l0 [3G, G],
-  embed_proj.0.weight [E, H + G], embed_proj.2.weight [V, E].
-Serving: SGLang `--speculative-algorithm DFLASH --speculative-num-draft-tokens B` (B - 1 drafts;
-CUDA only, bf16 weights, full vocabulary: `sglang_server_args` refuses another dtype).
-vLLM 0.32 has no Domino: `projector_type` alone would serve plain DFlash silently, and the head's
-weights fail to load, so `vllm_speculative_config` refuses with the reason.
+One format, `native`: the DFlash export (drafters/dflash/export.py) plus the Domino `dflash_config` keys
+(projector_type, shift_label, pure_draft_prefix_len, gru_hidden_dim, emb_dim; top-level `emb_dim` too)
+and the GRU head tensors. SGLang serves it with `--speculative-num-draft-tokens B` (CUDA, bf16 only).
+vLLM 0.32 has no Domino (it would serve plain DFlash silently), so `vllm_speculative_config` refuses.
 """
 
 from __future__ import annotations

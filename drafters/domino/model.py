@@ -1,19 +1,13 @@
 """Domino draft: the DFlash backbone + a causal GRU correction head (docs/design/algorithms.md section 6).
 
-Parameter names are the engines' (docs/design/engines.md section 4.6): the DFlash backbone's (drafters/dflash/model.py) plus
-    prefix_gru.weight_ih_l0 [3G, H], prefix_gru.weight_hh_l0 [3G, G]   (nn.GRU, 1 layer, no bias)
-    embed_proj.0.weight [E, H + G], embed_proj.2.weight [V, E]         (Linear, SiLU, Linear; no bias)
-
-Row math for one block [x_a, MASK x (B - 1)] with post-norm backbone hidden h_0..h_{B-1} and the
-tokens t_0 = x_a, t_1, t_2, ... that precede each draft (teacher-forced labels in training, the
-drafts themselves at inference):
+Parameter names are the engines' (docs/design/engines.md section 4.6). For one block [x_a, MASK x (B - 1)]
+with post-norm hidden h_k and the tokens t_0 = x_a, t_1, ... preceding each draft (labels in training,
+drafts at inference):
     U_k = target_lm_head(h_k)                               # [V] base logits, slot k -> x_{a+k+1}
     g_k = GRU(target_embed_tokens[t_0 .. t_k]) output at step k   # [G]
-    final_0 = U_0                                           # pure_draft_prefix_len = 1
-    final_k = U_k + embed_proj([h_k ; g_k])                 # k >= 1
-Worked example, B 4 (3 drafts): slot 0 gives d_1 from U_0; slot 1 reads g_1 = GRU(x_a, d_1);
-slot 2 reads g_2 = GRU(x_a, d_1, d_2). Slot 3 (position a + 3) drafts nothing (its label would be
-x_{a+4}, past the B - 1 = 3 drafts SGLang verifies).
+    final_0 = U_0; final_k = U_k + embed_proj([h_k ; g_k])  # k >= 1 (pure_draft_prefix_len = 1)
+Worked example, B 4: slot 0 gives d_1; slot 1 reads GRU(x_a, d_1); slot 2 GRU(x_a, d_1, d_2); slot 3
+drafts nothing (SGLang verifies B - 1 drafts).
 """
 
 from __future__ import annotations
@@ -60,12 +54,9 @@ class DominoDraft(DFlashDraft):
 
     def forward(self, features: Tensor, block_ids: Tensor, anchors: Tensor,  # type: ignore[override]
                 anchor_valid: Tensor, prev_ids: Tensor, select: Tensor) -> tuple[Tensor, Tensor]:
-        """Training forward (teacher forcing) over the B - 1 drafting slots of every block, kept on the
-        rows where `select` holds (FSDP's hooks wrap this call); `row_logits` projects them to the vocab.
-
-        prev_ids int64 [batch, nb, B - 1]: slot k's preceding token t_k (= x_{a+k}); select bool
-        [batch, nb, B - 1]. Returns (post-norm backbone hidden [N, H], GRU outputs [N, G]) over the N
-        selected rows in `select.nonzero()` order."""
+        """Training forward (teacher forcing) over the B - 1 drafting slots, kept where `select` (bool
+        [batch, nb, B - 1]) holds; prev_ids int64 [batch, nb, B - 1] (t_k = x_{a+k}) -> (post-norm
+        hidden [N, H], GRU outputs [N, G]) in `select.nonzero()` order."""
         batch, nb, bs = block_ids.shape
         if tuple(prev_ids.shape) != (batch, nb, bs - 1) or tuple(select.shape) != (batch, nb, bs - 1):
             raise ValueError(f"prev_ids {tuple(prev_ids.shape)} / select {tuple(select.shape)}: expected "

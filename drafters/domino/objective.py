@@ -1,18 +1,9 @@
 """Domino training objective (docs/design/algorithms.md section 6; SpecForge `OnlineDominoModel`).
 
-Layout, per sequence (block size B, shifted labels, anchors a):
-    candidates: a with valid[a] and valid[a + 1]  (valid = loss_mask & attention_mask)
-    block input [x_a, MASK x (B - 1)] at positions a .. a + B - 1
-    slot k = 0 .. B - 2 drafts d_{k+1}: label x_{a+k+1}; GRU input t_k = x_{a+k} (teacher forcing)
-    a slot counts iff its label and every earlier one are valid (`blocks.next_token_prefix_mask`)
-Worked example, B 4, valid [1, 1, 1, 0, 1, 1], anchor 0: labels x1, x2, x3 -> valid [1, 1, 0]
-    -> slots 0 and 1 count; the GRU reads x0 at slot 0 and x0, x1 at slot 1.
-
-Per counted row (slot k, weight w_k = exp(-k / gamma)):
-    row = (1 - lam) * CE(final_k, label) + lam * CE(U_k, label)
-    loss = sum(w * row) / sum(w)
-with lam = `curriculum_lambda(cfg, progress)` (1 -> 0 over `lambda_decay_fraction` of training).
-Slot 0's final logits are its base logits, so its row is CE(U_0) whatever lam is.
+Blocks [x_a, MASK x (B - 1)] at anchors a with valid[a] and valid[a + 1]; slot k = 0 .. B - 2 drafts
+x_{a+k+1} with GRU input t_k = x_{a+k} (teacher forcing), counted over the contiguous valid prefix
+(`blocks.next_token_prefix_mask`). Per counted row, w_k = exp(-k / gamma):
+    loss = sum(w * ((1 - lam) * CE(final_k) + lam * CE(U_k))) / sum(w),  lam = `curriculum_lambda`
 """
 
 from __future__ import annotations
@@ -40,9 +31,8 @@ REQUIRED_FIELDS = ("input_ids", "loss_mask", "aux_hidden")
 
 def head_rows(model: DominoDraft, hidden: Tensor, gru: Tensor, labels: Tensor,
               slot: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """hidden [N, H], gru [N, G], labels int64 [N], slot int64 [N] -> (CE of the final logits [N], CE of
-    the base logits [N], base argmax [N], final top-5 ids [N, 5]), `cfg.loss_chunk_rows` rows at a
-    time (common/chunked_head.py)."""
+    """hidden [N, H], gru [N, G], labels int64 [N], slot int64 [N] -> (CE final [N], CE base [N], base
+    argmax [N], final top-5 ids [N, 5]), chunked (common/chunked_head.py)."""
 
     head = head_weight(model.target_lm_head, hidden)  # [V, H], cast once (if at all), not per chunk
 
@@ -56,10 +46,8 @@ def head_rows(model: DominoDraft, hidden: Tensor, gru: Tensor, labels: Tensor,
 
 def domino_loss(ce_final: Tensor, ce_base: Tensor, base_argmax: Tensor, top: Tensor, labels: Tensor, slot: Tensor,
                 lam: float, gamma: float, num_slots: int) -> ObjectiveOutput:
-    """The curriculum CE of the module docstring over N rows from `head_rows`' outputs: ce_final /
-    ce_base [N], base_argmax int64 [N], top int64 [N, k] (final logits), labels int64 [N], slot int64
-    [N] in 0..num_slots-1. Metrics: ce_final / ce_base (weighted means), lambda, acc_base, and
-    common/metrics.block_row_metrics of the final logits (slot k drafts d_{k+1})."""
+    """The curriculum CE over N rows from `head_rows`' outputs, with its metrics (ce_final, ce_base,
+    lambda, acc_base, common/metrics.block_row_metrics of the final logits)."""
     row = (1.0 - lam) * ce_final + lam * ce_base
     w = next_token_slot_weights(num_slots, gamma).to(row.device)[slot]  # [N]
     num, den = (w * row).sum(), w.sum().detach()
@@ -76,11 +64,8 @@ def domino_loss(ce_final: Tensor, ce_base: Tensor, base_argmax: Tensor, top: Ten
 
 def domino_objective(model: DominoDraft, batch: dict[str, Tensor], progress: float = 0.0,
                      generator: torch.Generator | None = None) -> ObjectiveOutput:
-    """One micro-batch: sample anchors (with `generator`), backbone + GRU head, curriculum CE.
-
-    batch: input_ids, loss_mask, attention_mask [batch, seq], aux_hidden [batch, seq, m*H];
-    progress in [0, 1] drives lam. The target lm_head and embed_proj run on the counted rows only,
-    chunk by chunk."""
+    """One micro-batch: sample anchors (with `generator`), backbone + GRU head, curriculum CE. batch:
+    input_ids, loss_mask, attention_mask [batch, seq], aux_hidden [batch, seq, m*H]; progress drives lam."""
     check_batch(batch, REQUIRED_FIELDS, "Domino")
     cfg = model.cfg
     assert cfg.mask_token_id is not None

@@ -1,16 +1,9 @@
 """Domino block drafting for the reference decoder, as SGLang's greedy Domino rollout does it
 (docs/design/engines.md section 4.6; docs/design/algorithms.md section 6, inference).
 
-Round with committed tokens x_0..x_n and target features at 0..n-1: ONE backbone forward over the
-full block [x_n, MASK x (B - 1)] at positions n .. n + B - 1 (always B rows, as in training and in
-SGLang) gives h_0..h_{B-1}; then left to right, t_0 = x_n:
-    d_1 from U_0                                   (slot 0 keeps the base logits)
-    g_k = GRU state after t_0 = x_n, t_1 = d_1, ..., t_k = d_k
-    d_{k+1} from U_k + embed_proj([h_k ; g_k])     (k = 1 .. K - 1)
-greedy: argmax; sampling: d_{k+1} ~ softmax(logits / T) with q_{k+1} reported, so rejection
-sampling stays lossless (each draft is drawn from its q given the drafts before it).
-Worked example, B 4, K 3: block [x_n, M, M, M]; d_1 = argmax U_0; GRU(x_n, d_1) -> g_1 -> d_2;
-GRU(.., d_2) -> g_2 -> d_3. K <= B - 1.
+ONE backbone forward over the full block [x_n, MASK x (B - 1)] gives h_0..h_{B-1}; then d_1 from U_0 and
+d_{k+1} from U_k + embed_proj([h_k ; g_k]), g_k the GRU state after x_n, d_1, ..., d_k (K <= B - 1).
+Sampling reports each q_{k+1}, so verification stays lossless.
 """
 
 from __future__ import annotations

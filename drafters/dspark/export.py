@@ -1,21 +1,11 @@
 """DSpark draft export for vLLM (`method="dspark"`) and SGLang (`DSPARK`), its check, and the reader.
 
-One format, `native` (config.json + model.safetensors + verl_speco_meta.json), docs/design/engines.md sections 2.5, 4.7
-and 5.5: the DFlash export (drafters/dflash/export.py: Qwen3 keys, `dflash_config` with the mask id
-and output-of-layer ids, top-level `eagle_aux_hidden_state_layer_ids` = ids + 1, never an
-`eagle_config`) with
-- `architectures: ["Qwen3DSparkModel"]` (both engines; `DSparkDraftModel` would be read as
-  DeepSeek-V4 by vLLM unless model_type is qwen3);
-- every key either engine reads written explicitly and consistently: `block_size` /
-  `dspark_block_size` (= gamma drafts), `markov_rank` / `dspark_markov_rank`, `markov_head_type` /
-  `dspark_markov_head_type`, `enable_confidence_head`, `confidence_head_with_markov` (the engines'
-  defaults disagree), `sample_from_anchor: true` (the anchor predicts the first token),
-  `dspark_target_layer_ids`, `mask_token_id` / `dspark_noise_token_id`, `draft_vocab_size` = V;
-- tensors: the backbone's plus `markov_head.markov_w1.weight [V, r]`, `markov_head.markov_w2.weight
-  [V, r]`, `markov_head.gate_proj.{weight, bias}` (gated head), `confidence_head.proj.{weight [1,
-  H (+ r)], bias [1]}` (with the confidence head).
-K rule: vLLM `num_speculative_tokens` = block_size; SGLang `--speculative-dspark-block-size` =
-block_size. vLLM 0.32 serves only the vanilla Markov head: `vllm_speculative_config` refuses a gated one.
+One format, `native` (docs/design/engines.md sections 2.5, 4.7, 5.5): the DFlash export
+(drafters/dflash/export.py) with `architectures: ["Qwen3DSparkModel"]` (vLLM would read
+`DSparkDraftModel` as DeepSeek-V4), every key either engine reads written explicitly (their defaults
+disagree), and the Markov and confidence head tensors. K rule: `num_speculative_tokens` = block_size in
+vLLM, `--speculative-dspark-block-size` = block_size in SGLang; vLLM 0.32 serves only the vanilla
+Markov head.
 """
 
 from __future__ import annotations

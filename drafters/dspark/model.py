@@ -1,20 +1,12 @@
 """DSpark draft: the DFlash backbone + Markov head + confidence head (docs/design/algorithms.md section 5).
 
-Parameter names are the engines' (docs/design/engines.md sections 2.5, 4.7): the DFlash backbone's (drafters/dflash/model.py)
-plus
-    markov_head.markov_w1.weight [V, r]     (an embedding: e = W1[x_prev])
-    markov_head.markov_w2.weight [V, r]     (Linear(r -> V), no bias: bias = W2 e)
-    markov_head.gate_proj.{weight [r, H + r], bias [r]}   (gated head only)
-    confidence_head.proj.{weight [1, H (+ r)], bias [1]}
-
-Row math, for a block row with post-norm backbone hidden h [H] and Markov predecessor x_prev:
+Parameter names are the engines' (drafters/dspark/export.py). Row math, post-norm backbone hidden h [H],
+Markov predecessor x_prev:
     U = target_lm_head(h)                                 # [V] base logits
     e = W1[x_prev]  (gated: sigmoid(gate_proj([h ; W1[x_prev]])) * W1[x_prev])   # [r]
     draft logits = U + W2 e                               # [V]
     confidence = sigmoid(proj([h ; e]))  (or proj(h))     # scalar
-`forward` runs the backbone, the Markov features and the confidence head on the selected rows only
-(FSDP's hooks wrap it); the objective projects them to the vocab chunk by chunk (`draft_logits`).
-`block_hidden` and `head_logits` are the pieces the proposer calls step by step.
+`forward` stops before the vocab projection, which the objective runs chunk by chunk (`draft_logits`).
 """
 
 from __future__ import annotations
@@ -119,10 +111,8 @@ class DSparkDraft(DFlashDraft):
 
     def forward(self, features: Tensor, block_ids: Tensor, anchors: Tensor, anchor_valid: Tensor,  # type: ignore[override]
                 prev_ids: Tensor, select: Tensor) -> DSparkRows:
-        """Backbone over the blocks, then the Markov features and the confidence head on the rows
-        where `select` (bool [batch, nb, B]) holds; prev_ids int64 [batch, nb, B] are the rows' Markov
-        predecessors. Rows are in `select.nonzero()` order; the vocab projection (`draft_logits`) is
-        the objective's, chunked."""
+        """Backbone over the blocks, then Markov features and confidence on the rows where `select`
+        (bool [batch, nb, B]) holds, in `select.nonzero()` order; prev_ids int64 [batch, nb, B]."""
         hidden = self.block_hidden(features, block_ids, anchors, anchor_valid)[select]  # [N, H]
         e = self.markov_features(hidden, prev_ids[select])  # [N, r] or None
         return DSparkRows(hidden, e, self.row_confidence(hidden, e))

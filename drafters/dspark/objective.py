@@ -1,21 +1,13 @@
 """DSpark training objective (docs/design/algorithms.md section 5; DeepSpec loss).
 
-Layout, per sequence (block size B = gamma, anchors a):
-    candidates: a with valid[a] and valid[a + 1]  (valid = loss_mask & attention_mask)
-    block input [x_a, MASK x (B - 1)] at positions a .. a + B - 1
-    slot k label x_{a+k+1}; Markov predecessor x_{a+k} (the anchor for k = 0)
-    target distribution p_t = softmax(target_lm_head(last_hidden[a + k])) (post-norm last hidden)
-    eval mask: slot k counts iff a + k + 1 < seq and valid[a + j + 1] for every j <= k (the
-    contiguous valid prefix: the first invalid label ends the run, `blocks.next_token_prefix_mask`)
-Worked example, valid [0, 1, 1, 1, 0, 1], B 3, anchor 1: labels x2, x3, x4; valid labels
-    [1, 1, 0] -> prefix [1, 1, 0] (x4 is invalid; nothing after it counts even if valid).
-
-Per counted row (weights w_k = exp(-k / gamma) on slot k):
+Blocks [x_a, MASK x (B - 1)] (B = gamma) at anchors a with valid[a] and valid[a + 1]; slot k's
+label is x_{a+k+1}, its Markov predecessor x_{a+k}, its target p_t = softmax(target_lm_head(
+last_hidden[a + k])); slot k counts over the contiguous valid prefix (`blocks.next_token_prefix_mask`).
+Per counted row, slot weight w_k = exp(-k / gamma):
     ce   = CE(p_d, label)            (full, restricted or sampled: `ce_rows`)
     l1   = sum_v |p_d - p_t|         (= 2 TV, always over the full vocabulary)
     conf = BCE(c_k, 1 - 0.5 * l1)    (target detached; 0 without a confidence head)
-    row  = ce_weight * ce + l1_weight * l1 + conf_weight * conf
-    loss = sum(w * row) / sum(w)     over the finite rows; non-finite rows are dropped and counted
+    loss = sum(w * (ce_weight * ce + l1_weight * l1 + conf_weight * conf)) / sum(w), finite rows only
 """
 
 from __future__ import annotations
@@ -63,14 +55,10 @@ def sampled_negatives(vocab: int, cfg: DSparkConfig, device: torch.device,
 
 def ce_rows(logits: Tensor, labels: Tensor, target_logits: Tensor, cfg: DSparkConfig,
             negatives: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Per-row CE [n] and the candidate count per row [n] (V for "full"), for one chunk of rows:
-    logits [n, V] (draft), labels int64 [n], target_logits [n, V] (no grad), negatives from
-    `sampled_negatives` ("sampled" only).
-
-    restricted: -z_y + logsumexp(z over S), S = the target's top ce_vocab tokens plus the label;
-    sampled: -z_y + logsumexp([z_y, z_neg + log((V - 1) / n)]) with n = ce_vocab negatives drawn
-    uniformly (without replacement) from the vocabulary minus the label, the same draw for every
-    row except where it hits the row's label (that negative is dropped)."""
+    """Per-row CE [n] and candidate count [n] for one chunk: logits [n, V], labels int64 [n],
+    target_logits [n, V] (no grad). restricted: -z_y + logsumexp over the target's top ce_vocab plus
+    the label; sampled: -z_y + logsumexp([z_y, z_neg + log((V - 1) / n)]) over the shared negatives
+    (one that hits the row's label is dropped)."""
     n_rows, vocab = logits.shape
     if cfg.ce_mode == "full":
         return hard_ce_rows(logits, labels), torch.full((n_rows,), float(vocab), device=logits.device)
@@ -94,12 +82,10 @@ def ce_rows(logits: Tensor, labels: Tensor, target_logits: Tensor, cfg: DSparkCo
 
 def head_loss(model: DSparkDraft, rows: DSparkRows, labels: Tensor, target_hidden: Tensor, negatives: Tensor | None,
               slot_w: Tensor, conf_ok: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The vocab-wide terms of the N rows, fused chunk by chunk (common/fused_head.py, `cfg.loss_chunk_rows`
-    rows): rows (hidden [N, H], markov [N, r] or None), labels int64 [N], target_hidden [N, H] (the target's
-    post-norm last hidden at a + k), slot_w [N] the rows' slot weights, conf_ok bool [N] (the confidence
-    term is finite) -> (sum of slot_w * (ce_weight * ce + l1_weight * l1) over the rows where that and
-    conf_ok are finite (differentiable), ce [N], ce candidate count [N], l1 [N], that weighted term
-    ce_weight * ce + l1_weight * l1 [N] (no grad), top-5 ids [N, 5], that finiteness bool [N]). The draft and target logits of a chunk are computed once, in the forward."""
+    """The vocab-wide terms of the N rows, fused chunk by chunk (common/fused_head.py): hidden [N, H],
+    markov [N, r] or None, labels int64 [N], target_hidden [N, H], slot_w [N], conf_ok bool [N] ->
+    (sum of slot_w * (ce_weight * ce + l1_weight * l1) over the finite rows, differentiable; then per
+    row, no grad: ce, ce candidates, l1, the weighted term, top-5 ids [N, 5], finiteness)."""
     cfg = model.cfg
     head = head_weight(model.target_lm_head, rows.hidden)  # [V, H], cast once (if at all), not per chunk
     target_head = head if target_hidden.dtype == rows.hidden.dtype else head_weight(model.target_lm_head, target_hidden)
@@ -160,9 +146,8 @@ def dspark_objective(model: DSparkDraft, batch: dict[str, Tensor],
 
 def _metrics(top: Tensor, labels: Tensor, slot: Tensor, w: Tensor, finite: Tensor, ce: Tensor, l1: Tensor,
              conf: Tensor, row_loss: Tensor, ce_size: Tensor, bs: int) -> dict[str, tuple[Tensor, Tensor]]:
-    """(sum, count) metrics: weighted ce / l1 / conf terms, non-finite row count, mean CE candidate
-    count, and common/metrics.block_row_metrics (top-1 / top-5, valid_tokens, per-draft accuracy
-    and row loss; slot k drafts d_{k+1}). Non-finite rows enter the sums as 0."""
+    """(sum, count) metrics: weighted ce / l1 / conf terms, non-finite rows, mean CE candidates, and
+    common/metrics.block_row_metrics (slot k drafts d_{k+1}); non-finite rows enter the sums as 0."""
     with torch.no_grad():
         n = torch.tensor(float(labels.numel()), device=labels.device)
         den = w.sum()

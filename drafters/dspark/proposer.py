@@ -1,14 +1,8 @@
 """DSpark block drafting for the reference decoder (docs/design/algorithms.md section 5, inference).
 
-Round with committed tokens x_0..x_n and target features at 0..n-1: ONE backbone forward over
-    [x_n, MASK x (K - 1)]  at positions n .. n + K - 1     (K = num_tokens <= block_size)
-gives base logits U_1..U_K (slot k - 1 predicts d_k: the anchor predicts the first new token);
-then left to right, d_0 = x_n:
-    d_k ~ softmax((U_k + W2 e(d_{k-1}, h_k)) / T)   (greedy: argmax)
-and q_k is that distribution, so rejection sampling with q is lossless (d_k is drawn from q_k
-given the drafts before it, which is what verification assumes).
-Worked example, n = 4, K = 3: block [x_4, M, M] at positions 4, 5, 6; slot 0 with prev x_4 gives
-d_1, slot 1 with prev d_1 gives d_2, slot 2 with prev d_2 gives d_3.
+ONE backbone forward over [x_n, MASK x (K - 1)] at positions n .. n + K - 1 (K <= block_size) gives base
+logits U_1..U_K; then left to right from d_0 = x_n, d_k ~ softmax((U_k + W2 e(d_{k-1}, h_k)) / T)
+(greedy: argmax), reporting q_k, so verification stays lossless.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""EAGLE-1 drafter configuration (docs/design/algorithms.md section 1; docs/design/engines.md sections 2.1, 4.2).
-
-The draft's sizes (hidden, heads, kv heads, head_dim, intermediate, rope_theta, eps) are the
-target's: one Llama decoder layer without its input norm, over `fc(cat[embed(x_{t+1}); f_t])`.
-Only the training choices below are settings. There is nothing to resolve from the target
-(no aux layers, no draft vocab): `resolve` exists so callers treat every family alike.
+"""EAGLE-1 drafter configuration (docs/design/algorithms.md section 1; docs/design/engines.md sections 2.1, 4.2):
+one Llama decoder layer without input norm over `fc(cat[embed(x_{t+1}); f_t])`, sized as the target.
 """
 
 from __future__ import annotations
@@ -18,22 +14,13 @@ from drafters.common.target import TargetSpec
 
 @dataclass(frozen=True)
 class Eagle1Config:
-    """
-    feature_noise: scale of the uniform noise added to the INPUT features in training mode:
-        (U[0,1) - 0.5) * feature_noise * 512 / seq_len (SafeAILab `AddUniformNoise`, std 0.2);
-        0 disables it. Never applied in eval mode nor to the regression targets.
-    value_weight: weight of the SmoothL1 feature-regression term (v_w = 1.0).
-    prob_weight: weight of the soft cross-entropy term through the frozen target head (p_w = 0.1).
-    attn_backend: "auto" (flex on CUDA, else SDPA), "sdpa" or "flex".
-    loss_chunk_rows: loss rows per chunk of the LM head + loss (drafters/common/chunked_head.py): at
-        most this many rows of [rows, vocab] logits are alive at once; the loss does not depend on it.
-    """
+    """The EAGLE-1 training choices (the sizes are the target's)."""
 
-    feature_noise: float = 0.2
-    value_weight: float = 1.0
-    prob_weight: float = 0.1
-    attn_backend: str = "auto"
-    loss_chunk_rows: int = DEFAULT_LOSS_CHUNK_ROWS
+    feature_noise: float = 0.2  # (U[0,1) - 0.5) * noise * 512 / seq_len on the INPUT features, training only
+    value_weight: float = 1.0  # SmoothL1 feature-regression term
+    prob_weight: float = 0.1  # soft CE through the frozen target head
+    attn_backend: str = "auto"  # "auto" (flex on CUDA, else SDPA), "sdpa" or "flex"
+    loss_chunk_rows: int = DEFAULT_LOSS_CHUNK_ROWS  # rows of logits alive at once (common/chunked_head.py)
 
     def __post_init__(self) -> None:
         check_chunk_rows(self.loss_chunk_rows)

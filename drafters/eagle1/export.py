@@ -1,19 +1,10 @@
 """EAGLE-1 draft export for vLLM (`method="eagle"`) and SGLang (`EAGLE`), its check, and the reader.
 
-One format, `native` (a directory: `config.json` + `model.safetensors` + our `verl_speco_meta.json`):
-- `architectures: ["LlamaForCausalLMEagle", "EagleLlamaForCausalLM"]` (docs/design/engines.md section 2.1: vLLM
-  accepts this list; SGLang takes its first registered entry), Llama decoder keys, 1 layer.
-- Tensors, exactly what vLLM's `EagleLlamaForCausalLM` accepts plus `fc.bias`:
-  `fc.weight [H, 2H]`, `fc.bias [H]` = zeros (vLLM drops every unexpected `.bias` silently;
-  SGLang's fc has a bias that would otherwise keep its random initialisation),
-  `layers.0.self_attn.{q,k,v,o}_proj.weight`, `layers.0.mlp.{gate,up,down}_proj.weight`,
-  `layers.0.post_attention_layernorm.weight`.
-- Never: `layers.0.input_layernorm.weight`, `norm.weight`, `lm_head.weight` (vLLM raises
-  "There is no module or parameter named ..."; SGLang would drop or misuse them) nor
-  `embed_tokens.weight` (both engines share the target's embedding and head).
-`check_export(dir)` enforces this before any engine sees a directory. The model's training
-names equal the engine names, so `engine_tensors` is a filter: drop the frozen embedding, add
-the zero bias, check names/shapes/values (the same tensors a live publish sends).
+One format, `native`: a one-layer Llama config (`architectures: ["LlamaForCausalLMEagle",
+"EagleLlamaForCausalLM"]`, docs/design/engines.md section 2.1) and exactly the tensors vLLM's
+`EagleLlamaForCausalLM` accepts plus `fc.bias` = zeros (vLLM drops it; SGLang's fc would otherwise keep
+a random bias). Never the input norm, final norm, head or embedding (`REFUSED`: vLLM raises, SGLang
+drops or misuses them). `check_export(dir)` enforces this before any engine sees a directory.
 """
 
 from __future__ import annotations
@@ -50,9 +41,8 @@ REFUSED = {  # names an engine refuses or misreads, with the reason (docs/design
 
 @dataclass(frozen=True)
 class Eagle1ExportConfig(export_format.DecoderFormat):
-    """The engine side of an EAGLE-1 draft (drafters.common.contract.EngineFormat; to_dict,
-    from_dict and the engine arguments are `EngineFormatBase`'s). The decoder sizes are the
-    target's (the draft reads its post-norm last hidden and uses its head; no draft vocab)."""
+    """The engine side of an EAGLE-1 draft (drafters.common.contract.EngineFormat); every size is the
+    target's (the draft reads its post-norm last hidden and uses its head)."""
 
     max_position_embeddings: int  # >= the target's
     hidden_act: str = "silu"
@@ -131,9 +121,8 @@ def check_tensors(tensors: Mapping[str, Tensor], cfg: Eagle1ExportConfig, where:
 
 def engine_tensors(state_dict: Mapping[str, Tensor], cfg: Eagle1ExportConfig, fmt: str = "native",
                    dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-    """The tensors of an export, engine names, on CPU: what `model.safetensors` holds and what a
-    live publish sends. `state_dict` is an `Eagle1Model`'s (the frozen embedding is dropped, a zero
-    `fc.bias` is added when absent); every tensor in `dtype`, by default `cfg.dtype`."""
+    """The tensors of an export, engine names, on CPU (file and live publish alike): an `Eagle1Model`
+    state dict without the frozen embedding, plus a zero `fc.bias` when absent, in `dtype` (default cfg's)."""
     check_format(fmt, FORMATS)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items() if k not in FROZEN}
     if FC_BIAS not in tensors and "fc.weight" in tensors:
@@ -191,11 +180,7 @@ def config_from_json(config: dict[str, Any], where: str) -> Eagle1ExportConfig:
 
 
 def check_export(export_dir: str | Path) -> Eagle1ExportConfig:
-    """Check a directory is a servable EAGLE-1 export (config and every tensor); returns its config.
-
-    Refuses, naming it, any tensor an engine refuses (`REFUSED`, before any value is read), a missing
-    or unexpected one, a wrong shape, a non-zero fc.bias; and a config that is not the dual-engine
-    one-layer Llama."""
+    """Check a directory is a servable EAGLE-1 export (config and every tensor); returns its config."""
     return export_format.check_export_dir(export_dir, config_from_json, refuse_names, check_tensors)
 
 

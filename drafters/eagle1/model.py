@@ -1,19 +1,12 @@
 """EAGLE-1 draft model (docs/design/algorithms.md section 1; vLLM `llama_eagle.py`, SGLang `llama_eagle.py`).
 
-Parameter names are the export contract (vLLM `EagleLlamaForCausalLM`, SGLang `LlamaForCausalLMEagle`):
-    fc.weight [H, 2H] (no bias: vLLM has none, SGLang's is exported as zeros);
-    layers.0.self_attn.{q,k,v}_proj.weight [*, H]; layers.0.self_attn.o_proj.weight [H, heads*D];
-    layers.0.mlp.{gate,up,down}_proj.weight; layers.0.post_attention_layernorm.weight [H];
-    embed_tokens.weight [V, H] (frozen copy of the target's; never exported).
-There is no layers.0.input_layernorm, no final norm and no own head: the frozen target LM head is
-the non-persistent buffer `target_lm_head` [V, H] (never trained, never saved).
-
-One step, for row t (input token x_{t+1}, feature f_t, both [.., H]):
-    x = fc(cat[embed(x_{t+1}), f_t])                 # EMBEDDING FIRST (vLLM-verified order)
+Parameter names are the export contract (drafters/eagle1/export.py); no input norm, final norm or own
+head: the frozen target LM head is the non-persistent buffer `target_lm_head` [V, H]. One step, row t:
+    x = fc(cat[embed(x_{t+1}), f_t])                 # [.., H]; EMBEDDING FIRST (vLLM's order)
     h = x + self_attn(x)                              # no input norm on layer 0
     f^_{t+1} = h + mlp(post_attention_layernorm(h))   # no final norm (vLLM: hidden + residual)
     draft logits = target_lm_head(f^_{t+1})           # [.., V]
-`f^_{t+1}` is both the regression output and the feature fed back at the next drafting step.
+`f^_{t+1}` is the regression output and the feature fed back at the next drafting step.
 """
 
 from __future__ import annotations
@@ -50,12 +43,8 @@ class Eagle1DecoderLayer(nn.Module):
 
 @dataclass
 class Eagle1DraftState:
-    """Inference state after `prefill` / `step` (all rows of the batch share one length).
-
-    kv: (keys, values) of every row so far [B, Hkv, Tk, D]; feature: [B, H] the last row's
-    predicted feature (fed back at the next step); logits: [B, V] = target_lm_head(feature);
-    next_position: [B] RoPE position of the next step.
-    """
+    """Inference state after `prefill` / `step`: kv [B, Hkv, Tk, D] pairs, feature [B, H] (the last
+    predicted feature, fed back), logits [B, V], next_position [B]."""
 
     kv: KV
     feature: Tensor
@@ -102,9 +91,8 @@ class Eagle1Model(nn.Module):
 
     @torch.no_grad()
     def prefill(self, input_ids: Tensor, features: Tensor) -> Eagle1DraftState:
-        """First drafting pass over a prefix (vLLM's first EAGLE forward): input_ids [B, T] row t
-        holds x_{t+1}; features [B, T, H] row t holds f_t. The last row's logits predict the token
-        after input_ids[:, -1]."""
+        """First drafting pass over a prefix: input_ids [B, T] (row t = x_{t+1}), features [B, T, H]
+        (row t = f_t); the last row's logits predict the token after input_ids[:, -1]."""
         b, t = input_ids.shape
         pos = torch.arange(t, device=input_ids.device).expand(b, t)
         valid = torch.ones(b, t, dtype=torch.bool, device=input_ids.device)

@@ -1,28 +1,16 @@
 """EAGLE-1 batch preparation and training objective (docs/design/algorithms.md section 1; SafeAILab
 `eagle/train/main.py`).
 
-Data layout (one right-padded batch, positions p = 0..T-1, f_p = post-norm last hidden at p):
-    row t: input token x_{t+1} (ids shifted left by 1, 0-filled), input feature f_t,
-           regression target f_{t+1} (features shifted left by 1, 0-filled),
-           row mask = loss_mask[t] & real(t) & real(t + 1)  (the last real row is always 0).
-The mask is SafeAILab's: loss_mask at the row itself (x_t is an assistant token), with the last
-entry set to 0 because f_{t+1} does not exist there. (EAGLE-3 here reads the mask one position
-later, at the input token; see drafters/eagle3/objective.py.)
-
-Worked example, T = 5, one sample of length 4 plus 1 padding, tokens [x0, x1, x2, x3, pad],
-loss_mask [0, 1, 1, 1, 0]:
+Row t: input token x_{t+1}, input feature f_t (post-norm last hidden), target f_{t+1}; row mask =
+loss_mask[t] & real(t) & real(t + 1) (SafeAILab's; EAGLE-3 here reads the mask at the input token).
+Worked example, tokens [x0, x1, x2, x3, pad], loss_mask [0, 1, 1, 1, 0]:
     input ids      [x1, x2, x3, 0,  0]
     input features [f0, f1, f2, f3, 0]
     targets        [f1, f2, f3, 0,  0]
     row mask       [0,  1,  1,  0,  0]   (row 0: prompt token; row 3: no f4)
-so row 1 pairs (x2, f1) and must reproduce f2, whose target-head distribution predicts x3.
-
-Loss over masked rows r (N = their count):
-    L = value_weight * sum_r mean_h SmoothL1(f^_r, f_r) / N
-      + prob_weight * sum_r CE_soft(softmax(head(f_r)), log_softmax(head(f^_r))) / N,
-head = the frozen target LM head. Returned as ObjectiveOutput with S = 2 terms (value, prob).
-Training mode adds (U[0,1) - 0.5) * feature_noise * 512 / len to the INPUT features (len = the
-sample's own length), drawn from the caller's generator (default: torch's global RNG).
+Loss over the N masked rows: value_weight * sum SmoothL1(f^, f) / N + prob_weight * sum
+CE_soft(head(f), head(f^)) / N, head the frozen target LM head (2 ObjectiveOutput terms). Training
+adds (U[0,1) - 0.5) * feature_noise * 512 / len to the input features, from the caller's generator.
 """
 
 from __future__ import annotations
@@ -73,11 +61,8 @@ def feature_noise(features: Tensor, lengths: Tensor, scale: float,
 
 def eagle1_objective(model: Eagle1Model, batch: dict[str, Tensor],
                      generator: torch.Generator | None = None) -> ObjectiveOutput:
-    """One micro-batch: terms (SmoothL1 value loss, soft-CE prob loss), weights (v_w, p_w).
-
-    Metrics (sum, count) over masked rows: acc_step0 (argmax head(f^) == argmax head(f)),
-    sim_accept_len (1 + acc with k = 1: a teacher-forced single step), vloss, ploss.
-    """
+    """One micro-batch: terms (SmoothL1 value loss, soft-CE prob loss), weights (v_w, p_w); metrics
+    acc_step0, sim_accept_len (k = 1), vloss, ploss over masked rows."""
     check_batch(batch, REQUIRED_FIELDS, "EAGLE-1")
     rows = shift_rows(batch)
     inputs = rows.input_features

@@ -1,19 +1,11 @@
 """EAGLE-1 chain drafting for the reference decoder, as vLLM's EAGLE proposer does it (`method="eagle"`).
 
-Round with committed tokens x_0..x_n and target features f_0..f_{n-1} (post-norm last hidden):
-  1. prefill: rows t = 0..n-1 pair embed(x_{t+1}) with f_t at RoPE position t; the last row's
-     predicted feature f^_n gives draft token d_1 = pick(target_lm_head(f^_n));
-  2. step i >= 2: embed(d_{i-1}) with the previous step's OWN predicted feature (hidden + residual,
-     no norm) at the next position, attending to every earlier key.
-Worked example, n = 3: prefill rows (x1, f0), (x2, f1), (x3, f2) -> f^_3 -> d_1; step 2 pairs
-(d_1, f^_3) at position 3 -> f^_4 -> d_2; step 3 pairs (d_2, f^_4) at position 4 -> d_3.
-Recomputed from scratch each round (no draft KV cache across rounds): same numbers, simpler.
-
-Tree drafting (`expand`, the `TreeProposer` protocol of drafters/common/tree.py; EAGLE-2 drafts
-with these weights): one forward over [prefix rows 0..n-1; tree nodes], each node row pairing
-embed(token) with its parent's PREDICTED feature (hidden + residual, what the chain feeds back)
-at position n + depth - 1, attending to the prefix rows, its ancestors and itself: the chain step
-above, with the earlier steps replaced by the node's ancestors.
+Prefill rows t = 0..n-1 pair embed(x_{t+1}) with f_t at position t; the last row's predicted feature
+f^_n gives d_1. Step i >= 2 pairs embed(d_{i-1}) with the previous step's OWN predicted feature at the
+next position. Worked example, n = 3: prefill (x1, f0), (x2, f1), (x3, f2) -> f^_3 -> d_1; step 2 pairs
+(d_1, f^_3) at position 3 -> d_2. Recomputed each round (no draft KV cache across rounds).
+Tree drafting (`expand`, EAGLE-2): node rows pair embed(token) with the parent's predicted feature at
+position n + depth - 1, under the tree mask.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
-"""EAGLE-2 drafter configuration (docs/design/algorithms.md section 2): the EAGLE-1 settings plus the tree shape.
-
-EAGLE-2 trains exactly the EAGLE-1 draft (same model, objective, export tensors); only drafting
-changes: an EAGLE-2 dynamic tree (drafters/common/tree.py `build_draft_tree`) instead of a chain.
-The tree shape is a setting of the drafter (it decides nothing about the weights):
-
-- top_k: nodes expanded per depth and children per expanded node (SafeAILab default 10);
-- depth: draft tokens on the longest path (SafeAILab default 7);
-- total_tokens: draft nodes kept by the rerank, the root excluded (SafeAILab default 60; SGLang's
-  --speculative-num-draft-tokens counts the root, so it is total_tokens + 1).
-
-The defaults are the SafeAILab ones scaled for the embedded tiny target (vocab 512, 8 layers,
-hidden 128, trained for minutes): 4 / 4 / 16, i.e. a tree a quarter as wide, deep enough to beat
-the quickstart's 3-token chain, and 16 tree tokens per verification pass (SafeAILab: 60) so one
-CPU target pass stays short. Pick the SafeAILab values (10, 7, 60) for 7B-class targets.
+"""EAGLE-2 drafter configuration (docs/design/algorithms.md section 2): EAGLE-1's draft, drafted as a
+dynamic tree (drafters/common/tree.py). The tree shape defaults 4 / 4 / 16 suit the tiny embedded
+target; use SafeAILab's (10, 7, 60) for 7B-class targets.
 """
 
 from __future__ import annotations
@@ -26,9 +14,7 @@ from drafters.eagle1.config import Eagle1Config
 
 @dataclass(frozen=True)
 class Eagle2Config(Eagle1Config):
-    """Eagle1Config's training settings (feature_noise, value_weight, prob_weight, attn_backend)
-    plus the tree shape of the module docstring (checked by `TreeConfig`: total_tokens at most
-    top_k + (depth - 1) * top_k^2)."""
+    """Eagle1Config's settings plus the tree shape (checked by `TreeConfig`)."""
 
     top_k: int = 4
     depth: int = 4

@@ -1,16 +1,8 @@
-"""EAGLE-2 engine format: the EAGLE-1 export (same `config.json`, same tensors, same check) with
-family "eagle2" and the tree shape recorded (drafters.common.contract.EngineFormat).
-
-- vLLM 0.32 has no tree (docs/design/engines.md section 2.2): `vllm_speculative_config` is the EAGLE-1 chain,
-  `method: eagle` with `num_speculative_tokens` chain steps; the EAGLE-2 policy is not realised.
-- SGLang realises it (docs/design/engines.md section 4.1): `speculative_algorithm: EAGLE` with an explicit tree,
-  `speculative_eagle_topk` = top_k (> 1), `speculative_num_steps` = depth and
-  `speculative_num_draft_tokens` = total_tokens + 1 (SGLang counts the root). Set explicitly:
-  SGLang's automatic choice for a Qwen3 target is (steps 3, topk 1, draft tokens 4), a chain.
-- An export is an EAGLE-1 directory: `drafters.eagle1` loads it unchanged (its
-  `verl_speco_meta.json` holds `drafter_config` = the EAGLE-1 settings only); `family: eagle2`
-  and the tree (`engine_format`) are what `drafters.registry.export_family` and
-  `drafters.eagle2` read.
+"""EAGLE-2 engine format: the EAGLE-1 export (same `config.json`, tensors and check) with family
+"eagle2" and the tree shape recorded. vLLM 0.32 has no tree (docs/design/engines.md section 2.2), so it
+serves the EAGLE-1 chain; SGLang serves the tree (section 4.1) with `speculative_eagle_topk` = top_k,
+`speculative_num_steps` = depth, `speculative_num_draft_tokens` = total_tokens + 1, set explicitly
+(SGLang's automatic choice for Qwen3 is a chain).
 """
 
 from __future__ import annotations

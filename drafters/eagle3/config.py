@@ -1,8 +1,5 @@
-"""EAGLE-3 drafter configuration (docs/design/algorithms.md section 3).
-
-The draft's sizes (hidden, heads, kv heads, head_dim, intermediate, rope_theta, eps) are the
-target's; only the fields below are choices. `resolve(target_spec)` fills the defaults that
-depend on the target and validates everything against it.
+"""EAGLE-3 drafter configuration (docs/design/algorithms.md section 3): the draft's sizes are the
+target's; `resolve(target_spec)` fills the target-dependent defaults and checks them against it.
 """
 
 from __future__ import annotations
@@ -20,26 +17,15 @@ LM_HEAD_INITS = ("random", "target")
 
 @dataclass(frozen=True)
 class Eagle3Architecture:
-    """The EAGLE-3 draft architecture, shared by EAGLE-3 and P-EAGLE (drafters/peagle).
+    """The EAGLE-3 draft architecture, shared by EAGLE-3 and P-EAGLE (drafters/peagle)."""
 
-    draft_vocab_size: Vd; None = the target vocab (identity d2t/t2d, omitted from exports).
-    num_layers: decoder layers; layer 0 is the fused 2H layer ("midlayer"), later ones plain (vLLM).
-    aux_layer_ids: internal (HF hidden_states index) ids of the fused target layers, strictly
-        increasing within 1..L-1; None = (2, L // 2, L - 3) (targets with L >= 7).
-    attn_backend: "auto" (flex on CUDA, else SDPA), "sdpa" or "flex".
-    norm_before_residual: vLLM option: the residual is hidden_norm(h) instead of h.
-    lm_head_init: "random" (SafeAILab) or "target" (rows of the target lm_head at the draft vocab).
-    loss_chunk_rows: loss rows per chunk of the LM head + loss (drafters/common/chunked_head.py): at
-        most this many rows of [rows, vocab] logits are alive at once; the loss does not depend on it.
-    """
-
-    draft_vocab_size: int | None = None
-    num_layers: int = 1
-    aux_layer_ids: tuple[int, ...] | None = None
-    attn_backend: str = "auto"
-    norm_before_residual: bool = False
-    lm_head_init: str = "random"
-    loss_chunk_rows: int = DEFAULT_LOSS_CHUNK_ROWS
+    draft_vocab_size: int | None = None  # Vd; None = the target vocab (identity maps, not exported)
+    num_layers: int = 1  # layer 0 is the fused 2H "midlayer", later ones plain (vLLM)
+    aux_layer_ids: tuple[int, ...] | None = None  # internal ids, increasing in 1..L-1; None = (2, L // 2, L - 3)
+    attn_backend: str = "auto"  # "auto" (flex on CUDA, else SDPA), "sdpa" or "flex"
+    norm_before_residual: bool = False  # vLLM option: the residual is hidden_norm(h) instead of h
+    lm_head_init: str = "random"  # "random" (SafeAILab) or "target" (the target head's draft-vocab rows)
+    loss_chunk_rows: int = DEFAULT_LOSS_CHUNK_ROWS  # rows of logits alive at once (common/chunked_head.py)
 
     def __post_init__(self) -> None:
         check_chunk_rows(self.loss_chunk_rows)
@@ -67,14 +53,10 @@ class Eagle3Architecture:
 
 @dataclass(frozen=True)
 class Eagle3Config(Eagle3Architecture):
-    """`Eagle3Architecture` plus the training-time test:
+    """`Eagle3Architecture` plus the training-time test."""
 
-    ttt_steps: training-time-test unroll length (7 as in the paper, SpecForge, DeepSpec).
-    ttt_decay: step j's loss weight is ttt_decay ** j.
-    """
-
-    ttt_steps: int = 7
-    ttt_decay: float = 0.8
+    ttt_steps: int = 7  # unroll length (7 as in the paper, SpecForge, DeepSpec)
+    ttt_decay: float = 0.8  # step j's loss weight is ttt_decay ** j
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -1,29 +1,14 @@
 """EAGLE-3 draft export in the engines' formats, and the reader for the round trip.
 
-Formats (a directory each: `config.json` + `model.safetensors` + our `verl_speco_meta.json`):
-
-- `native`: `LlamaForCausalLMEagle3` as vLLM (`method="eagle3"`) and SGLang (`EAGLE3`) load it.
-  Weights keep the training names (`fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight`,
-  `d2t`, `t2d`). SGLang matches names exactly (it drops unknown ones silently), vLLM renames
-  `midlayer.` to `layers.0.` itself, so one directory serves both engines.
-- Drafts with `num_layers > 1` add plain layers `layers.<n>.*` (n >= 1), which vLLM loads;
-  SGLang's extra layers have other names and semantics (`additional_layers`), so SGLang serves
-  one-layer drafts only (see verl_speco/engines/sglang_contract.py).
-- `speculators`: vllm-project/speculators layout (`speculators_model_type: eagle3`, nested
-  `transformer_layer_config`, `speculators_config`), weights under `layers.0.*`. vLLM only:
-  SGLang would silently ignore `layers.0.*`.
-
-Aux layer ids (internal = HF `hidden_states` index, see docs/internals.md) are written twice in
-`native`: vLLM's top-level `eagle_aux_hidden_state_layer_ids` (same integers; vLLM reads it
-first and ignores `eagle_config` when it is present) and SGLang's
-`eagle_config.eagle_aux_hidden_state_layer_ids` ("output of layer i" = internal - 1; SGLang
-captures at i + 1). Example, 8-layer target, internal (2, 4, 5): top-level [2, 4, 5],
-eagle_config [1, 3, 4]. Both engines concatenate captures in ascending layer order, so the ids
-must be strictly increasing (the order `fc` was trained on).
-
-Vocab map: `d2t[i]` is an int64 OFFSET (target id = i + d2t[i]); `t2d` is bool[V]. Both are
-omitted when the draft vocab equals the full vocab (vLLM then has no parameter to load d2t into).
-`embed_tokens.weight` is never exported: both engines share the target's embedding.
+- `native`: `LlamaForCausalLMEagle3` as vLLM (`method="eagle3"`) and SGLang (`EAGLE3`) load it, weights
+  in training names (vLLM renames `midlayer.` to `layers.0.` itself). Extra layers `layers.<n>.*` load
+  in vLLM only; SGLang serves one-layer drafts (verl_speco/engines/sglang_contract.py).
+- `speculators`: the vllm-project/speculators layout, weights under `layers.0.*`; vLLM only.
+Aux layer ids are written twice in `native`: vLLM's top-level `eagle_aux_hidden_state_layer_ids`
+(internal ids) and SGLang's `eagle_config` copy (output of layer i = internal - 1). Example, internal
+(2, 4, 5): top-level [2, 4, 5], eagle_config [1, 3, 4]; strictly increasing, the order `fc` was trained on.
+Vocab map: `d2t[i]` is an int64 OFFSET (target id = i + d2t[i]), `t2d` bool [V]; both omitted for a full
+draft vocab. `embed_tokens.weight` is never exported (both engines share the target's).
 """
 
 from __future__ import annotations
@@ -220,9 +205,8 @@ def speculators_config(cfg: Eagle3ExportConfig, verifier: str | None, speculativ
 
 def engine_tensors(state_dict: Mapping[str, Tensor], cfg: Eagle3ExportConfig, fmt: str = "native",
                    dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-    """The tensors of an export in format `fmt`, checkpoint names, on CPU (what `model.safetensors`
-    holds and what an engine's `load_weights` takes; also what a live publish sends). Floating tensors
-    in `dtype`, by default the target's (`cfg.dtype`)."""
+    """The tensors of an export in format `fmt`, checkpoint names, on CPU (file, `load_weights` and
+    live publish alike); floating tensors in `dtype`, by default `cfg.dtype`."""
     check_format(fmt, FORMATS)
     tensors = _prepare(state_dict, cfg)
     dtype = dtype if dtype is not None else getattr(torch, cfg.dtype)  # default: the target's dtype
@@ -237,13 +221,9 @@ def export_eagle3(state_dict: Mapping[str, Tensor], cfg: Eagle3ExportConfig, out
                   fmt: str = "native", *, verifier: str | None = None, speculative_tokens: int = 3,
                   verifier_architectures: Sequence[str] = (), dtype: torch.dtype | None = None,
                   meta: Mapping[str, Any] | None = None) -> Path:
-    """Write `out_dir` in format `fmt` ("native" or "speculators"); returns the directory.
-
-    `verifier` (the target's path or HF id) is what `vllm serve <speculators dir>` loads as the
-    target; without it the speculators directory still loads through an explicit
-    `speculative_config={"model": dir}`. `dtype` casts floating tensors (e.g. torch.bfloat16).
-    `meta` (JSON-able training metadata) goes to `verl_speco_meta.json`.
-    """
+    """Write `out_dir` in format `fmt` ("native" or "speculators"); returns the directory. `verifier`
+    (the target's path or HF id) is what `vllm serve <speculators dir>` loads as the target; `meta`
+    goes to `verl_speco_meta.json`."""
     tensors = engine_tensors(state_dict, cfg, fmt, dtype)
     dtype_name = written_dtype(tensors)
     if fmt == "native":
@@ -269,11 +249,8 @@ def export(model: nn.Module, cfg: Eagle3Config, target_spec: TargetSpec, out_dir
 
 def load_export(export_dir: str | Path,
                 target_num_hidden_layers: int | None = None) -> tuple[dict[str, Tensor], Eagle3ExportConfig]:
-    """Read a `native` or `speculators` export back into training names and the export config.
-
-    The target's layer count comes from `verl_speco_meta.json` unless given. For a full-vocab
-    export the identity maps are rebuilt (`d2t` zeros, `t2d` all True).
-    """
+    """Read a `native` or `speculators` export back into training names and the export config (the
+    target's layer count from `verl_speco_meta.json` unless given; full-vocab maps rebuilt as identity)."""
     root = Path(export_dir)
     config = json.loads((root / "config.json").read_text())
     tensors = load_file(str(root / "model.safetensors"))

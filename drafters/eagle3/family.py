@@ -26,10 +26,8 @@ NOT_EXPORTED = ("embed_tokens.weight",)  # model entries an export does not carr
 
 
 class Eagle3Family(DrafterFamilyBase):
-    """EAGLE-3; P-EAGLE (drafters/peagle/family.py) subclasses it: same architecture, vocab
-    selection, target head and layout, its own config, model, objective, export and proposer.
-    The shared methods are `DrafterFamilyBase`'s; set_target_head writes embed_tokens [V, H] to the
-    frozen embedding and lm_head [V, H] to the training-target head (the base's defaults)."""
+    """EAGLE-3; P-EAGLE (drafters/peagle/family.py) subclasses it with its own config, model,
+    objective, export and proposer."""
 
     name = "eagle3"
     label = "EAGLE-3"

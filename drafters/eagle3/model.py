@@ -1,20 +1,12 @@
 """EAGLE-3 draft model (docs/design/algorithms.md section 3; vLLM `llama_eagle3.py`, SafeAILab `cnets.py`).
 
-Parameter names are the export contract (vLLM/SGLang `LlamaForCausalLMEagle3`; vLLM renames
-`midlayer.` to `layers.0.` itself):
-    fc.weight [H, k*H_t]; midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}.weight [H];
-    midlayer.self_attn.{q,k,v}_proj.weight [*, 2H]; midlayer.self_attn.o_proj.weight [H, heads*D];
-    midlayer.mlp.{gate,up,down}_proj.weight; layers.<i>.* for extra plain layers i >= 1;
-    norm.weight [H]; lm_head.weight [Vd, H]; buffers d2t int64 [Vd], t2d bool [V];
-    embed_tokens.weight [V, H] (frozen copy of the target's; optional in exports).
-The frozen target LM head used for training targets is the non-persistent buffer
-`target_lm_head` [V, H]: never trained, never saved.
-
-One layer, computed from h (features) and e (token embeddings):
+Parameter names are the export contract (vLLM/SGLang `LlamaForCausalLMEagle3`). The frozen target LM
+head for training targets is the non-persistent buffer `target_lm_head` [V, H]: never saved.
+One layer, from h (features) and e (token embeddings):
     x = cat[input_layernorm(e), hidden_norm(h)]            # [B, T, 2H]
     h' = h + self_attn(x); out = h' + mlp(post_attention_layernorm(h'))   # pre-norm output
     logits = lm_head(norm(out))                            # [B, T, Vd]
-`out` (pre-norm) is what the next TTT / drafting step receives as h; the first step's h is fc(aux).
+`out` is the next step's h; the first step's h is fc(aux).
 """
 
 from __future__ import annotations
@@ -60,11 +52,8 @@ class Eagle3MidLayer(nn.Module):
 
 @dataclass
 class Eagle3DraftState:
-    """Inference state after `prefill` / `step` (all rows of the batch share one length).
-
-    kv[l]: per layer, the (keys, values) of every call so far, concatenated along the key axis.
-    hidden: [B, H] pre-norm output of the last row (fed to the next step); logits: [B, Vd] its
-    draft logits; next_position: [B] RoPE position of the next step.
+    """Inference state after `prefill` / `step` (all rows share one length): kv[l] per layer the
+    (keys, values) so far; hidden [B, H] pre-norm output of the last row; logits [B, Vd]; next_position [B].
     """
 
     kv: list[KV]
@@ -142,14 +131,9 @@ class Eagle3Model(Eagle3Backbone[Eagle3Config]):
 
     def unroll(self, step_input_ids: Tensor, aux_hidden: Tensor, attention_mask: Tensor,
                position_ids: Tensor | None = None, row_start: list[int] | None = None) -> list[Tensor]:
-        """Training-time test unroll over S steps; returns S post-norm hidden states; step j's is
-        [B, T - row_start[j], H] for rows row_start[j]..T-1 (the draft logits of those rows are
-        `lm_head` of it; see `forward`).
-
-        row_start: non-decreasing, row_start[0] == 0 (step 0 computes every row: later steps
-        attend to its keys); default all 0. Rows before row_start[j] are skipped from step j on:
-        the caller guarantees no loss needs them (a row's later steps read only its own chain,
-        the step-0 keys and its own diagonal keys), so the computed rows are unchanged.
+        """Training-time test unroll over S steps; step j's post-norm hidden is [B, T - row_start[j], H]
+        for rows row_start[j]..T-1. row_start: non-decreasing, row_start[0] == 0 (later steps attend to
+        step 0's keys); the caller skips only rows no loss needs, so computed rows are unchanged.
         """
         steps, b, t = step_input_ids.shape
         starts = [0] * steps if row_start is None else list(row_start)
@@ -172,24 +156,17 @@ class Eagle3Model(Eagle3Backbone[Eagle3Config]):
 
     def forward(self, step_input_ids: Tensor, aux_hidden: Tensor, attention_mask: Tensor,
                 position_ids: Tensor | None = None) -> list[Tensor]:
-        """Training-time test unroll over S steps.
+        """Training-time test unroll over S steps -> S draft logits [B, T, Vd].
 
-        step_input_ids: int64 [S, B, T] target ids fed at each step (already shifted by the
-            objective; step j row t holds x_{t+1+j}); aux_hidden: [B, T, k*H_t] target features
-            (row t = f_t); attention_mask: bool [B, T] real positions; position_ids: [B, T]
-            (default 0..T-1). Returns S draft logits [B, T, Vd]; step j uses RoPE positions + j and
-            the TTT mask (common/masks.py). The objective calls `unroll` and applies `lm_head`
-            to the loss rows only.
+        step_input_ids: int64 [S, B, T] (step j row t holds x_{t+1+j}); aux_hidden: [B, T, k*H_t] (row t
+        = f_t); attention_mask: bool [B, T]; position_ids: [B, T] (default 0..T-1).
         """
         return [self.lm_head(x) for x in self.unroll(step_input_ids, aux_hidden, attention_mask, position_ids)]
 
     @torch.no_grad()
     def prefill(self, input_ids: Tensor, aux_hidden: Tensor) -> Eagle3DraftState:
-        """First drafting step over a prefix (vLLM's first EAGLE-3 forward).
-
-        input_ids: [B, T] row t holds x_{t+1}; aux_hidden: [B, T, k*H_t] row t holds f_t.
-        The last row's logits predict the token after input_ids[:, -1].
-        """
+        """First drafting step over a prefix (vLLM's first EAGLE-3 forward): input_ids [B, T] (row t =
+        x_{t+1}), aux_hidden [B, T, k*H_t] (row t = f_t); the last row predicts the next token."""
         b, t = input_ids.shape
         pos = torch.arange(t, device=input_ids.device).expand(b, t)
         valid = torch.ones(b, t, dtype=torch.bool, device=input_ids.device)
@@ -199,11 +176,8 @@ class Eagle3Model(Eagle3Backbone[Eagle3Config]):
 
     @torch.no_grad()
     def step(self, state: Eagle3DraftState, token_ids: Tensor) -> Eagle3DraftState:
-        """Next drafting step: token_ids [B] (target ids) with the previous pre-norm hidden (no fc).
-
-        The query sees every cached key: the prefix keys (all at positions before it) and the
-        earlier steps' keys of the same row, i.e. the last row of the TTT mask.
-        """
+        """Next drafting step: token_ids [B] with the previous pre-norm hidden (no fc); the query sees
+        every cached key (the last row of the TTT mask)."""
         embeds = self.embed_tokens(token_ids)[:, None]
         pos = state.next_position[:, None]
         h, new_kv = self._layers(embeds, state.hidden[:, None], pos, None, state.kv)

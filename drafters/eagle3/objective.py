@@ -1,22 +1,13 @@
 """EAGLE-3 batch preparation and training objective (docs/design/algorithms.md section 3).
 
-Alignment. Every training target lives at a sequence position p of the batch (unshifted):
-    target distribution at p = softmax(target_lm_head(last_hidden[p])[t2d])   # predicts x_{p+1}
-    position_mask[p] = loss_mask[p] & attention_mask[p] & t2d[argmax target_logits[p]]
-TTT step j, row t reads position p = t + 1 + j: its input token is x_{t+1+j}, its feature chain
-starts from f_t, its target is the distribution at p, its mask is position_mask[p]. So inputs,
-targets and masks are the position-level tensors shifted left by 1 + j (zero-filled).
-
+Targets live at unshifted positions p: the distribution softmax(target_lm_head(last_hidden[p])[t2d])
+(predicts x_{p+1}), masked by position_mask[p] = loss_mask & attention_mask & t2d[argmax]. TTT step j,
+row t reads p = t + 1 + j, so inputs, targets and masks are shifted left by 1 + j (zero-filled).
 Worked example, T = 4, tokens [x0, x1, x2, x3], loss_mask [0, 1, 1, 1]:
     step 0: ids [x1, x2, x3, 0], targets [P1, P2, P3, -], mask [1, 1, 1, 0]
     step 1: ids [x2, x3, 0, 0],  targets [P2, P3, -, -],  mask [1, 1, 0, 0]
-(row 0 at step 0: aux f0 + token x1 -> match the target's distribution after x1, P1).
-The mask uses loss_mask at p (the row's input token x_p is a response token: the situation the
-draft meets at inference, after the target emitted x_p). SafeAILab/SpecForge gate with
-loss_mask[t + j] instead (one position earlier).
-
-Loss: L_j = soft cross-entropy(target probs, draft logits) summed over masked rows; total =
-sum_j ttt_decay^j * L_j / (masked rows of step j), returned as ObjectiveOutput sums.
+The mask reads loss_mask at p, the row's input token (SafeAILab/SpecForge read loss_mask[t + j]).
+Loss = sum_j ttt_decay^j * L_j / (masked rows of step j), L_j the soft CE summed over masked rows.
 """
 
 from __future__ import annotations
@@ -40,12 +31,9 @@ REQUIRED_FIELDS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
 
 @dataclass
 class Eagle3Targets:
-    """Position-level (unshifted) targets. target_argmax [B, T] int64 target ids (0 where loss_mask &
-    attention_mask is False: those rows never carry loss); position_mask [B, T] bool; probs [P, Vd]
-    float32: the target distribution over the draft vocab at the P positions where position_mask holds
-    (row order of `position_mask.nonzero()`), computed once (`draft_vocab_targets`) and read by every
-    loss row scored against that position; prob_row [B, T] int64: that position's row of probs (-1
-    where position_mask is False)."""
+    """Position-level (unshifted) targets: target_argmax int64 [B, T] (0 off the loss rows); position_mask
+    bool [B, T]; probs float32 [P, Vd], the target distribution over the draft vocab at the P masked
+    positions (row order of `position_mask.nonzero()`), computed once; prob_row int64 [B, T] (-1 off mask)."""
 
     target_argmax: Tensor
     position_mask: Tensor
@@ -89,22 +77,16 @@ def prepare_targets(model: Eagle3Backbone[Any], batch: dict[str, Tensor]) -> Eag
 
 
 def soft_ce_head(model: Eagle3Backbone[Any], hidden: Tensor, probs: Tensor, prob_rows: Tensor) -> tuple[Tensor, Tensor]:
-    """Soft CE of the draft head against the target distribution over N rows, chunked
-    (common/fused_head.py `soft_ce_head_rows`): hidden [N, H] post-norm draft rows, probs [P, Vd] the target
-    distributions (`Eagle3Targets.probs`), prob_rows int64 [N] each row's target in probs -> (per-row soft
-    CE [N], draft argmax [N] as target ids). Each chunk gathers its targets (no head matmul of the target)."""
+    """Soft CE of the draft head against the target distributions, chunked (`soft_ce_head_rows`): hidden
+    [N, H] post-norm rows, probs [P, Vd], prob_rows int64 [N] -> (soft CE [N], draft argmax [N], target ids)."""
     ce, draft_argmax = soft_ce_head_rows(model.lm_head, hidden, probs, prob_rows, model.cfg.loss_chunk_rows)
     return ce, model.draft_vocab.draft_to_target(draft_argmax)
 
 
 def needed_row_starts(position_mask: Tensor, steps: int) -> list[int]:
-    """First row each TTT step must compute: step j needs row t iff some position t+1+i
-    (j <= i < S) carries loss; rows before the first needed row (over the batch) are skipped.
-    Step 0 always starts at 0 (its keys serve every later query).
-
-    Worked example, S = 2, T = 6, position_mask [[0, 0, 0, 1, 1, 0]]: step 1 needs rows with
-    mask at t+2 -> rows 1, 2 -> starts [0, 1]. A batch without loss rows gives T - 1.
-    """
+    """First row each TTT step must compute: step j needs row t iff some position t+1+i (j <= i < S)
+    carries loss; step 0 always starts at 0 (its keys serve every later query). Worked example, S = 2,
+    position_mask [[0, 0, 0, 1, 1, 0]] -> [0, 1]; a batch without loss rows gives T - 1."""
     t = position_mask.shape[1]
     needed = torch.zeros_like(position_mask, dtype=torch.bool)
     starts = [0] * steps
@@ -116,11 +98,8 @@ def needed_row_starts(position_mask: Tensor, steps: int) -> list[int]:
 
 
 def eagle3_objective(model: Eagle3Model, batch: dict[str, Tensor]) -> ObjectiveOutput:
-    """One micro-batch: S = ttt_steps loss terms with weights ttt_decay^j.
-
-    Metrics (sum, count): acc_step{j} (draft argmax == target argmax on masked rows) and
-    sim_accept_len (simulated vLLM mean acceptance length with k = S, common/metrics.py).
-    """
+    """One micro-batch: S = ttt_steps loss terms weighted ttt_decay^j; metrics acc_step{j} and
+    sim_accept_len (common/metrics.py), as (sum, count)."""
     check_batch(batch, REQUIRED_FIELDS, "EAGLE-3")
     steps = model.cfg.ttt_steps
     targets = prepare_targets(model, batch)

@@ -1,16 +1,9 @@
 """EAGLE-3 chain drafting for the reference decoder, as vLLM's EAGLE-3 proposer does it.
 
-Round with committed tokens x_0..x_n and target features at positions 0..n-1:
-  1. prefill: rows t = 0..n-1 pair embed(x_{t+1}) with fc(cat aux f_t); the last row's logits
-     give draft token d_1 (the token after x_n);
-  2. step i >= 2: embed(d_{i-1}) with the previous step's PRE-norm hidden (no fc) at the next
-     position, attending to every earlier key (prefix rows + earlier steps of this row).
-Recomputed from scratch each round (no draft KV cache across rounds): same numbers, simpler.
-
-Tree drafting (`expand`, the `TreeProposer` protocol of drafters/common/tree.py, EAGLE-2): one
-forward over [prefix rows 0..n-1; tree nodes], each node row pairing embed(token) with its
-parent's PRE-norm hidden (no fc), at position n + depth - 1, attending to the prefix rows, its
-ancestors and itself: the chain step above, with the earlier steps replaced by the ancestors.
+Prefill rows t = 0..n-1 pair embed(x_{t+1}) with fc(cat aux f_t); the last row gives d_1. Step i >= 2
+pairs embed(d_{i-1}) with the previous step's PRE-norm hidden (no fc) at the next position. Recomputed
+each round (no draft KV cache across rounds). Tree drafting (`expand`, EAGLE-2): node rows pair
+embed(token) with the parent's pre-norm hidden at position n + depth - 1, under the tree mask.
 """
 
 from __future__ import annotations

@@ -1,27 +1,7 @@
-"""What SGLang's `LlamaForCausalLMEagle3` (python/sglang/srt/models/llama_eagle3.py) loads, as a checker.
-
-SGLang cannot run here, so this module encodes its loader's contract (the EAGLE-3 family's engine
-facts, next to its export code) and validates an export directory or a live update against it
-(no sglang import). Facts from SGLang 0.5.23's source:
-
-- Config: `architectures` names `LlamaForCausalLMEagle3`; a Llama config (`model_type: llama`)
-  supplying hidden_size, num_attention_heads, num_key_value_heads, head_dim (default
-  hidden/heads), intermediate_size, hidden_act (its LlamaMLP supports only silu), rms_norm_eps,
-  rope_theta, max_position_embeddings, vocab_size. `draft_vocab_size` (None -> lm_head taken
-  from the target), `target_hidden_size` (default hidden_size), `bias` (fc bias, default False).
-  `tie_word_embeddings: true` makes lm_head the embedding (our lm_head would be ignored).
-  Only `midlayer` exists unless num_hidden_layers > 1 (`additional_layers.*`), and the midlayer
-  always keeps the raw hidden as residual (no `norm_before_residual`).
-- `fc` is `Linear(3 * target_hidden_size, hidden_size)`: exactly 3 aux layers, and it is applied
-  only when the incoming width differs from the embedding width (3 * H_t == H would skip it).
-- Aux layers: `eagle_config.eagle_aux_hidden_state_layer_ids` ("output of layer i"), captured
-  before decoder layer i + 1, i.e. capture index in [0, L - 1] (the output of the last layer is
-  never captured). Absent -> defaults (2, L//2, L-3) as capture indices.
-- Weights: a name is used as-is if it is a parameter name, else with `model.` prefixed; q/k/v and
-  gate/up are fused on load. Names that match nothing are dropped SILENTLY (so speculators-style
-  `layers.0.*` would load nothing). `d2t` -> `hot_token_id = d2t + arange(Vd)` (draft -> target
-  ids; required when Vd < V), `t2d` is skipped, `embed_tokens.weight` is optional (otherwise the
-  target's embedding is shared).
+"""What SGLang 0.5.23's `LlamaForCausalLMEagle3` (python/sglang/srt/models/llama_eagle3.py) loads, as a
+checker (no sglang import: SGLang cannot run here). The loader facts it encodes (a Llama config with silu,
+`fc` over exactly 3 aux layers, `eagle_config` output-of-layer ids, names matched exactly and unknown ones
+dropped silently, `d2t` as hot_token_id offsets) are in docs/design/engines.md section 4.3.
 """
 
 from __future__ import annotations
@@ -179,10 +159,8 @@ def _tensor_problems(root: Path, cfg: dict[str, Any]) -> list[str]:
 
 def check_sglang_eagle3_export(export_dir: str | Path, expected_aux_layer_ids: Sequence[int] | None = None,
                                target_num_hidden_layers: int | None = None) -> dict[str, Any]:
-    """Validate `export_dir` against SGLang's loader; returns its config, raises SGLangContractError.
-
-    `expected_aux_layer_ids` are internal ids (HF hidden_states indices) the draft was trained on.
-    """
+    """Validate `export_dir` against SGLang's loader (expected_aux_layer_ids: internal ids the draft
+    was trained on); returns its config, raises SGLangContractError."""
     root = Path(export_dir)
     cfg_path = root / "config.json"
     if not cfg_path.is_file():

@@ -1,43 +1,27 @@
 """P-EAGLE numerics: COD sampling, the flattened element layout and its attention mask
-(docs/design/algorithms.md section 7; PE-p; speculators `models/peagle/{data,attention}.py`).
+(docs/design/algorithms.md section 7; speculators `models/peagle/{data,attention}.py`).
 
-Elements. P-EAGLE trains all K depths in one forward over "elements" (a, d): anchor position a
-of the sequence, depth d in 0..K-1. Per batch row the elements are laid out depth-major: the T
-depth-0 elements (anchors 0..T-1, every position: they are the keys of every deeper element),
-then for d = 1..K-1 the anchors COD sampling kept, ascending; rows are padded to the longest
-(`exists` False). Element (a, d) stands for draft slot d of a round whose last verified row is a:
-    RoPE position = position_ids[a] + d
-    input        = (x_{a+1}, fc(aux f_a)) when d = 0, (MASK, fc(mask_hidden)) when d >= 1
-    target       = the target distribution at position a + 1 + d (it predicts x_{a+2+d})
-which is EAGLE-3's alignment (drafters/eagle3/objective.py) with step d of the unroll replaced by
-mask slot d: at inference the verified rows 0..n-1 are the depth-0 elements and the K - 1 mask
-slots are (n - 1, 1..K-1), exactly vLLM's parallel-drafting layout (docs/design/engines.md section 2.3.1).
+P-EAGLE trains all K depths in one forward over elements (a, d): anchor a, depth d in 0..K-1, laid
+out depth-major per row (the T depth-0 elements, then the anchors COD kept at each depth d >= 1,
+ascending; padded, `exists` False). Element (a, d) is draft slot d of a round whose last verified row
+is a: RoPE position position_ids[a] + d; input (x_{a+1}, fc(aux f_a)) at d = 0, else (MASK,
+fc(mask_hidden)); target the target distribution at a + 1 + d (EAGLE-3's alignment, and vLLM's
+parallel-drafting layout at inference).
 
-COD sampling (per row). valid(a, d) = the target at a + 1 + d is trainable (`target_valid`)
-and lies in a's document. n_valid = #{a : valid(a, 0)} (the depth-0 training rows).
-    kept_0 = {a : valid(a, 0)}
-    pool_d = {a in kept_{d-1} : valid(a, d)}
-    count_d = min(|pool_d|, floor((n_valid - d) * max(r^d, r_min)))      (d >= 1)
-    kept_d = count_d anchors drawn uniformly without replacement from pool_d
-so a chain (a, 0..d) is contiguous and each depth is a random subset of the previous one.
-Worked example, r = 0.5, r_min = 0.2, 10 valid positions: counts 10 (depth 0 rows), then
-floor(9 * 0.5) = 4, floor(8 * 0.25) = 2, floor(7 * 0.2) = 1 (capped by the pools).
-(`floor` adds 1e-9 first, so 7 * 0.7 ** 2 = 3.4299999... and 100 * 0.7 ** 2 = 48.999999... give
-the counts the formula means: 3 and 49.)
+COD sampling keeps, per depth d >= 1, count_d = min(|pool_d|, floor((n_valid - d) * max(r^d, r_min)))
+anchors drawn from those kept at d - 1 whose target at a + 1 + d is valid and in a's document, so a
+chain (a, 0..d) is contiguous (`floor` adds 1e-9 first, so 100 * 0.7 ** 2 = 48.999999... counts 49).
 
-Attention rule. Element q = (a_q, d_q) sees element k = (a_k, d_k) iff both exist, they are in
-the same document and either k is a depth-0 element at or before q's anchor (d_k = 0, a_k <= a_q)
-or k is an earlier-or-equal depth of q's own chain (a_k = a_q, d_k <= d_q). Every element also
-sees itself, so padding rows are never empty. Worked example, one document, T = 3, COD kept
-(1, 1) at depth 1 and (1, 2) at depth 2; elements [(0,0) (1,0) (2,0) (1,1) (1,2)]:
+Attention: element q sees k iff both exist, same document, and k is depth 0 at or before q's anchor
+or an earlier-or-equal depth of q's own chain (every element sees itself). Worked example, T = 3,
+COD kept (1, 1) and (1, 2); elements [(0,0) (1,0) (2,0) (1,1) (1,2)]:
     (0,0): 1 0 0 0 0
     (1,0): 1 1 0 0 0
     (2,0): 1 1 1 0 0
     (1,1): 1 1 0 1 0
     (1,2): 1 1 0 1 1
 The mask goes through index tables (`q_index`, `kv_index`: element ids, -1 = padding), so a
-partitioned forward (one anchor range of deeper elements against the depth-0 keys) evaluates
-the same function on a subset of rows and columns.
+partitioned forward evaluates the same function on a subset of rows and columns.
 """
 
 from __future__ import annotations
@@ -63,12 +47,8 @@ def cod_count(n_valid: int, depth: int, ratio: float, ratio_min: float) -> int:
 
 @dataclass
 class CODLayout:
-    """Per batch row, N elements (module docstring), depth-major.
-
-    anchor, depth: int64 [B, N]; exists: bool [B, N] (False = row padding); document: int64
-    [B, T], the document of each sequence position (-1 = padding position); counts: int64
-    [B, K], elements per depth (depth 0 counts the real positions).
-    """
+    """Per batch row, N elements (module docstring), depth-major: anchor, depth int64 [B, N]; exists bool
+    [B, N]; document int64 [B, T] (-1 = padding); counts int64 [B, K] elements per depth."""
 
     anchor: Tensor
     depth: Tensor
@@ -117,11 +97,8 @@ def chain_valid(target_valid: Tensor, document: Tensor, depth: int) -> Tensor:
 
 def cod_sample(target_valid: Tensor, document: Tensor, num_depths: int, ratio: float, ratio_min: float,
                generator: torch.Generator | None = None) -> CODLayout:
-    """COD sampling over `num_depths` depths (module docstring).
-
-    target_valid: bool [B, T], the target at position p is trainable (loss & attention mask);
-    document: int64 [B, T] from `document_ids`. Draws use `generator` only (CPU generator).
-    """
+    """COD sampling over `num_depths` depths (module docstring): target_valid bool [B, T], document int64
+    [B, T] (`document_ids`); draws use the CPU `generator` only."""
     if target_valid.shape != document.shape or target_valid.dim() != 2:
         raise ValueError(f"target_valid {tuple(target_valid.shape)} and document {tuple(document.shape)}: "
                          "expected the same [batch, seq] shape")
@@ -204,13 +181,10 @@ def cod_attention_mask(layout: CODLayout, q_index: Tensor | None = None,
 
 def cod_structured_mask(layout: CODLayout, q_index: Tensor | None = None,
                         kv_index: Tensor | None = None) -> BlockGatherMask:
-    """`cod_attention_mask` with its structure, for the CPU fast path (common/attention.py
-    `block_gather_sdpa`): the key columns start with the T depth-0 elements (kv_index[:, :T] =
-    0..T-1, true of the full layout and of every partitioned pass), which form the dense block;
-    the rest of a query's keys are its own chain at depths 1..d (at most K - 1, gathered by
-    position in the key layout). A padding query with no visible block key is given key 0 (its
-    output is unused; a softmax row is never empty). Real rows equal the mask function's exactly
-    (tests/drafters/test_peagle.py)."""
+    """`cod_attention_mask` with its structure for the CPU fast path (common/attention.py
+    `block_gather_sdpa`): the first T key columns are the depth-0 elements (the dense block), the rest
+    of a query's keys its own chain (at most K - 1, gathered). A padding query with no visible key is
+    given key 0, so no softmax row is empty."""
     b, n = layout.anchor.shape
     t, k = layout.seq_len, int(layout.counts.shape[1])
     dev = layout.anchor.device
@@ -242,10 +216,9 @@ def cod_structured_mask(layout: CODLayout, q_index: Tensor | None = None,
 
 
 def segment_indices(layout: CODLayout, num_segments: int) -> list[Tensor]:
-    """Sequence partitioning: the depth >= 1 elements split by anchor into `num_segments` equal
-    anchor ranges [s * T / S, (s + 1) * T / S); per segment an int64 [B, Ns] table of element ids
-    (-1 = padding), empty segments dropped. A chain stays in one segment (its elements share an
-    anchor), so a segment needs only its own keys plus the depth-0 keys."""
+    """Sequence partitioning: the depth >= 1 elements split by anchor into `num_segments` equal anchor
+    ranges; per segment an int64 [B, Ns] table of element ids (-1 = padding), empty ones dropped. A
+    chain shares one anchor, so a segment needs only its own keys plus the depth-0 keys."""
     if num_segments < 1:
         raise ValueError(f"num_segments: got {num_segments}, expected >= 1")
     t = layout.seq_len

@@ -1,9 +1,5 @@
-"""P-EAGLE drafter configuration (docs/design/algorithms.md section 7; docs/design/engines.md section 2.3.1).
-
-The architecture is EAGLE-3's (`Eagle3Architecture`: fused 2H layer 0, plain H layers after it,
-fc over k target layers, a draft-vocab head) with 4 layers by default, plus what parallel
-drafting needs: the mask token and K, the number of depths drafted in one forward. The
-draft's sizes are the target's; `resolve(target_spec)` fills the target-dependent defaults.
+"""P-EAGLE drafter configuration (docs/design/algorithms.md section 7; docs/design/engines.md section 2.3.1):
+EAGLE-3's architecture plus the mask token and K, the depths drafted in one forward.
 """
 
 from __future__ import annotations
@@ -17,26 +13,14 @@ from drafters.eagle3.config import Eagle3Architecture
 
 @dataclass(frozen=True)
 class PEagleConfig(Eagle3Architecture):
-    """`Eagle3Architecture` (num_layers 4 here, as SpecForge's Qwen3-8B recipe) plus:
-
-    num_depths: K, the tokens drafted per forward (depth 0 = the EAGLE-3 row, depths 1..K-1 the
-        mask slots); vLLM's num_speculative_tokens must not exceed it (8 for gpt-oss-120b).
-    cod_ratio: r, COD sampling keeps about (n - d) * max(r^d, cod_ratio_min) chains at depth d
-        (0.7: speculators, SpecForge's model default).
-    cod_ratio_min: the floor r_min of that fraction (0.2).
-    mask_token_id: the token at mask slots (vLLM `ptd_token_id` / `mask_token_id`); None = the
-        target tokenizer's mask token (`TargetSpec.mask_token_id`); checked against the vocab.
-    num_segments: sequence partitioning (PE-p Algorithm 1): the depth >= 1 elements run in this
-        many anchor-range segments, each recomputed in its own backward (activation memory of one
-        segment at a time); 1 = one flattened forward. The gradients do not depend on it.
-    """
+    """`Eagle3Architecture` (4 layers, SpecForge's Qwen3-8B recipe) plus parallel drafting and COD."""
 
     num_layers: int = 4
-    num_depths: int = 8
-    cod_ratio: float = 0.7
+    num_depths: int = 8  # K drafted per forward (depth 0 = the EAGLE-3 row); vLLM's K must not exceed it
+    cod_ratio: float = 0.7  # r: COD keeps about (n - d) * max(r^d, cod_ratio_min) chains at depth d
     cod_ratio_min: float = 0.2
-    mask_token_id: int | None = None
-    num_segments: int = 1
+    mask_token_id: int | None = None  # vLLM `ptd_token_id` / `mask_token_id`; None = the tokenizer's
+    num_segments: int = 1  # sequence partitioning (PE-p Algorithm 1): segments recomputed in backward
 
     def __post_init__(self) -> None:
         super().__post_init__()

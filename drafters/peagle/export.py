@@ -1,21 +1,10 @@
 """P-EAGLE export: vLLM's parallel-drafting EAGLE-3 (docs/design/engines.md sections 2.3, 2.3.1 and 5.3).
 
-One format, `native`: the EAGLE-3 native directory (drafters/eagle3/export.py: architecture
-`LlamaForCausalLMEagle3`, both aux-id keys, d2t/t2d for a reduced vocab) plus
-    config.json: top-level `mask_token_id` and `ptd_token_id` (the same id; vLLM reads
-        `mask_token_id` first, `ptd_token_id` last);
-    model.safetensors: `mask_hidden` [1, k*H_t] (vLLM refuses a parallel-drafting draft without
-        it) and, for every plain layer n >= 1, `layers.<n>.hidden_norm.weight` equal to
-        `layers.<n>.input_layernorm.weight`: vLLM's add-norm for those layers reads
-        `input_layernorm`, SGLang's EAGLE-3 reads `hidden_norm` (docs/design/engines.md section 4.3), so both names
-        carry the trained norm.
-vLLM serves it with `{"method": "eagle3", "parallel_drafting": true, "num_speculative_tokens":
-K}` and K <= the trained depths (`num_depths`, recorded in verl_speco_meta.json). SGLang 0.5.23
-has no P-EAGLE (docs/design/engines.md section 4.4): its server arguments are refused.
-
-`check_export(dir)` refuses, before any engine sees it, a directory whose config.json has no
-mask token id or whose weights lack `mask_hidden` (or carry one of the wrong size), and a
-hidden_norm that differs from its layer's input_layernorm.
+One format, `native`: the EAGLE-3 native directory (drafters/eagle3/export.py) plus the mask token id
+(`mask_token_id` and `ptd_token_id`, one id), `mask_hidden` [1, k*H_t] (vLLM refuses a parallel draft
+without it) and, for layers n >= 1, `layers.<n>.hidden_norm.weight` = `input_layernorm.weight` (vLLM reads
+one name, SGLang the other). vLLM serves it with `parallel_drafting: true` and K <= `num_depths`; SGLang
+0.5.23 has no P-EAGLE, so its server arguments are refused. `check_export(dir)` enforces this.
 """
 
 from __future__ import annotations

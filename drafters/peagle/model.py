@@ -1,22 +1,10 @@
-"""P-EAGLE draft model: the EAGLE-3 draft (drafters/eagle3/model.py) plus `mask_hidden`, run over
-a flattened COD element layout (drafters/peagle/cod.py) in one forward.
+"""P-EAGLE draft model: the EAGLE-3 draft (drafters/eagle3/model.py) plus `mask_hidden` [1, k*H_t] (learnable,
+at the pre-fc width: it replaces the target features at mask slots), run over the flattened COD element
+layout (drafters/peagle/cod.py) in one forward -> post-norm hidden [B, N, H].
 
-Parameters beyond EAGLE-3's (names are the export contract, vLLM `llama_eagle3.py`):
-    mask_hidden [1, k*H_t]: learnable, at the PRE-fc width (it replaces the concatenated target
-        features at mask slots; N(0, 1) init as speculators / SpecForge). vLLM computes
-        fc(mask_hidden) once at load time.
-The mask token id is config (`cfg.mask_token_id`), written to the export's config.json.
-
-Element inputs (cod.py): depth 0 pairs embed(x_{a+1}) with fc(aux f_a), depth >= 1 pairs
-embed(MASK) with fc(mask_hidden); every layer attends with the COD mask; the output is
-norm(hidden) per element ([B, N, H]); logits = lm_head of it (the objective applies it to the
-loss rows only).
-
-Sequence partitioning (`num_segments` > 1): the depth-0 elements run first (a causal pass; their
-keys serve every deeper element, and they never attend to deeper elements), then each anchor
-range of deeper elements runs against the depth-0 keys under `torch.utils.checkpoint`, so its
-activations are recomputed in its own backward and freed. Every element sees the same keys as
-in the one-pass forward, so outputs and gradients equal it (tests/drafters/test_peagle.py).
+Sequence partitioning (`num_segments` > 1): the depth-0 elements run first (their keys serve every deeper
+element), then each anchor range of deeper elements under `torch.utils.checkpoint`; every element sees
+the same keys as in one pass, so outputs and gradients are equal, with less activation memory.
 """
 
 from __future__ import annotations
@@ -71,11 +59,8 @@ class PEagleModel(Eagle3Backbone[PEagleConfig]):
 
     def forward(self, input_ids: Tensor, aux_hidden: Tensor, layout: CODLayout,
                 position_ids: Tensor | None = None) -> Tensor:
-        """All elements of `layout` in one flattened forward (or partitioned, `cfg.num_segments`).
-
-        input_ids [B, T], aux_hidden [B, T, k*H_t], position_ids [B, T] (default 0..T-1) ->
-        post-norm hidden [B, N, H] per element (rows of padding elements are finite, unused).
-        """
+        """All elements of `layout` in one flattened forward (or partitioned, `cfg.num_segments`):
+        input_ids [B, T], aux_hidden [B, T, k*H_t], position_ids [B, T] -> post-norm hidden [B, N, H]."""
         embeds, h = self.element_inputs(input_ids, aux_hidden, layout)
         pos = layout.position_ids(position_ids)
         segments = segment_indices(layout, self.cfg.num_segments) if self.cfg.num_segments > 1 else None

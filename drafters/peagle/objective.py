@@ -1,20 +1,10 @@
 """P-EAGLE training objective (docs/design/algorithms.md section 7; SpecForge `algorithms/peagle/model.py`).
 
-One micro-batch:
-  1. targets as EAGLE-3 (drafters/eagle3/objective.py `prepare_targets`): at every position p
-     the target distribution restricted to the draft vocab, softmax(target_logits[p][t2d]), and
-     position_mask[p] = loss_mask & attention_mask & (target argmax in the draft vocab);
-  2. COD sampling (drafters/peagle/cod.py) over K = num_depths depths, on the trainable
-     positions (loss_mask & attention_mask): a target outside the draft vocab still extends a
-     chain, it only carries no loss;
-  3. one flattened forward over the elements; element (a, d) is scored against the target at
-     position a + 1 + d where position_mask is set;
-  4. loss = sum over scored elements of soft CE(target, draft) / number of scored elements:
-     count-normalised, no depth decay (one loss term). Soft CE and KL(target || draft) differ by
-     the target entropy, a constant: the same gradients.
-
-Metrics (sum, count): acc (draft argmax == target argmax over scored elements), acc_pos{d} per
-depth, cod_elements_pos{d} (elements per depth per row: sum = elements, count = rows).
+Targets and position_mask as EAGLE-3 (`prepare_targets`); COD sampling (drafters/peagle/cod.py) over
+K = num_depths depths on the trainable positions (a target outside the draft vocab still extends a chain,
+it only carries no loss); one flattened forward; element (a, d) is scored against the target at a + 1 + d.
+loss = soft CE summed over scored elements / their count (one term, no depth decay). Metrics: acc,
+acc_pos{d}, cod_elements_pos{d}.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """P-EAGLE parallel drafting for the reference decoder, as vLLM's parallel-drafting EAGLE-3 does it
 (docs/design/engines.md section 2.3.1; vLLM `v1/spec_decode/llm_base_proposer.py` with `parallel_drafting`).
 
-Round with committed tokens x_0..x_n and target features at positions 0..n-1: ONE draft forward
-over n + K - 1 rows,
-    rows t = 0..n-1:   embed(x_{t+1}) with fc(aux f_t), RoPE position t (the EAGLE-3 rows);
-    rows n - 1 + i:    embed(MASK) with fc(mask_hidden), position n - 1 + i, i = 1..K-1,
-causal; the last K rows (row n - 1 and the K - 1 mask rows) give d_1..d_K. That is the training
-layout with one chain of K depths at anchor n - 1 (`cod.chain_layout`), so the forward is the
-model's own `forward`. Probabilistic drafting samples each slot from its own q_i and reports q
-(independent draws: the verifier's rejection test needs only each slot's q), so it stays
-lossless. K may not exceed the trained depths (`num_depths`).
+ONE causal draft forward over the n EAGLE-3 rows plus K - 1 mask rows (embed(MASK), fc(mask_hidden)) at
+positions n..n + K - 2: the training layout of one chain at anchor n - 1 (`cod.chain_layout`); the last K
+rows give d_1..d_K, each sampled from its own q_i (lossless). K <= `num_depths`.
 """
 
 from __future__ import annotations
