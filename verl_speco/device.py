@@ -1,19 +1,10 @@
 """Accelerator probing and the per-device choices built on it: the only module that imports torch_npu.
 
-torch_npu is imported inside `_import_torch_npu` only, never at module level: on a machine without
-CANN's libraries its import fails (or leaves torch half patched), and a module-level import would
-break `import torch` for everything that imports us. Every failure of that import counts as "no
-NPU" (`npu_device_count` returns 0), so a broken install resolves to the CPU instead of crashing.
-
-Per device type ("cuda", "npu", "cpu"):
-- `accelerator_type()`: cuda if CUDA is available, else npu if an NPU is visible, else cpu.
-- `collective_backend`: nccl | hccl | gloo.
-- `collective_dtype`: the dtype a reduction runs in. HCCL has no float64 all-reduce, so on npu
-  floating tensors reduce in float32 and int64 in int32; elsewhere floats widen to float64.
-- `set_current_device`: the torch.cuda / torch.npu call that binds this process to a device.
-- `ray_accelerator_options`: Ray's request for n accelerators (`num_gpus` / `resources={"NPU": n}`).
-- `local_accelerator_index`: the torch index of the accelerator Ray gave a worker, from Ray's
-  accelerator ids and the worker's environment (passed in: ray is imported by verl_integration only).
+torch_npu is imported inside `_import_torch_npu` only: without CANN's libraries its import fails or
+leaves torch half patched, so any failure counts as "no NPU" and resolves to the CPU. Per device type
+("cuda", "npu", "cpu"): `collective_backend` (nccl | hccl | gloo), `collective_dtype` (HCCL has no float64
+all-reduce: float32 / int32 on npu), `set_current_device`, `ray_accelerator_options` and
+`local_accelerator_index` (ray itself is imported by verl_integration only).
 """
 
 from __future__ import annotations
@@ -37,8 +28,7 @@ def _import_torch_npu() -> Any:
 
 def npu_device_count() -> int:
     """Visible Ascend NPUs; 0 when torch_npu is absent or broken (any exception from its import or
-    from `torch.npu`'s queries: missing CANN libraries raise ImportError, OSError, RuntimeError or
-    worse) or when it attached no `torch.npu`."""
+    queries) or attached no `torch.npu`."""
     try:
         _import_torch_npu()
         npu = getattr(torch, "npu", None)  # attached by torch_npu
@@ -103,15 +93,11 @@ def ray_accelerator_options(device_type: str, count: float) -> dict[str, Any]:
 
 def local_accelerator_index(device_type: str, accelerator_ids: Mapping[str, Sequence[str]],
                             environ: Mapping[str, str]) -> int:
-    """The torch index (cuda:i, npu:i) of the accelerator Ray assigned to this worker.
-
-    `accelerator_ids` is `ray.get_runtime_context().get_accelerator_ids()` (e.g. {"GPU": [], "NPU": ["5"]}):
-    ids as listed in the visible-devices variable the worker started with (CUDA_VISIBLE_DEVICES,
-    ASCEND_RT_VISIBLE_DEVICES), the device ordinals when it had none. By default Ray narrows that
-    variable to the assigned ids (index 0); with RAY_EXPERIMENTAL_NOSET_<variable> set (our NPU launcher
-    sets it) Ray leaves it as it was, and device 0 would be another worker's. One rule covers both: the
-    id's position in the variable when it is set, else the id itself. Worked example, NPU id "5": Ray
-    narrowed the variable to "5" -> 0; NOSET with "4,5,6,7" -> 1; NOSET, unset -> 5. Several ids: the lowest.
+    """The torch index (cuda:i, npu:i) of the accelerator Ray assigned to this worker, from
+    `accelerator_ids` (`ray.get_runtime_context().get_accelerator_ids()`): the id's position in the
+    visible-devices variable when it is set (Ray narrows it, unless RAY_EXPERIMENTAL_NOSET_* as our NPU
+    launcher sets), else the id itself. Worked example, NPU id "5": narrowed to "5" -> 0; NOSET with
+    "4,5,6,7" -> 1; NOSET, unset -> 5. Several ids: the lowest.
     """
     if device_type not in RAY_RESOURCES:
         raise ValueError(f"device type: got {device_type!r}, expected one of {', '.join(RAY_RESOURCES)}")

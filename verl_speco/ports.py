@@ -1,8 +1,5 @@
-"""A free TCP port from the operating system: for a process-group rendezvous or a test server.
-
-Standard library only, so a caller (a test, a light launcher) gets a port without importing Ray.
-The probing socket closes before the port is returned, so another process may take it in between:
-use the port at once.
+"""A free TCP port from the operating system (standard library only, no Ray); the probing socket closes
+before it is returned, so use it at once.
 """
 
 from __future__ import annotations

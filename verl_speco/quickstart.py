@@ -2,26 +2,16 @@
 
     verl-speco-quickstart [--family eagle3] [--target embedded|smollm2-135m] [--out runs/quickstart] ...
 
-1. the target: the embedded tiny Qwen3 (built once, cached: `verl_speco.target`) or a named real one;
-2. a Feature Store of the target's own greedy answers to its prompts (`verl_speco.capture`), plus a
-   held-out store for evaluation;
-3. a drafter of family `--family` (default eagle3) trained by the standalone trainer
-   (`verl_speco.train`, preset `quickstart_<family>`, or its real-target variant
-   `quickstart_<family>_<target>` where one ships), exported in vLLM's native format at the end;
-4. real vLLM (CPU) serving the target with and without the drafter on held-out prompts (and with
-   vLLM's n-gram proposer on a real target): greedy outputs must be identical (lossless), and vLLM's
-   own spec-decode counters give the acceptance;
-5. our reference speculative decoder on the same prompts, for the same figures side by side.
-
-What is left unset comes from the target's recipe (`verl_speco.quickstart_plan`: prompts, response cap,
-bf16 mixed precision where the CPU has bf16 units), sized for about 15 minutes on 2 cores for
-smollm2-135m. An estimate is printed before anything starts, and again once the first training steps
-are timed. The terminal shows one progress bar per stage (stderr), each moving with the work inside it
-(prompts answered, rows captured, steps trained, prompts decoded), then the table (stdout) and the
-paths of a chart of the acceptance per draft position (`acceptance_per_position.png`) and of the
-table's figures as JSON (`summary.json`; the whole report in `report.json`), all under --out. vLLM's,
-the trainer's and the libraries' logs go to `<out>/quickstart.log` (`verl_speco.console`);
---verbose leaves them on the terminal. A failure shows its error and the log's last lines.
+1. the target: the embedded tiny Qwen3 (built once, cached) or a named real one;
+2. Feature Stores of the target's own greedy answers (training and held-out);
+3. a drafter of `--family` trained by the standalone trainer (preset `quickstart_<family>[_<target>]`),
+   exported in vLLM's native format;
+4. vLLM (CPU) serving the target with and without the drafter (and n-gram on a real target): identical
+   greedy outputs (lossless) and vLLM's acceptance counters;
+5. our reference speculative decoder on the same prompts, side by side.
+Unset choices come from the target's recipe (`verl_speco.quickstart_plan`). An estimate is printed first
+and after the first timed steps; one progress bar per stage, then the table, `acceptance_per_position.png`,
+`summary.json` and `report.json` under --out; library logs go to `<out>/quickstart.log` (--verbose: terminal).
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""The quickstart's recipe per target and its time estimate.
-
-A `TargetRecipe` holds what the quickstart does on a target when the user sets nothing: prompts
-collected, response cap, the cut of long conversations, the training preset (`quickstart_<family>`, or
-`quickstart_<family>_<target>` where the repository ships one), whether vLLM's n-gram proposer is served
-beside the drafter, and the measured costs the estimate is made of. The embedded target keeps the
-original quickstart; `smollm2-135m` gets a run sized for 2 CPU cores (about 15 minutes) from the curves in
-docs/results/smollm2/README.md.
-
-`estimate(recipe, family, ...)` -> seconds per stage (the quickstart prints it before it starts, then
-again with the step time it measured on the first training steps). `cpu_has_bf16()` decides bf16 mixed
-precision: only where the CPU has bf16 units (AMX or AVX-512 BF16); elsewhere bf16 is emulated and slower.
+"""The quickstart's recipe per target and its time estimate: a `TargetRecipe` holds what the quickstart
+does when the user sets nothing (prompts, response cap, training preset, n-gram arm, measured costs; the
+`smollm2-135m` run is sized for 2 CPU cores from docs/results/smollm2/README.md). `estimate` gives seconds
+per stage; `cpu_has_bf16()` enables bf16 only where the CPU has bf16 units (elsewhere it is emulated, slower).
 """
 
 from __future__ import annotations

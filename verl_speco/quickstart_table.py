@@ -1,7 +1,5 @@
-"""The quickstart's table and chart: `summarize(report)` -> the figures printed and written to summary.json,
-`table_lines(summary)` -> the table's lines, `plot_positions(summary, path)` -> the acceptance per draft
-position as grouped bars. One column per run that took place, left to right: vLLM with the trained
-drafter, the reference decoder, vLLM with an untrained drafter, vLLM's n-gram proposer (real targets).
+"""The quickstart's table and chart: `summarize(report)` (printed and written to summary.json),
+`table_lines(summary)` and `plot_positions(summary, path)`, one column per run that took place.
 """
 
 from __future__ import annotations

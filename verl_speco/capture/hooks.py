@@ -1,18 +1,11 @@
 """Forward hooks that capture target hidden states from any HF decoder.
 
-Layer ids are the internal convention (docs/internals.md): an index into HF ``hidden_states``.
-
-- ``0``: the input of decoder layer 0 (the embedding output, after any model-side scaling).
-- ``1 <= i < L``: the output of decoder layer ``i - 1`` (pre-norm residual stream).
-- ``L``: what HF returns as ``hidden_states[L]``, i.e. the *final-norm* output (HF overwrites the
-  last entry with ``last_hidden_state``), so it equals ``last_hidden``.
-
-No ``output_hidden_states``: plain module hooks, so this works inside another framework's forward
-(verl's actor old-logprob pass), with FSDP / checkpoint wrappers around the layers, and with padded
-or remove-padding (packed ``[1, nnz]``) inputs. Captured tensors are detached and copied at hook
-time (optionally ``select``-ed, cast and moved), so the model's activations are never retained.
-``FeatureCapture(model, layer_ids=(2, 4, 5))`` around a forward, then ``cap.pop()``:
-``aux_hidden [B, T, 3*H]``, ``last_hidden [B, T, H]``.
+Layer ids are internal (docs/internals.md): ``0`` the embedding output, ``1 <= i < L`` the output of
+decoder layer ``i - 1``, ``L`` the final-norm output (HF's ``hidden_states[L]``, equal to ``last_hidden``).
+Plain module hooks, no ``output_hidden_states``: this works inside another framework's forward (verl's
+old-logprob pass), under FSDP / checkpoint wrappers, padded or packed (``[1, nnz]``). Captures are detached
+copies, so activations are never retained: ``FeatureCapture(model, layer_ids=(2, 4, 5))`` around a forward,
+then ``cap.pop()`` -> ``aux_hidden [B, T, 3*H]``, ``last_hidden [B, T, H]``.
 """
 
 from __future__ import annotations
@@ -47,12 +40,8 @@ def _text_config(model: nn.Module) -> Any:
 
 def find_decoder_modules(model: nn.Module, layers_path: str | None = None,
                          norm_path: str | None = None) -> DecoderModules:
-    """Find the decoder-layer list and the final norm of an HF causal LM (generically).
-
-    The layer list is the ``nn.ModuleList`` with ``config.num_hidden_layers`` entries whose parent
-    also holds the input embedding (this skips e.g. vision towers); the final norm is the parent's
-    ``norm`` / ``final_layernorm`` / ``ln_f`` / ``norm_f`` / ``final_norm``. Both can be given as
-    dotted paths (``"model.layers"``, ``"model.norm"``) for unusual models.
+    """Find the decoder-layer list and the final norm of an HF causal LM generically (the ModuleList of
+    `num_hidden_layers` whose parent holds the input embedding, and its norm), or from dotted paths.
     """
     modules = dict(model.named_modules())
     if layers_path is None:
@@ -121,15 +110,9 @@ def _first_tensor(output: Any) -> torch.Tensor:
 
 @dataclass
 class FeatureCapture:
-    """Context manager installing capture hooks; see the module docstring.
-
-    Args:
-        model: any HF decoder (``*ForCausalLM`` or the bare ``*Model``), possibly wrapped.
-        layer_ids: internal layer ids in ``[0, L]``; their order is the ``aux_hidden`` order.
-        last_hidden: also capture the final-norm output.
-        dtype: dtype of the stored copies (``None`` keeps the model's).
-        device: device of the stored copies (``None`` keeps the model's).
-        select: optional function applied to every captured tensor first (e.g. pick rows).
+    """Context manager installing capture hooks (module docstring) on `model` (any HF decoder, possibly
+    wrapped): `layer_ids` in [0, L] in `aux_hidden` order, `last_hidden`, the copies' `dtype` / `device`
+    (None keeps the model's), `select` applied to every captured tensor first (e.g. pick rows).
     """
 
     model: nn.Module

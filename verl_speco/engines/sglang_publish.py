@@ -1,13 +1,9 @@
 """Live draft publishing into SGLang: the `update_weights_from_tensor` request, its checker, a publisher.
 
-Family-generic: what the draft runner receives (names, shapes, what is never sent) comes from the
-family's engine format (`EngineFormat.sglang_expected_shapes` / `sglang_never_published`). It never
-imports sglang: the serializer and metadata class come lazily from `sglang_engine`. A publish is
-SGLang 0.5.23's draft-only update (`selector="draft"` between `begin_weight_update` and
-`end_weight_update`; per TP rank, one flattened single-dtype bucket of full tensors, so views are
-bit-exact). SGLang 0.5.12 has no draft-only update and is refused at start-up
-(`live_publish_refusal`). SGLang's side of this contract, with source paths:
-docs/design/engines.md section 4.9 (tests/deploy/test_sglang_publish_source.py reads both trees).
+Family-generic (names and shapes come from the family's `EngineFormat`), without importing sglang. A
+publish is SGLang 0.5.23's draft-only update (`selector="draft"` between `begin_weight_update` and
+`end_weight_update`; per TP rank one flattened single-dtype bucket of full tensors). SGLang 0.5.12 has no
+draft-only update and is refused (`live_publish_refusal`). SGLang's side: docs/design/engines.md section 4.9.
 """
 
 from __future__ import annotations
@@ -117,12 +113,8 @@ def _expected(fmt: EngineFormat) -> dict[str, tuple[int, ...]]:
 
 
 def publishable_tensors(engine_tensors: Mapping[str, Tensor], fmt: EngineFormat) -> dict[str, Tensor]:
-    """The draft tensors SGLang's draft runner receives, in its names and order, validated.
-
-    `engine_tensors` are a publish's tensors (the family's native checkpoint names); those the format
-    never publishes (`fmt.sglang_never_published()`, e.g. the target's embedding) are left out.
-    Tensors stay on their device (CUDA tensors go through SGLang's serializer as IPC handles).
-    """
+    """The draft tensors SGLang's draft runner receives, in its names and order, validated: `engine_tensors`
+    minus what `fmt.sglang_never_published()` names, on their device (CUDA goes as IPC handles)."""
     want = _expected(fmt)
     never = fmt.sglang_never_published()
     got = {k: v for k, v in engine_tensors.items() if k not in never}
@@ -142,11 +134,8 @@ def publishable_tensors(engine_tensors: Mapping[str, Tensor], fmt: EngineFormat)
 
 
 def build_buckets(tensors: Mapping[str, Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[Bucket]:
-    """Flattened buckets grouped by dtype (first-appearance order), each at most `bucket_bytes`.
-
-    A tensor larger than `bucket_bytes` gets a bucket of its own. Indices count elements of the
-    bucket's dtype, so SGLang's readers (old: `.reshape`, new: `.view(dtype)`) both return views.
-    """
+    """Flattened buckets grouped by dtype, each at most `bucket_bytes` (a larger tensor gets its own);
+    indices count elements of the bucket's dtype, so both of SGLang's readers return views."""
     if bucket_bytes < 1:
         raise SGLangPublishError(f"bucket_bytes: got {bucket_bytes}, expected >= 1")
     if not tensors:
@@ -196,12 +185,9 @@ class SGLangDraftUpdate:
         return tuple(n for b in self.buckets for n in b.names)
 
     def requests(self, serialize: Serialize | None = None) -> list[dict[str, Any]]:
-        """The exact kwargs of each `update_weights_from_tensor` call, in order (one bucket each).
-
-        Every rank's entry is serialized separately (as SGLang's Engine does) and re-serialized on
-        each call, so a re-apply never reuses IPC handles. Only the last request flushes the cache
-        and only the first aborts requests (SGLang: "if there are going to be more updates, set
-        flush_cache to be false"); all carry the same `weight_version`.
+        """The exact kwargs of each `update_weights_from_tensor` call, in order (one bucket each), every
+        rank's entry serialized afresh (no reused IPC handles); only the last flushes the cache and only
+        the first aborts requests, all with the same `weight_version`.
         """
         ser = serialize or sglang_serializer()
         if ser is None:
@@ -310,13 +296,9 @@ def _check_bucket(where: str, payload: Any) -> tuple[list[str], list[tuple[Any, 
 def check_draft_update(requests: Sequence[Mapping[str, Any]], fmt: EngineFormat, *, tp_size: int,
                        deserialize: Deserialize | None = None,
                        expected: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
-    """Validate requests against SGLang's request and draft-loader contract; returns the tensors rank 0 loads.
-
-    `fmt` is the draft's engine format. Checks: request fields and
-    types, one serialized entry per TP rank with identical contents, bucket metadata (contiguous
-    element indices, numel = prod(shape), metadata dtype = bucket dtype, full coverage), names
-    and shapes against `fmt.sglang_expected_shapes()`, floating dtypes, and, with `expected`,
-    bit-exact equality of every reconstructed tensor. Raises SGLangPublishError listing every problem.
+    """Validate requests against SGLang's request and draft-loader contract for format `fmt` (fields, one
+    identical entry per TP rank, bucket metadata, names and shapes, dtypes, with `expected` bit-exact values);
+    returns the tensors rank 0 loads; SGLangPublishError lists every problem.
     """
     des = deserialize or sglang_deserializer()
     if des is None:
@@ -371,13 +353,9 @@ def check_draft_update(requests: Sequence[Mapping[str, Any]], fmt: EngineFormat,
 
 
 class SGLangClient(Protocol):
-    """What the publisher calls, with SGLang's request field names: SGLang's HTTP API
-    (`entrypoints/http_server.py` `/update_weights_from_tensor` taking `UpdateWeightsFromTensorReqInput`,
-    `/begin_weight_update` {"selector"}, `/end_weight_update`) or an in-process adapter over
-    `TokenizerManager.update_weights_from_tensor(UpdateWeightsFromTensorReqInput(**request), None)`.
-    `sglang.Engine` has `begin_weight_update(selector)` / `end_weight_update()`, but its
-    `update_weights_from_tensor(named_tensors, load_format, flush_cache)` cannot carry `selector`
-    (it sends "all"), so the Engine itself is not a draft-only client."""
+    """What the publisher calls, with SGLang's request field names: SGLang's HTTP API or an in-process
+    adapter over `TokenizerManager.update_weights_from_tensor`. `sglang.Engine` itself cannot be one: its
+    `update_weights_from_tensor` cannot carry `selector` (it sends "all")."""
 
     def update_weights_from_tensor(self, **request: Any) -> Any: ...
 
@@ -395,14 +373,10 @@ def _reply(result: Any) -> tuple[bool, str]:
 
 
 class SGLangDraftPublisher:
-    """Publishes draft versions to one SGLang server, with the versioning of our vLLM path.
-
-    As `vllm_reload.DraftReloadMixin`: versions only move forward (an older one is dropped and
-    counted) and the latest applied version is kept as a bucketed snapshot, so `reapply()` restores
-    it after the target's own weight sync or `resume_memory_occupation` (`on_resume(tags)`). A refused
-    apply raises SGLangPublishError and leaves `latest` at the previous version. With `session=True`
-    each apply is bracketed by `begin_weight_update(selector="draft")` / `end_weight_update()`.
-    `weight_version_tag` stays None by default so the target policy's label is not overwritten.
+    """Publishes draft versions to one SGLang server with the versioning of our vLLM path: versions only
+    move forward, the latest applied is kept as a bucketed snapshot for `reapply()` after the target's
+    weight sync or resume, and a refused apply leaves `latest` unchanged. `weight_version_tag` defaults to
+    None so the target policy's label is not overwritten.
     """
 
     def __init__(self, client: SGLangClient, cfg: EngineFormat, *, tp_size: int = 1,

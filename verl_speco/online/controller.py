@@ -1,19 +1,11 @@
 """`OnlineController`: the one schedule of online drafter co-training, shared by the verl trainer
-(`verl_integration.trainer`, the drafter behind the Ray drafter group) and the drift study
-(`experiments.drift`, an in-process `DrafterSession` behind `session_link.SessionLink`).
+(`verl_integration.trainer`) and the drift study (`experiments.drift`).
 
-Per RL step the host hands it the step's rows (`end_step`, or `add` then `maybe_train`). It decides:
-
-- when a round trains: every `train_interval` steps, `next_round_steps()` optimizer steps, skipped
-  (one log line) when nothing was captured since the previous round;
-- when a round is collected: `schedule=serial` at once; `overlap` at the next step's boundary
-  (`collect`), so it trains during the next rollout; the run's last step collects its own;
-- when a round is published: every `publish_interval` collected rounds (`link.publish`).
-
-It also keeps the publish bookkeeping of the rollout servers (per replica group, keyed by the host:
-the version loaded, the newest refused, the refusal counts) and turns the servers' cumulative
-spec-decode counters into per-window acceptance metrics. Every metric is named `drafter/...`.
-It imports no verl and no ray: the drafter is whatever implements `DrafterLink`.
+Per RL step it takes the step's rows and decides when a round trains (every `train_interval` steps,
+skipped when nothing was captured), when it is collected (`serial` at once, `overlap` at the next step's
+boundary, so it trains during the next rollout) and when it is published (every `publish_interval`
+rounds). It keeps the servers' publish bookkeeping and turns their cumulative spec-decode counters into
+per-window `drafter/...` metrics. No verl, no ray: the drafter is whatever implements `DrafterLink`.
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
 """Publishing draft weights as versioned, bucketed safetensors files (shared memory by default).
 
-A published version is a directory, written atomically (temp dir + rename):
-
-    <publish_dir>/v000042/
-        manifest.json        {"version": 42, "format": "verl_speco.draft_publish/2",
-                              "buckets": [{"file": "bucket_000.safetensors", "bytes": N,
-                                           "file_bytes": F, "checksum": "s64x4k:...",
-                                           "names": [...]}, ...], "total_bytes": ..., "meta": {...}}
-        bucket_000.safetensors   tensors in checkpoint names (the engine's `load_weights` input)
-        bucket_001.safetensors   ...
-
-Buckets bound the memory a receiver holds at once (each is read and loaded in turn).
-Tensors never travel pickled: the engine worker opens the files (a file handle on /dev/shm,
-i.e. shared memory, when `publish_dir` is under it) and reads the tensors with safetensors.
-Older versions are deleted once a newer one is written (`keep` newest are kept, `KEEP` by default):
-while one is being written, KEEP + 1 versions take room (`publish_room` checks that room at start-up).
-
-Receivers never trust a version: `verify_version` checks it completely before an engine is
-touched (manifest parses and names this version and directory, every bucket present with its
-recorded size and checksum, names unique and as the manifest lists them, names/shapes/dtypes
-equal to the live draft's, every floating tensor finite) and raises `PublishRejected` with the
-reason; `verified_buckets` then yields the tensors from bytes whose checksum it checked again, so
-what an engine loads is exactly what was verified.
+A version is a directory `<publish_dir>/v000042/` written atomically (temp dir + rename):
+`manifest.json` (version, format, per bucket its file, bytes, checksum and names, meta) and
+`bucket_NNN.safetensors` in checkpoint names. Buckets bound the memory a receiver holds at once; tensors
+never travel pickled (the engine reads the files, from /dev/shm by default). The `keep` newest versions
+are kept (`publish_room` checks the room at start-up). Receivers never trust a version: `verify_version`
+checks it completely before an engine is touched and `verified_buckets` re-checks the bytes it yields.
 """
 
 from __future__ import annotations
@@ -69,10 +53,7 @@ class PublishedDraft:
 
 
 def plan_buckets(state: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
-    """Group names in order into buckets of at most `bucket_bytes` (a bigger tensor gets its own).
-
-    Example: sizes a=3, b=3, c=5, d=1 with bucket_bytes=6 -> [[a, b], [c, d]].
-    """
+    """Group names in order into buckets of at most `bucket_bytes` (a bigger tensor gets its own)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket_bytes: got {bucket_bytes}, expected >= 1")
     buckets: list[list[str]] = []
@@ -239,10 +220,7 @@ def _bucket_tensors(path: Path, bucket: dict[str, Any], data: bytes) -> dict[str
 def verify_version(path: str | Path, version: int,
                    expected: Mapping[str, TensorSpec] | None = None) -> dict[str, Any]:
     """Check a published version completely, touching nothing; its manifest, or `PublishRejected`.
-
-    `expected`: the live draft's checkpoint names -> (shape, dtype) (`checkpoint_spec` of the
-    checkpoint the engine started from); the version must hold exactly these. Reads every bucket
-    once (checksum at several GB/s, then a finiteness pass over the floating tensors)."""
+    `expected`: the live draft's checkpoint names -> (shape, dtype); the version must hold exactly these."""
     path = Path(path)
     manifest = _manifest_file(path)
     if manifest.get("version") != int(version) or path.name != f"v{int(version):06d}":
@@ -292,20 +270,16 @@ LOAD_STATUSES = ("loaded", "stale", "rejected", "failed")
 
 
 def stale_reason(version: int, held: int | None) -> str | None:
-    """The forward-only gate of every engine: why `version` must be dropped when `held` is served
-    (None: it may load). Example: held 3 -> version 3 or 2 is stale, 4 loads; held None (nothing
-    published yet) -> anything loads."""
+    """The forward-only gate of every engine: why `version` must be dropped when `held` is served (None:
+    it may load; anything loads while nothing is held)."""
     if held is not None and held >= 0 and int(version) <= int(held):
         return f"version {version} <= the loaded version {held}"
     return None
 
 
 def load_outcome(answers: Sequence[Mapping[str, Any]]) -> tuple[str, list[str]]:
-    """One status for the answers of every engine worker to a load (`loaded` only when all loaded;
-    else the first other status, in the order rejected, failed, stale) and their distinct reasons.
-
-    Example: [{"status": "loaded", ...}, {"status": "rejected", "reason": "checksum: ..."}]
-    -> ("rejected", ["checksum: ..."])."""
+    """One status for every engine worker's answer to a load (`loaded` only when all loaded, else the
+    first of rejected, failed, stale) and their distinct reasons."""
     if not answers:
         return "failed", ["no engine worker answered"]
     statuses = [str(a.get("status")) for a in answers]

@@ -1,11 +1,6 @@
-"""Start-up check that the publish directory has room for the draft versions it will hold.
-
-The launchers publish into shared memory (/dev/shm) by default, and Docker gives a container 64 MiB
-of it unless started with `--ipc=host` or `--shm-size`. A bf16 DFlash draft for Qwen3-8B is about
-2 GiB and `VERSIONS_ALIVE` versions exist at once (the `KEEP` kept plus the one being written), so
-without this check the first publish, after the model loads and the first rollouts, fails with a
-bare "No space left on device". A version's bytes are those of the
-initial draft export's safetensors files: the same tensors in the same dtype (`engine_tensors`).
+"""Start-up check that the publish directory has room for the draft versions it will hold: /dev/shm in
+a container is 64 MiB without `--ipc=host` / `--shm-size`, while `VERSIONS_ALIVE` versions of a bf16
+Qwen3-8B DFlash draft take about 2 GiB each; without it the first publish fails late, with "No space left".
 """
 
 from __future__ import annotations
@@ -48,11 +43,8 @@ def existing_parent(path: Path) -> Path:
 
 def check_publish_room(publish_dir: str | Path, version_bytes: int, versions: int = VERSIONS_ALIVE,
                        disk_usage: Callable[[Path], Any] | None = None) -> int:
-    """The bytes `versions` versions of `version_bytes` need; raises `PublishRoomError` naming the
-    directory, its free bytes, that need and the fix when its filesystem has less free space.
-
-    Worked example: a 2.0 GiB draft and 3 versions need 6.0 GiB; /dev/shm of a container started
-    without --shm-size has 64 MiB. `disk_usage`: `shutil.disk_usage` unless given."""
+    """The bytes `versions` versions of `version_bytes` need; `PublishRoomError` naming the directory, its
+    free bytes, that need and the fix when there is less free space."""
     if version_bytes < 1 or versions < 1:
         raise ValueError(f"check_publish_room: got version_bytes={version_bytes}, versions={versions}; "
                          "expected both >= 1")
@@ -76,11 +68,8 @@ def check_publish_room(publish_dir: str | Path, version_bytes: int, versions: in
 
 def require_publish_room(publish_dir: str | Path, draft_dir: str | Path,
                          disk_usage: Callable[[Path], Any] | None = None) -> int | None:
-    """`check_publish_room` for versions the size of the export in `draft_dir`; the bytes needed.
-
-    Run where the drafter publishes (one node: the trainer's). When `draft_dir` is not visible here
-    (the drafter's rank 0 wrote it on another node) nothing can be measured: a warning says so and
-    None is returned."""
+    """`check_publish_room` for versions the size of the export in `draft_dir`; the bytes needed, or None
+    with a warning when `draft_dir` is not visible here (written on another node)."""
     if not Path(draft_dir).is_dir():
         logger.warning("publish room not checked: the draft export %s is not visible from this node; "
                        "%s must hold %d versions of it", draft_dir, publish_dir, VERSIONS_ALIVE)

@@ -1,18 +1,11 @@
 """`drafter.capture_source`: rows from the rollout engine's returned hidden states (SGLang).
 
-`choose_capture_source` decides, once per run, where a family's features come from: the actor's
-forward (`verl_speco.online.capture`, the default) or the SGLang rollout
-(`verl_speco.engines.sglang_capture`). `rollout` is refused when the rollout cannot give the
-family's layout; `auto` then falls back to the actor with one log line naming why.
-
-`RolloutCapture.rows` turns generate responses into `CapturedRows`, the same rows the actor
-capture produces for those tokens. A response of P prompt and n generated tokens carries hidden
-states for P + n - 1 positions (no forward runs on the last generated token), so its row is the
-sequence without its last token. Worked example, prompt [a, b, c], output [d, e, f]:
+`choose_capture_source` decides once per run: the actor's forward (default) or the SGLang rollout;
+`rollout` is refused when the rollout cannot give the family's layout, `auto` falls back with a log line.
+A response of P prompt and n generated tokens has hidden states for P + n - 1 positions, so its row is
+the sequence without its last token. Worked example, prompt [a, b, c], output [d, e, f]:
     row input_ids [a, b, c, d, e]    loss_mask [0, 0, 0, 1, 1]    hidden [5, D]
-which equals the actor's row for [a, b, c, d, e, f] cut to its first 5 tokens (the model is causal).
-Responses whose rows cannot be aligned are dropped whole and counted (`DROP_REASONS`); caps and
-seeded row sampling are `plan_rows`, exactly as for the actor capture.
+equal to the actor's row for those tokens (causal). Unalignable responses are dropped and counted.
 """
 
 from __future__ import annotations

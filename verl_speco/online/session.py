@@ -1,31 +1,16 @@
 """The drafter side of online co-training: replay buffer, training rounds, versioned publishes.
 
-One `DrafterSession` lives in each drafter worker (the Ray actors of the verl run, or in-process in
-the drift harness). Per RL step it receives the captured rows and the target head of the policy
-version that produced them; a training round runs `next_round_steps()` optimizer steps (a fixed
-`train_steps_per_round`, or enough for `train_passes_per_round` draws of each row captured since the
-previous round) through the standalone trainer's `train_step` (the same normalisation, clipping and non-finite skipping);
-`publish` writes the draft in the engine's checkpoint names as a new version.
+One `DrafterSession` per drafter worker (Ray actor, or in-process in the drift harness) receives the
+captured rows of each RL step with the target head of the policy version that produced them; a round
+runs `next_round_steps()` steps of the standalone trainer's `train_step`; `publish` writes a new version.
+Every optimizer step draws rows of one version and supervises them with that version's head snapshot, so
+a stale row is never scored by a newer head; rows older than `max_staleness` versions are evicted.
 
-Supervision: the drafters' targets come from the target's frozen pieces (e.g. the distributions
-`lm_head(last_hidden)`; `family.set_target_head`). Rows keep
-the policy version they came from and every optimizer step draws rows of one version and
-supervises them with that version's head snapshot (`TargetHeadSnapshot`), so a stale row is
-never scored by a newer head. Rows older than `max_staleness` versions are evicted.
-
-Data parallel (FSDP2): when a process group of world size W > 1 is initialised before the session
-is built, the draft is sharded with FSDP2 (`verl_speco.train.distributed.apply_fsdp`, as the
-standalone trainer: frozen target pieces replicated, gradients SUM-reduced over globally normalised
-losses). Every rank holds the same buffer (the same rows, in the same order) and the same sampler
-seed, so all ranks draw the same version and the same global micro-batch; rank r trains on rows
-r, r + W, ... of it. Worked example, W = 2, a draw of rows [a, b, c]: rank 0 gets [a, c], rank 1 [b];
-the loss is normalised by the tokens of all three, so the update equals one process on [a, b, c].
-A draw of fewer rows than ranks (a version with 1 row, W = 2) gives rank r row r mod n (row a
-twice): every rank must run the forward, whose FSDP all-gathers are collectives.
-
-Precision: on an accelerator the draft computes in bfloat16 over float32 weights, the standalone
-GPU/NPU recipe's FSDP2 mixed precision (`accelerator_mixed_precision`; alone, the session starts a
-process group of one for it). On the CPU it trains in float32, with FSDP2 only when W > 1.
+With a process group of W > 1 the draft is sharded with FSDP2 as in the standalone trainer. Every rank
+holds the same buffer and sampler seed, so all draw the same global micro-batch and rank r trains rows r,
+r + W, ... with globally normalised losses. Worked example, W = 2, rows [a, b, c]: rank 0 [a, c], rank 1
+[b], equal to one process on [a, b, c]; with fewer rows than ranks, rank r takes row r mod n (every rank
+must run the FSDP collectives). On an accelerator the draft computes in bfloat16 over float32 weights.
 """
 
 from __future__ import annotations
@@ -157,16 +142,9 @@ class FeatureBuffer:
 
 
 def served_depth_settings(config_cls: type, cfg: DrafterRunConfig) -> dict[str, Any]:
-    """`cfg.settings`, where a family with a training-time-test unroll (`ttt_steps`: EAGLE-3) that the settings
-    leave unset trains exactly the depth the rollout drafts, `num_speculative_tokens`.
-
-    The rollout engine only ever runs the draft `num_speculative_tokens` steps deep, so deeper unroll steps
-    cost a round its time and take the loss's weight away from the served positions. Worked example, k = 3
-    and the offline default ttt_steps = 7 with decay 0.8: steps 4-7 carry 0.8^3 + ... + 0.8^6 = 1.51 of the
-    3.95 total weight (38%) and 4/7 of the unroll's compute; with ttt_steps = 3 none. On the real target a
-    draft trained offline with 3 steps met 7 online: its first round lowered the served draft (paired gain
-    0.92 at step 1); with 3 the step-1 gain was 1.10, 1.11 and 0.97 in three runs, and a round took half the time
-    per token (docs/results/smollm2/drift/README.md, section 'Sixty held-out problems')."""
+    """`cfg.settings`, where a family with a training-time-test unroll (`ttt_steps`: EAGLE-3) left unset
+    trains exactly the depth the rollout drafts, `num_speculative_tokens`: deeper steps cost time and take
+    loss weight from the served positions (docs/results/smollm2/drift/README.md, 'Sixty held-out problems')."""
     settings = dict(cfg.settings)
     if "ttt_steps" not in settings and "ttt_steps" in {f.name for f in fields(config_cls)}:
         settings["ttt_steps"] = cfg.num_speculative_tokens
@@ -222,11 +200,9 @@ class DrafterSession:
         self.rows_since_round += len(rows.records)
 
     def next_round_steps(self) -> int:
-        """Optimizer steps of the next round: 0 while the buffer is empty; else `train_steps_per_round`
-        when set; else ceil(train_passes_per_round * rows added since the previous round / micro_batch_size),
-        0 when no row was added. Worked example: 16 rows, 4 passes, micro-batch 8 -> ceil(64 / 8) = 8;
-        20 rows -> ceil(80 / 8) = 10; 3 rows -> ceil(12 / 8) = 2. Every rank holds the same buffer, so
-        every rank derives the same count (the FSDP collectives stay in step)."""
+        """Optimizer steps of the next round: 0 with an empty buffer; else `train_steps_per_round` when
+        set; else ceil(train_passes_per_round * rows added since the previous round / micro_batch_size)
+        (0 when none was added). Every rank holds the same buffer, so every rank derives the same count."""
         if self.buffer.tokens == 0:
             return 0
         if self.cfg.train_steps_per_round is not None:
@@ -241,9 +217,8 @@ class DrafterSession:
         return steps
 
     def _use_head(self, head: TargetHeadSnapshot) -> None:
-        """Point the model's frozen target pieces at `head`. A snapshot is moved to the device once, in
-        its own dtype, and kept there while its version is buffered: a step used to copy both [V, H]
-        tensors from host memory as float32 (5 GB a step at Qwen3-8B sizes)."""
+        """Point the model's frozen target pieces at `head`, moved to the device once per snapshot (in
+        its own dtype) and kept there while its version is buffered."""
         if head is self._held:
             return
         with self.buffer.lock:
@@ -264,10 +239,8 @@ class DrafterSession:
 
 
     def progress(self) -> float:
-        """The objective's `progress` (curricula, e.g. Domino's base-anchored lambda): the fraction
-        of `curriculum_steps` optimizer steps done, 1.0 from the start when curriculum_steps is 0
-        (a drafter that arrives trained has finished its curriculum). Example: curriculum_steps
-        100, step 25 -> 0.25; step 300 -> 1.0."""
+        """The objective's `progress` (curricula): the fraction of `curriculum_steps` optimizer steps
+        done, 1.0 throughout when curriculum_steps is 0 (a drafter that arrives trained)."""
         horizon = self.cfg.curriculum_steps
         return 1.0 if horizon == 0 else min(1.0, self.step / horizon)
 

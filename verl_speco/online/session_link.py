@@ -1,10 +1,6 @@
 """`SessionLink`: an in-process `DrafterSession` as the `OnlineController`'s drafter (the drift study).
-
-A round runs on a thread of its own (`start_round` returns at once; `wait_round` joins it), so under
-`schedule=overlap` it trains while the host's next rollout runs; the controller decides when a round
-starts and when it is waited for. `add` may run while a round trains (`FeatureBuffer.lock`); the
-weights are never read while one does (`publish` refuses). `publish` writes the session's own next
-version, or calls the host's `publish` (the drift study publishes into its vLLM engine).
+A round runs on its own thread, so under `schedule=overlap` it trains during the host's next rollout;
+`add` may run meanwhile, `publish` refuses to while a round trains.
 """
 
 from __future__ import annotations

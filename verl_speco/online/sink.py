@@ -1,9 +1,5 @@
-"""`collect_only` mode: the online capture's rows go to the Feature Store, one writer per rank.
-
-The store is the one `verl-speco-draft-train` reads (`offline` mode), so a run that collected
-features can train drafters later from exactly what the policy produced. Shards are committed at
-every RL step boundary (`end_step`) and whenever `flush_samples` rows are buffered; a crash loses
-at most the rows of the step in progress, never a committed shard.
+"""`collect_only` mode: the online capture's rows go to the Feature Store (one writer per rank) that
+`verl-speco-draft-train` reads; shards are committed at every step boundary and every `flush_samples` rows.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
-"""`drafter.speculation`: which engines take a batch-size schedule, and the speculative-config fields
-an engine start gets from a calibration.
-
-`fixed`: the engine drafts `num_speculative_tokens` at every batch size (what every engine can do).
-`auto`: vLLM releases whose `SpeculativeConfig` has `num_speculative_tokens_per_batch_size` get the
-plan's schedule (`plan.plan`), capped at `num_speculative_tokens`. Unset (None) means auto where the
-engine takes a schedule and fixed elsewhere; `auto` asked of an engine without one is refused.
-vLLM 0.32 builds the scheduler's lookup once (`Scheduler.__init__`) and offers no call that changes
-it on a running engine, so a schedule is planned at each engine start, not at each publish.
+"""`drafter.speculation`: which engines take a batch-size schedule, and the speculative-config fields an
+engine start gets from a calibration. `fixed` drafts `num_speculative_tokens` everywhere; `auto` gives
+vLLM releases with `num_speculative_tokens_per_batch_size` the plan's schedule; unset means auto where
+possible. vLLM 0.32 builds that lookup once per engine, so a schedule is planned per engine start.
 """
 
 from __future__ import annotations
@@ -53,9 +48,8 @@ def resolve_mode(requested: str | None, engine: str, version: str | None) -> str
 
 
 def rollout_workload(requests: int, response_length: int) -> list[int]:
-    """The response lengths an RL rollout batch is planned for when nothing measured them: `requests`
-    lengths of a log-normal spread (sigma 0.9) with median a quarter of `response_length`, capped at it
-    (`cost_model.long_tail_lengths`). Worked example: 4 requests, response_length 512 -> [45, 96, 171, 360]."""
+    """The response lengths a rollout batch is planned for when nothing measured them: `requests` lengths
+    of a log-normal spread (sigma 0.9), median a quarter of `response_length`, capped at it."""
     return long_tail_lengths(requests, max(1, response_length // 4), 0.9, response_length)
 
 

@@ -1,11 +1,6 @@
-"""Measure a `StepTimes` on this machine's vLLM: the decode step of the target alone and of the target
-with its drafter at every k = 0..k_max, over a grid of batch sizes, plus the draft's acceptance per
-position. Each drafting k is an engine of `num_speculative_tokens = k_max` whose batch-size schedule
-gives k everywhere, so k = 0 is measured as a rollout under a schedule runs it.
-
-A measurement is `vllm_engine.time_decode_steps`: `batch` requests stepped by hand, the prefill (until
-every request has its first token) and the median decode step. The engines run one after another; the
-step times need a machine doing nothing else (state its load).
+"""Measure a `StepTimes` on this machine's vLLM: the decode step of the target alone and with its drafter
+at every k = 0..k_max (an engine of k_max whose schedule gives k everywhere) over a grid of batch sizes
+(`vllm_engine.time_decode_steps`), plus the draft's acceptance per position. Needs an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -25,13 +20,9 @@ def calibrate(target_dir: str | Path, draft_dir: str | Path | None, spec: dict[s
               passes: int = 2,
               acceptance_prompts: Sequence[Sequence[int]] | None = None, acceptance_tokens: int = 64,
               tick: Callable[[], None] | None = None, **engine_options: Any) -> Calibration:
-    """Step times of the target alone and with the draft at k = 0..k_max (`spec`: the family format's
-    vLLM speculative config, its `num_speculative_tokens` replaced; `draft_dir` None for a proposer
-    without a model, such as vLLM's n-gram), and the draft's acceptance per
-    position at k_max on `acceptance_prompts` (greedy, `acceptance_tokens` new tokens; default the
-    calibration prompts). Each point is measured in `passes` sweeps over the batch sizes, the smallest
-    median kept (a transient load on the machine inflates one sweep, rarely both). `tick()` after each
-    point of each sweep: (k_max + 2) x len(batch_sizes) x passes in all."""
+    """Step times of the target alone and with the draft at k = 0..k_max (`spec`: the family's vLLM
+    speculative config; `draft_dir` None for a model-free proposer such as n-gram), and the draft's
+    acceptance per position at k_max; each point the smallest median of `passes` sweeps."""
     from verl_speco.engines import vllm_engine
 
     if k_max < 1:

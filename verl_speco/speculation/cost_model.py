@@ -1,15 +1,11 @@
 """When speculation pays: measured decode-step times and a drafter's acceptance per position ->
-generated tokens/s per (batch size, k), the best k per batch-size range, and the wall-clock of a batch
-of requests (a rollout) under plain decoding, a fixed k or a schedule.
+generated tokens/s per (batch size, k), the best k per batch-size range, and a rollout's wall-clock
+under plain decoding, a fixed k or a schedule.
 
-The engine's decode step costs the same whatever the draft accepts (it verifies b x (k + 1) tokens and
-drafts k), so step times are measured once per hardware, target and draft shape (`StepTimes`), and the
-acceptance, which moves during RL, enters only through the expected tokens per step
-(`drafters.common.metrics.expected_tokens_per_step`).
-
-A drafting engine pays its draft's first forward on every step even where the schedule says k = 0
-(vLLM 0.32 keeps the draft's KV cache in sync: `llm_base_proposer.propose`), so "k = 0 in a drafting
-engine" and "an engine without a drafter" are different arms, both measured.
+A decode step costs the same whatever the draft accepts, so step times are measured once per hardware,
+target and draft shape (`StepTimes`), and acceptance enters only through the expected tokens per step.
+A drafting engine pays its draft's first forward even at k = 0 (vLLM 0.32 keeps the draft's KV cache in
+sync), so "k = 0 in a drafting engine" and "no drafter" are different arms, both measured.
 """
 
 from __future__ import annotations
@@ -142,11 +138,10 @@ def fixed_k(k: int | None) -> Callable[[int], int | None]:
 
 def simulate(times: StepTimes, per_position: Sequence[float], lengths: Sequence[int],
              k_of: Callable[[int], int | None], max_num_seqs: int) -> float:
-    """Predicted seconds for the engine to generate `lengths[i]` tokens for each request, all submitted
-    at once: up to `max_num_seqs` run together (the rest wait for a free slot, admitted in waves that
-    each cost a prefill); each decode step at b running requests costs `times.step_s(b, k_of(b))` and
-    moves every running request by the expected tokens per step at that k (a request's first token comes
-    from its prefill). `k_of` returning None everywhere is plain decoding (engine without a drafter)."""
+    """Predicted seconds for the engine to generate `lengths[i]` tokens per request, all submitted at once:
+    up to `max_num_seqs` run together (the rest admitted in waves, each a prefill); a decode step at b
+    running requests costs `times.step_s(b, k_of(b))` and advances each by the expected tokens at that k.
+    `k_of` returning None everywhere is plain decoding."""
     if not lengths or min(lengths) < 1 or max_num_seqs < 1:
         raise ValueError(f"lengths: expected >= 1 request of >= 1 token (got {len(lengths)} requests, "
                          f"shortest {min(lengths) if lengths else None}); max_num_seqs {max_num_seqs}")
@@ -171,8 +166,7 @@ def simulate(times: StepTimes, per_position: Sequence[float], lengths: Sequence[
 
 def long_tail_lengths(n: int, median: float, sigma: float, cap: int) -> list[int]:
     """`n` response lengths with a GRPO step's right-skewed spread, without randomness: the quantiles
-    (i + 0.5) / n of a log-normal of that median and log-space `sigma`, capped at `cap` (verl's
-    response_length). Worked example: n = 4, median 48, sigma 1, cap 200 -> [15, 35, 66, 152]."""
+    (i + 0.5) / n of a log-normal of that median and log-space `sigma`, capped at `cap`."""
     from statistics import NormalDist
 
     if n < 1 or median < 1 or sigma < 0 or cap < 1:

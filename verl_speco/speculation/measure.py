@@ -1,10 +1,6 @@
-"""Measured arms of a speculation comparison (the quickstart's schedule trial, the benchmark
-scripts/bench_speculation_schedule.py): one vLLM engine per arm (plain, fixed k, the schedule), each
-decoding the same workloads, timed wall-clock.
-
-A workload is a list of (prompt token ids, new tokens): every request runs to its own length
-(ignore_eos), so the tokens generated are the same in every arm and the arms differ only in time;
-greedy, so every arm's outputs must equal plain decoding's (lossless)."""
+"""Measured arms of a speculation comparison (the quickstart's trial, scripts/bench_speculation_schedule.py):
+one vLLM engine per arm decoding the same workloads (ignore_eos, greedy: same tokens, outputs equal to
+plain decoding's), timed wall-clock."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """A speculation plan from a calibration: the k per batch-size range vLLM 0.32 takes as
-`speculative_config.num_speculative_tokens_per_batch_size`, and the calibration file that carries
-the measured step times and acceptance between the command that measures them and the engines that
-use them (`verl-speco-speculation calibrate` writes it, `drafter.speculation_calibration` reads it).
+`speculative_config.num_speculative_tokens_per_batch_size`, and the calibration file that carries the
+measurements from `verl-speco-speculation calibrate` to `drafter.speculation_calibration`.
 """
 
 from __future__ import annotations
@@ -109,10 +108,8 @@ class SpeculationPlan:
 
 def plan(calibration: Calibration, min_gain: float = MIN_GAIN, workload: Sequence[int] | None = None
          ) -> SpeculationPlan:
-    """The best k at every batch size 1..max_num_seqs (`cost_model.best_k`), as vLLM's ranges. With a
-    `workload` (the response lengths of one batch of requests, e.g. a rollout's), drafting must also
-    finish that batch `min_gain` sooner than the engine without a drafter (`cost_model.simulate`), or the
-    plan is plain decoding."""
+    """The best k at every batch size 1..max_num_seqs, as vLLM's ranges; with a `workload`, drafting must
+    also finish that batch `min_gain` sooner than plain decoding (`cost_model.simulate`), else plain."""
     times, rates = calibration.step_times, calibration.per_position
     if not 0 <= min_gain < 1 or not math.isfinite(min_gain):
         raise ValueError(f"min_gain: got {min_gain}, expected a fraction in [0, 1)")

@@ -1,10 +1,6 @@
-"""Step times on paper for a GPU the project has not run on: a roofline of the target's verification
-forward and the draft's forwards, as a `StepTimes` the same cost model plans from. A lent GPU replaces
-the paper bandwidth and FLOP/s with measured ones (`benchmarks/device_checks_speculation.py`).
-
-A forward over n tokens at context c costs max(bytes read / bandwidth, FLOPs / FLOP/s) plus a fixed
-launch cost; the bytes are the weights once plus every request's KV cache, the FLOPs 2 per parameter
-per token plus attention (4 x layers x heads x head_dim per token per context token).
+"""Step times on paper for a GPU the project has not run on: a roofline of the verification and draft
+forwards as a `StepTimes` (`benchmarks/device_checks_speculation.py` replaces the paper figures with
+measured ones). A forward costs max(bytes / bandwidth, FLOPs / FLOP/s) plus a launch cost.
 """
 
 from __future__ import annotations

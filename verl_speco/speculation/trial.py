@@ -1,8 +1,5 @@
-"""The quickstart's speculation trial: calibrate on the served prompts, plan, and decode one
-rollout-shaped batch (long-tail lengths) with plain decoding and with the plan, side by side.
-
-What it returns (report["speculation"]): the schedule, whether drafting pays at all, the rollout's
-measured and predicted seconds per arm, and whether the schedule's outputs equal plain decoding's.
+"""The quickstart's speculation trial: calibrate on the served prompts, plan, and decode one rollout-shaped
+batch with plain decoding and with the plan side by side (report["speculation"]).
 """
 
 from __future__ import annotations

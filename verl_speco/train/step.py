@@ -1,21 +1,9 @@
 """One optimizer step over a rank's micro-batches, and held-out evaluation (global-batch normalised).
 
-Normalisation (docs/internals.md): a family returns per-term sums; the global-batch loss is
-    L = sum_s w_s * (sum over micro-batches m and ranks r of num_{m,r,s}) / D_s,
-    D_s = sum over m, r of den_{m,r,s}.
-Each rank forwards its micro-batches, all-reduces the summed denominators, and back-propagates
-sum_m sum_s w_s * num_{m,s} / D_s. FSDP2 SUM-reduces gradients (distributed.apply_fsdp), so the
-gradient is exactly dL/dθ whatever the split over ranks and micro-batches: with 2 terms, one rank
-holding num (3, 1) / den (2, 1) and another (1, 1) / (2, 1), D = (4, 2) and both the 1-process
-and 2-process runs optimise w_0 * 4/4 + w_1 * 2/2.
-A step whose global loss or gradient norm is not finite is skipped (no optimizer update, gradients
-zeroed); all ranks see the same reduced values, so they agree on skipping.
-
-Stage timing (`StepResult.timing`, seconds, this rank): batch (collate + host-to-device), forward
-(inside calls of the model or of its direct children: hooks, outermost call only), loss (the objective minus its forward:
-anchors, masks, heads outside the forward, the loss itself), backward, optim (all-reduces, grad
-norm and clipping, optimizer step). On an accelerator each boundary synchronises the device, so
-the stages add up to the step's wall time.
+The global loss is L = sum_s w_s * (sum over micro-batches and ranks of num_s) / D_s, D_s the all-reduced
+sum of den_s (docs/internals.md); with FSDP2 SUM-reducing gradients, the gradient is dL/dθ whatever the
+split. A step whose global loss or gradient norm is not finite is skipped on every rank. `StepResult.timing`
+gives seconds per stage (batch, forward, loss, backward, optim), device-synchronised at each boundary.
 """
 
 from __future__ import annotations
@@ -60,10 +48,8 @@ def synchronize(device: torch.device) -> None:
 
 
 class StageTimer:
-    """Accumulates seconds per stage. "forward" is the time spent inside calls of the model's root
-    module or of its direct children (hooks; only the outermost call of a nest counts), so an
-    objective that calls the root forward (the block drafters) and one that calls the draft's
-    layers itself (EAGLE-3's TTT loop) are measured alike; the rest of the objective is "loss"."""
+    """Accumulates seconds per stage; "forward" is the time inside calls of the model's root module or its
+    direct children (outermost call only), so every family is measured alike; the rest is "loss"."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -183,11 +169,8 @@ def _backward(model: nn.Module, family: DrafterFamily, batches: list[dict[str, T
 def train_step(model: nn.Module, family: DrafterFamily, micro: Sequence[list[dict[str, Tensor]]],
                optimizer: torch.optim.Optimizer, grad_clip: float, device: torch.device,
                mode: str = "retain", progress: float = 0.0) -> StepResult:
-    """Forward every micro-batch, normalise by the global denominators, backward, clip, step.
-
-    mode "retain": one backward over all micro-batches (memory grows with grad_accum);
-    mode "prepass": a no-grad pass for the denominators, then one backward per micro-batch.
-    `progress` in [0, 1]: the fraction of training done, passed to the family's objective (curricula)."""
+    """Forward every micro-batch, normalise by the global denominators, backward, clip, step. mode "retain":
+    one backward over all; "prepass": a no-grad pass for the denominators, then one backward per micro-batch."""
     if not 0.0 <= progress <= 1.0:
         raise ValueError(f"progress: got {progress}, expected within [0, 1]")
     params = [p for g in optimizer.param_groups for p in g["params"]]

@@ -1,16 +1,9 @@
 """verl actor batches -> the `[B, T]` rows `verl_speco.online.capture` works on (torch only).
 
-verl's v1 actor batches hold each sequence (prompt + response) as one row of a jagged (nested)
-`input_ids`, with `loss_mask` / `response_mask` covering the response only (its suffix); legacy
-batches are padded `[B, T]` with an `attention_mask` and a `[B, R]` response mask over the last
-`R` columns. `full_sequence_masks` turns either into right-padded `input_ids`, `attention_mask`
-and a full-length `loss_mask`.
-
-The old-logprob pass runs the batch in micro-batches, possibly reordered (dynamic batch size),
-packed (`[1, nnz]`, remove-padding) or padded (`[b, T]`). Rows to keep are planned for the whole
-batch before the forward (`plan_rows`: seeded, under the caps), and each micro-batch keeps only
-the activations of its planned rows (`MicroBatchSelection`), so activations of dropped rows are
-never retained. `assemble` puts the kept rows back in batch order, packed `[1, n, ...]`.
+`full_sequence_masks` turns verl's jagged v1 batches (or legacy padded ones with a [B, R] response mask)
+into right-padded `input_ids`, `attention_mask` and a full-length `loss_mask`. Rows are planned for the
+whole batch before the forward; each micro-batch (reordered, packed [1, nnz] or padded [b, T]) keeps only
+its planned rows' activations (`MicroBatchSelection`), and `assemble` restores batch order, packed [1, n, ...].
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Between our drafter settings and verl's config tree.
-
-verl turns `actor_rollout_ref.rollout` into its strict `RolloutConfig` dataclass (hydra
-instantiate), which rejects any key it does not know, so the user-facing section
-`actor_rollout_ref.rollout.drafter` cannot stay there at run time. `extract_drafter` validates it
-(`DrafterRunConfig.from_dict`: an unknown key fails naming it) and moves it to
-`actor_rollout_ref.speco_drafter`, a node verl never converts; the actor workers receive
-`actor_rollout_ref` whole and read it back with `drafter_from_actor_rollout_ref`.
+"""Between our drafter settings and verl's config tree: verl's strict `RolloutConfig` rejects unknown
+keys, so `extract_drafter` validates `actor_rollout_ref.rollout.drafter` and moves it to
+`actor_rollout_ref.speco_drafter`, which the actor workers read back (`drafter_from_actor_rollout_ref`).
 """
 
 from __future__ import annotations
@@ -106,10 +101,8 @@ def speculative_engine_kwargs(fmt: EngineFormat, drafter: DrafterRunConfig, engi
 
 def apply_speculative_config(config: DictConfig, drafter: DrafterRunConfig, draft_dir: str,
                              fmt: EngineFormat) -> dict[str, Any]:
-    """Write the speculative arguments into `rollout.engine_kwargs.<engine>` unless the user set
-    them; a user value that disagrees with the drafter section fails naming both keys. A partial
-    user `speculative_config` (vLLM), e.g. only `enforce_eager: true` for the draft, is completed
-    with ours: its own keys win, method and token count must agree."""
+    """Write the speculative arguments into `rollout.engine_kwargs.<engine>` unless the user set them; a
+    disagreeing user value fails naming both keys, a partial user `speculative_config` is completed."""
     engine = rollout_engine(config)
     wanted = speculative_engine_kwargs(fmt, drafter, engine, draft_dir,
                                        int(config.actor_rollout_ref.rollout.response_length))
@@ -137,11 +130,9 @@ def apply_speculative_config(config: DictConfig, drafter: DrafterRunConfig, draf
 
 
 def draft_gets_own_head(config: DictConfig) -> None:
-    """`actor_rollout_ref.rollout.load_format`: "dummy" (verl's default) becomes "auto" when vLLM serves
-    a drafter. With dummy weights vLLM sees no `lm_head` in the EAGLE draft's checkpoint and hands the
-    draft the TARGET's LM head (`llm_base_proposer._maybe_share_lm_head`), so every draft publish
-    would overwrite the policy's head; with "auto" the draft loads its own. The engine side refuses
-    such a publish anyway (`DraftReloadMixin._speco_target_owned`)."""
+    """`actor_rollout_ref.rollout.load_format`: "dummy" (verl's default) becomes "auto" when vLLM serves a
+    drafter: with dummy weights vLLM hands the EAGLE draft the TARGET's LM head, so every publish would
+    overwrite the policy's head."""
     rollout = config.actor_rollout_ref.rollout
     if str(rollout.get("load_format", "dummy")) == "dummy":
         with open_dict(rollout):
@@ -149,14 +140,9 @@ def draft_gets_own_head(config: DictConfig) -> None:
 
 
 def drafter_gets_context_room(config: DictConfig, k: int) -> None:
-    """`actor_rollout_ref.rollout.max_model_len`, when the user set it, raised to prompt + response
-    + 2k (`vllm_engine.context_length`), with one log line naming both values. vLLM 0.32
-    skips the drafter for EVERY request of a batch whose longest sequence plus k draft queries does
-    not fit, and verifies k token-0 drafts instead: at prompt + response exactly, each sequence that
-    reaches the response cap would cost its whole batch the drafts of its last one or two steps.
-    Responses stay capped by `rollout.response_length` (verl 0.9.1 sizes `max_tokens` from it), so
-    the raise only adds 2k tokens of room. None (verl's default: the model's
-    max_position_embeddings) is left alone."""
+    """`actor_rollout_ref.rollout.max_model_len`, when the user set it, raised to prompt + response + 2k
+    (`vllm_engine.context_length`, one log line): vLLM 0.32 skips the drafter for a whole batch whose
+    longest sequence plus k draft queries does not fit. None (the model's maximum) is left alone."""
     from verl_speco.engines.vllm_engine import context_length
 
     rollout = config.actor_rollout_ref.rollout

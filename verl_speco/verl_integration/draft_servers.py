@@ -1,33 +1,13 @@
 """What the rollout servers and replicas of both engines answer for the drafter, and the SGLang server.
 
-The trainer (`trainer.py`) talks to every rollout replica through two calls:
-`replica.speco_call(method, args)` with `method` in `DRAFT_METHODS`
-(`speco_load_draft(path, version)` -> `{"status": "loaded" | "stale" | "rejected" | "failed", "version":
-<held after>, "reason": ...}`: a version is verified completely before anything reaches the engine
-and a refused or failed one leaves the previous draft serving; `speco_reapply_draft()` ->
-the version re-applied, -1 before the first; `speco_draft_version()` -> the version held, -1 before
-the first; `speco_apply_baseline(path, version)` -> like a load, but a fixed reference draft served
-outside the version order for one measurement, `speco_restore_draft()` -> the held version back, and
-`speco_draft_digest()` -> `{"version", "digest", "tensors"}` of the draft served now,
-`engines/draft_digest.py`; an SGLang server answers `"digest": None`: its API reads no weights back),
-answered by every engine worker of every server of the replica, and
-`replica.speco_spec_counters()`, the replica's cumulative spec-decode counters.
-`SpecoReplicaMixin` is that replica side for both engines (fan-out to `self.servers`).
-
-vLLM: `vllm_server.SpecoVLLMHttpServer` answers through its worker extension. SGLang:
-`SGLangDraftServerMixin` goes in front of verl's `SGLangHttpServer` (which runs SGLang's
-tokenizer manager and HTTP server in its own event loop). A load reads the published version
-(`verl_speco.online.publish`: bucketed safetensors + manifest, whose meta carries the EAGLE-3 export
-config) and sends it to the server's own HTTP address with `SGLangDraftPublisher` over
-`SGLangHTTPClient`: `begin_weight_update(selector="draft")`, flattened-bucket
-`update_weights_from_tensor` requests, `end_weight_update()` (engines/sglang_publish.py has the
-contract). The blocking client runs in a thread, so the event loop keeps serving the very requests
-it sends. SGLang's server API has no cumulative per-position acceptance counters, so an SGLang
-server reports none (`drafter/accept/*` is then not logged).
-
-verl's SGLang server module imports sglang at the top; `install_sglang_replica_class` registers a
-loader that imports it only when verl asks for the "sglang" replica, and `speco_sglang_classes`
-builds the two classes over whatever bases it is given.
+The trainer reaches every replica through `replica.speco_call(method, args)` (`DRAFT_METHODS`: load a
+version, verified completely first, a refused or failed one leaving the previous draft serving; re-apply;
+report the version or digest; serve a fixed baseline and restore) and `replica.speco_spec_counters()`.
+`SpecoReplicaMixin` fans them out to `self.servers` for both engines. vLLM answers through its worker
+extension (`vllm_server.py`); for SGLang, `SGLangDraftServerMixin` sends the verified version to the
+server's own HTTP address (engines/sglang_publish.py) from a thread, so the event loop keeps serving.
+SGLang reports no per-position counters. `install_sglang_replica_class` imports sglang only when verl
+asks for the "sglang" replica.
 """
 
 from __future__ import annotations
@@ -88,10 +68,8 @@ def publish_engine_format(path: str | Path) -> Any:
 
 
 class SGLangDraftServerMixin:
-    """In front of verl's `SGLangHttpServer`: the draft-reload calls (module docstring).
-
-    Reads verl's `node_rank` (only node 0 runs the HTTP server), `get_server_address()` and
-    `config.tensor_model_parallel_size` (one request entry per TP rank)."""
+    """In front of verl's `SGLangHttpServer`: the draft-reload calls (module docstring), from node 0,
+    one request entry per TP rank."""
 
     node_rank: int
     config: Any
@@ -108,9 +86,8 @@ class SGLangDraftServerMixin:
         return SGLangHTTPClient(f"http://{host}:{port}", timeout_s=SGLANG_REQUEST_TIMEOUT_S)
 
     def _speco_expected(self) -> dict[str, Any] | None:
-        """(shape, dtype) per checkpoint name of the draft SGLang started from
-        (`engine_kwargs.sglang.speculative_draft_model_path`, as `apply_speculative_config` sets it),
-        else those of the first version this server accepted; None before either is known."""
+        """(shape, dtype) per checkpoint name of the draft SGLang started from, else of the first version
+        this server accepted; None before either is known."""
         if self._speco_spec is None:
             from verl_speco.online.publish import checkpoint_spec
 

@@ -1,16 +1,8 @@
-"""The drafter worker group of an RL run: `drafter.num_workers` Ray actors (`DrafterWorker`), each
-hosting one rank of the online `DrafterSession`; with more than one, the draft is sharded with FSDP2
-over a process group of the actors (NCCL on GPUs, HCCL on Ascend NPUs, gloo on CPUs; see session.py for how ranks split
-the rows). `DrafterGroup` is the trainer's handle: `group.method.remote(...)` calls the method on
-every rank (each actor runs its calls in order) and returns one object ref to rank 0's answer,
-which resolves only when every rank has answered (a failure on any rank surfaces there).
-
-The actor workers put their captured rows into Ray's object store as safetensors bytes
-(`CapturedRows.to_bytes`, `TargetHeadSnapshot.to_bytes`: nothing of ours is unpickled) and hand
-the trainer object references only; the trainer passes the references here, so feature tensors
-travel worker -> drafter directly and never through the trainer process. Rank 0 also sends the
-target-head snapshot of the policy version the rows came from (the other ranks' rows of that step
-share it).
+"""The drafter worker group of an RL run: `drafter.num_workers` Ray actors (`DrafterWorker`), each one
+rank of the online `DrafterSession` (FSDP2 over their process group when several). `DrafterGroup` is
+the trainer's handle: `group.method.remote(...)` calls every rank and returns rank 0's object ref,
+which resolves once every rank answered. Captured rows and head snapshots travel as safetensors bytes in
+Ray's object store, worker -> drafter directly: the trainer only passes references.
 """
 
 from __future__ import annotations
@@ -37,10 +29,8 @@ ACTOR_NAME_PREFIX = "verl_speco_drafter"
 
 
 def drafter_device() -> tuple[str, int | None]:
-    """(device type, torch index) of the accelerator Ray gave this actor, ("cpu", None) without one.
-    The index comes from Ray's accelerator ids (`verl_speco.device.local_accelerator_index`), not 0:
-    where Ray does not narrow the visible devices (RAY_EXPERIMENTAL_NOSET_*, set by our NPU launcher),
-    device 0 is the node's first accelerator, another worker's."""
+    """(device type, torch index) of the accelerator Ray gave this actor, ("cpu", None) without one;
+    the index from Ray's accelerator ids (`device.local_accelerator_index`), not 0."""
     kind = accelerator_type()
     if kind == "cpu":
         return kind, None
@@ -179,11 +169,9 @@ def _rendezvous() -> tuple[str, int]:
 
 def start_drafter_group(drafter: DrafterRunConfig, target_dir: str, run_name: str,
                         device_type: str = "cuda") -> DrafterGroup:
-    """Start `drafter.num_workers` named actors (`<prefix>_<run>_<rank>`), each with
-    `drafter.num_gpus` accelerators of `device_type` (verl's trainer.device; Ray's "NPU" resource on
-    npu, num_gpus otherwise) outside verl's pools and no CPU reservation (a 2-core machine
-    would deadlock with verl's own placement groups). With several, they form one process group whose
-    address is on the node a probe task ran on; every rank is pinned to that node (one-node group)."""
+    """Start `drafter.num_workers` named actors, each with `drafter.num_gpus` accelerators of
+    `device_type`, outside verl's pools and with no CPU reservation (a 2-core machine would deadlock with
+    verl's placement groups); several form one process group pinned to one node."""
     import dataclasses
 
     world = int(drafter.num_workers)

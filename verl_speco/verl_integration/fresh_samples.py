@@ -1,23 +1,10 @@
 """Fresh samples: text of the updated policy for the drafter round (`drafter.fresh_samples`).
 
-The step's rows are the rollout that the policy generated BEFORE its update. The post_update capture gives
-them the updated actor's hidden states, but not its text. When an update changes the format of the
-answers, the draft served next has never seen the new one, so it lags the policy by a step. With
-`fresh_samples=N` the trainer (`trainer_step.fresh_round`), after the weight sync, asks the
-rollout servers for one response to each of N training prompts from the updated policy. It captures them
-in one forward of the updated actor and trains the round on them together with the step's rows.
-
-Worked example (serial schedule, 16 prompts x 4 rollouts, fresh_samples=16), step t:
-
-    rollout of policy v(t-1), draft d(t) serving            -> 64 responses
-    actor update -> v(t); post_update capture              -> 64 rows: text of v(t-1), hidden states of v(t)
-    weight sync: the servers run v(t), still with d(t)
-    fresh: 16 prompts, one response each, from v(t)        -> 16 rows: text and hidden states of v(t)
-    round on the 80 rows -> publish d(t+1); weight sync    -> the servers serve d(t+1)
-    validation and the next rollout: v(t) with d(t+1)
-
-The prompts come from the training set in an order of their own (`FreshPrompts`, seeded), so the RL run's
-own data order is untouched.
+The step's rows carry the text the policy generated BEFORE its update, so when an update changes the
+answers' format the next draft lags the policy by a step. With `fresh_samples=N`, after the weight sync
+the trainer (`trainer_step.fresh_round`) asks the servers for one response to each of N training prompts,
+captures them with the updated actor and trains the round on them with the step's rows. The prompts come
+in a seeded order of their own (`FreshPrompts`), leaving the RL run's data order untouched.
 """
 
 from __future__ import annotations

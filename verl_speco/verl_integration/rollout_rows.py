@@ -1,14 +1,9 @@
 """The trainer's side of SGLang rollout capture in a verl run (`sglang_agent_loop` is the rollout's).
 
-`arm_rollout_capture` edits the run's config before verl starts anything: the plan's SGLang
-server arguments into `actor_rollout_ref.rollout.engine_kwargs.sglang`, and our agent loop as
-`rollout.agent.default_agent_loop` through an `agent_loop_config_path` file written next to the
-drafter's publishes (`drafter.publish_dir`, else a temporary directory: node-local, so a multi-node
-run sets `publish_dir` on shared storage, as it must for the publishes anyway).
-
-`rollout_entries` reads the trajectories' `extra_fields[CAPTURE_KEY]` from verl's TransferQueue
-(padding samples skipped); a batch without them (a dataset's own `agent_name` overriding the
-default loop) is refused naming that, never silently left without rows.
+`arm_rollout_capture` puts the capture's server arguments and our agent loop into the run's config
+before verl starts (the loop config file next to the publishes: multi-node runs need `publish_dir` on
+shared storage). `rollout_entries` reads the trajectories' `extra_fields[CAPTURE_KEY]`; a batch without
+them is refused naming why, never silently left without rows.
 """
 
 from __future__ import annotations

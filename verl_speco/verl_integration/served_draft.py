@@ -1,17 +1,10 @@
 """After a wake-up: is the draft the rollout servers serve still the version they loaded?
 
-verl 0.9.1 puts the vLLM rollout to sleep between rollouts at level 2 on GPU (its hybrid
-`_sleep_hybrid`, `_resolve_sleep_level()`: 1 only for MTP rollout, LoRA adapters or Ascend NPU),
-and the non-naive weight sync's `release_kv_cache` also sleeps at level 2. Level 2 discards the
-draft with the target, and nothing in vLLM or verl reloads it (engines/draft_digest.py). So
-after every wake-up `check_served_draft` asks each engine worker for the digest of the draft it
-serves (`speco_draft_digest`) and compares it with the digest the same worker gave right after
-loading the version (`record`): equal, nothing is sent; different, the held version is
-re-published (`speco_reapply_draft`, from the worker's verified host copy), the count
-`drafter/republished_after_wake` goes up and one warning names the workers and tensors; still
-different after that, `DraftServingError` ends the run rather than train on silently useless
-speculation. SGLang servers answer no digest (their API has none): they get the re-apply
-without a check, as before.
+verl 0.9.1 sleeps the vLLM rollout at level 2 on GPU (and the weight sync's `release_kv_cache` too),
+which discards the draft with the target, and nothing reloads it (engines/draft_digest.py). So after
+every wake-up `check_served_draft` compares each worker's served-draft digest with the one it gave after
+loading (`record`): if different, the held version is re-published (`drafter/republished_after_wake`), and
+if still different `DraftServingError` ends the run. SGLang servers (no digest API) get a blind re-apply.
 """
 
 from __future__ import annotations
@@ -39,9 +32,7 @@ def digests(answers: Sequence[Any]) -> list[dict[str, Any]] | None:
 
 
 def mismatches(want: Sequence[dict[str, Any]], now: Sequence[dict[str, Any]]) -> list[str]:
-    """One line per worker whose served draft differs from `want` (its version or its tensors).
-
-    Example: worker 1 lost `fc.weight` -> ["worker 1 (v3): fc.weight differs"]."""
+    """One line per worker whose served draft differs from `want` (its version or its tensors)."""
     if len(want) != len(now):
         return [f"{len(now)} engine workers answered, {len(want)} loaded the draft"]
     out = []

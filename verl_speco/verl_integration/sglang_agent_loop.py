@@ -1,23 +1,12 @@
 """SGLang rollout capture inside a verl run, without patching SGLang or verl.
 
-verl 0.9.1's `SGLangHttpServer.generate` builds its own `GenerateReqInput` (no
-`return_hidden_states`) and returns a `TokenOutput` without hidden states. Two extension points
-verl offers get around it:
-
-- the server's arguments: `actor_rollout_ref.rollout.engine_kwargs.sglang` is passed into SGLang's
-  `ServerArgs` unchanged, so the capture flags (`RolloutCapturePlan.server_args`) go there;
-- the agent loop: `rollout.agent.agent_loop_config_path` names agent-loop classes by `_target_`
-  and `rollout.agent.default_agent_loop` picks one. `SpecoSGLangCaptureAgentLoop` is verl's
-  single-turn loop with one change: its generate call goes to the same SGLang server (the one
-  verl's load balancer picks, whose id is that server's HTTP address) over SGLang's own `/generate`
-  route, asking `return_hidden_states`. The response's hidden states are aligned where they
-  arrive (`RolloutCapture.encode`: the sequence without its last token, or a drop reason) and
-  travel to the trainer as safetensors bytes in the trajectory's `extra_fields[CAPTURE_KEY]`.
-
-Everything else (prompt building, response merge, rewards, padding) is verl's `SingleTurnAgentLoop`.
-The request carries what verl's server would have sent (`max_new_tokens` computed as verl does,
-`logprobs` -> `return_logprob`) plus the capture fields. The version gate covers the verl internals
-used: `LLMServerClient._acquire_server` / `_release_server` and the router keying servers by address.
+verl 0.9.1's `SGLangHttpServer.generate` returns no hidden states, so the capture uses two extension
+points: the capture flags go into `rollout.engine_kwargs.sglang` (passed to SGLang's `ServerArgs`), and
+`SpecoSGLangCaptureAgentLoop` (verl's single-turn loop, chosen by `agent_loop_config_path`) sends its
+generate to the same server over SGLang's own `/generate` with `return_hidden_states`. The hidden states
+are aligned where they arrive (`RolloutCapture.encode`) and travel as safetensors bytes in
+`extra_fields[CAPTURE_KEY]`. The version gate covers the verl internals used
+(`LLMServerClient._acquire_server` / `_release_server`, servers keyed by address).
 """
 
 from __future__ import annotations

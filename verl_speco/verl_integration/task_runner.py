@@ -1,10 +1,6 @@
 """`SpecoTaskRunner`: verl's `TaskRunnerV1` running our trainer; `run` is verl's PPO entry with it.
-
-`TaskRunnerV1.run` resolves the trainer with `get_trainer_cls(config.trainer.v1.trainer_mode)`
-inside the method, so `SpecoTaskRunner.run` repeats its few steps with the trainer class replaced
-by `speco_trainer_cls(...)` (the contract test pins the calls this mirrors). The drafter section
-arrives validated in `actor_rollout_ref.speco_drafter` (the driver's `config_bridge.prepare_config`
-moved it there); the runner reads it once and hands the parsed `DrafterRunConfig` to the trainer.
+`TaskRunnerV1.run` resolves its trainer inside the method, so `SpecoTaskRunner.run` repeats its few steps
+with `speco_trainer_cls(...)` (the contract test pins them) and the drafter section parsed once.
 """
 
 from __future__ import annotations

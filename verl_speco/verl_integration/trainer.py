@@ -1,17 +1,10 @@
 """`SpecoTrainerMixin`: verl's v1 PPO trainers with online drafter co-training, a thin adapter.
 
 `speco_trainer_cls(base)` returns `Speco<Base>(SpecoTrainerMixin, base)` for any trainer in verl's
-registry (`verl.trainer.ppo.v1.get_trainer_cls(trainer.v1.trainer_mode)`). With the drafter disabled
-(or in `offline` mode) every override falls through to verl. Otherwise each override translates one
-verl hook into calls of the `online.controller.OnlineController` (the schedule, rounds, publishes and
-drafter metrics; `speco_ctl`, online only) and of the verl-side modules: `trainer_setup` (around
-`_setup`), `trainer_step` (the step's rows, fresh samples, held-out acceptance) and `weight_sync` (the
-draft loaded after every weight sync and wake-up). Metrics under `drafter/` are merged into verl's step
-metrics, so verl's `Tracking` logs them.
-
-`VERL_PATCHES` lists the private verl trainer methods overridden here; they were read on the verl
-releases in `VERL_RELEASES` (the pin `sglang_agent_loop` also checks) and `speco_trainer_cls` refuses
-any other installed release.
+registry. With the drafter disabled (or `offline`) every override falls through to verl; otherwise each
+translates one verl hook into calls of the `OnlineController` and of `trainer_setup`, `trainer_step` and
+`weight_sync`; `drafter/` metrics join verl's step metrics. `VERL_PATCHES` lists the private verl methods
+overridden, read on the releases in `VERL_RELEASES`; any other installed release is refused.
 """
 
 from __future__ import annotations

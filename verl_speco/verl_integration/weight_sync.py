@@ -1,11 +1,6 @@
-"""The rollout servers' side of a publish in a verl run: loaded after verl's weight syncs and wake-ups.
-
-verl's weight sync restores only the target, and its level-2 sleep discards the draft
-(`served_draft.py`), so `SpecoCheckpointEngineManager` runs `after_weights` after every sync and
-wake-up, always while no request is in flight: it loads the newest publish the replicas do not hold
-(the `OnlineController` decides which and keeps the outcome), else checks by digest that they still
-serve the one they hold and re-publishes it when lost. Also here: the calls every replica's engine
-workers answer (`speco_call`) and the servers' cumulative spec-decode counters.
+"""The rollout servers' side of a publish in a verl run: verl's weight sync restores only the target and
+its level-2 sleep discards the draft, so `SpecoCheckpointEngineManager` runs `after_weights` after every
+sync and wake-up (nothing in flight): load the newest publish, else check by digest and re-publish.
 """
 
 from __future__ import annotations
@@ -26,9 +21,8 @@ MANAGER_ATTRS = ("checkpoint_manager", "standalone_checkpoint_manager")  # separ
 
 
 class SpecoCheckpointEngineManager(CheckpointEngineManager):
-    """verl 0.9.1's checkpoint manager that runs `after_weights` after every weight sync and wake-up, always
-    while no request is in flight (naive backend: after the sync; other backends: between the sync and
-    `resume_generation_replicas`)."""
+    """verl 0.9.1's checkpoint manager that runs `after_weights` after every weight sync and wake-up,
+    always while no request is in flight."""
 
     def __init__(self, config: Any, actor_wg: Any, replicas: list[Any],
                  after_weights: Callable[[CheckpointEngineManager], Awaitable[None]]):

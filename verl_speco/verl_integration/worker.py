@@ -1,25 +1,13 @@
 """`SpecoActorRolloutRefWorker`: verl's hybrid actor/rollout/ref worker with drafter capture.
 
-Capture happens in the old-logprob pass verl runs anyway (`compute_log_prob`), or, with
-`drafter.capture_pass=post_update`, in one extra forward of the updated actor over the step's batch
-at the end of `update_actor` (the rows then come from the policy the next rollout runs). For the
-duration of that pass the worker
-
-1. plans which rows of its shard to keep (`verl_speco.online.capture.plan_rows`, seeded, under
-   `drafter.caps`) from the masks alone, and tags every sample with its batch index
-   (`batch_rows.ROW_ID_KEY`) so reordered micro-batches still name their rows;
-2. installs `OnlineCapture.hooks` (forward hooks, `verl_speco.capture.hooks.FeatureCapture`) on
-   the actor's module and wraps the engine instance's `forward_step`: before each micro-batch the
-   hooks' `select` is set to that micro-batch's planned rows, so only their activations are kept;
-3. on the first micro-batch (online mode) snapshots the target head (`TargetHeadSnapshot`; a
-   collective under FSDP2, every rank runs the same number of micro-batches);
-4. after the pass puts the kept rows in batch order and converts them to `CapturedRows`
-   (`OnlineCapture.collect`), moved to host memory with non-blocking copies.
-
-`speco_end_step` (called by the trainer at every step boundary) hands the rows on: online, as
-object references (to safetensors bytes) for the drafter worker group; collect_only, into this rank's Feature Store writer,
-committed at the boundary. verl's own code paths are unchanged when the drafter is disabled or
-the trainer did not ask for a capture this step.
+Capture runs in the old-logprob pass verl runs anyway (`compute_log_prob`) or, with
+`capture_pass=post_update`, in one extra forward of the updated actor at the end of `update_actor`.
+The worker plans the kept rows from the masks (`online.capture.plan_rows`, tagging samples with
+`batch_rows.ROW_ID_KEY` so reordered micro-batches still name their rows), hooks the actor module
+and selects each micro-batch's planned rows, snapshots the target head on the first micro-batch (a
+collective under FSDP2), and converts the kept rows to `CapturedRows`. `speco_end_step` hands them on:
+object refs for the drafter group (online) or this rank's Feature Store writer (collect_only).
+verl's own code paths are unchanged when the drafter is disabled or no capture was asked.
 """
 
 from __future__ import annotations
