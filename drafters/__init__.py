@@ -1,7 +1,6 @@
 """Drafter families, their shared pieces and the reference speculative decoder.
 
-Imports only torch, safetensors, numpy and `feature_store`; never initialises CUDA.
-"""
+Imports only torch, safetensors, numpy and `feature_store`; never initialises CUDA."""
 
 from drafters.registry import available_families, get_family, known_families
 

@@ -4,8 +4,7 @@ Families load lazily by import path (`import drafters.registry` imports no famil
 names are catalog data. A built-in family is one `CatalogEntry` in `BUILTIN`; another package's family
 registers through the entry-point group `ENTRY_POINT_GROUP` ("verl_speco_drafters", found in every
 process where it is installed) or `register_family(entry)` (docs/adding-a-family.md). `get_family`
-refuses a family that lacks a contract member, naming it (`FamilyContractError`).
-"""
+refuses a family that lacks a contract member, naming it (`FamilyContractError`)."""
 
 from __future__ import annotations
 

@@ -8,8 +8,7 @@ reproduces greedy decoding exactly; sampling mode is lossless. Stats follow vLLM
 
 `tree_speculative_generate` (EAGLE-2): build_draft_tree, then ONE target pass over [x_0..x_n; nodes]
 with the tree mask and positions (C = n + 1; the target takes a 4-D additive `attention_mask`), the
-walk of drafters/verify.py, and the committed path's hidden states (a node row equals a causal pass).
-"""
+walk of drafters/verify.py, and the committed path's hidden states (a node row equals a causal pass)."""
 
 from __future__ import annotations
 

@@ -9,8 +9,7 @@ node i. Returns (accepted path, next_token). Candidates are deterministic (top-k
 `evaluate_posterior`): children are tried in rank order with q one-hot, so child x is accepted with
 probability p(x); after a rejection p <- p with x zeroed and renormalised; if none is accepted
 next_token is drawn from the current p. This emits exactly the target's distribution (each candidate
-x_j with prod_{i<j}(1 - p_i(x_i)) * p_j(x_j) = p(x_j)); sampled candidates would need SpecInfer's scheme.
-"""
+x_j with prod_{i<j}(1 - p_i(x_i)) * p_j(x_j) = p(x_j)); sampled candidates would need SpecInfer's scheme."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Feature Store: target-model hidden states on disk for drafter training (docs/design/formats.md section 1).
 
-Imports torch, numpy and safetensors-compatible files only; nothing of ours, no engine, no CUDA.
-"""
+Imports torch, numpy and safetensors-compatible files only; nothing of ours, no engine, no CUDA."""
 
 from feature_store.errors import (
                                   ChecksumError,

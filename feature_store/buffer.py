@@ -3,8 +3,7 @@
 ``copy_inputs=True`` (default): each sample is copied (and cast) into a growable byte arena reused from
 shard to shard, so the caller may reuse or modify its tensors as soon as ``add`` returns.
 ``copy_inputs=False``: the buffer keeps references to the caller's tensors (cast/made contiguous only
-when needed, which copies) until the flush: no copy at all, but the caller must not modify them.
-"""
+when needed, which copies) until the flush: no copy at all, but the caller must not modify them."""
 
 from __future__ import annotations
 

@@ -8,8 +8,7 @@ uint64 words; the checksum is ``"s64x4k:"`` + the first 32 hex digits of
 
 What it detects: any change confined to one 8-byte word (a flipped bit or byte anywhere), truncation or
 extension (the length), lost, zeroed, swapped or misdirected sectors (sums are hashed in order), and random
-corruption except with probability ~2**-64 per sector. What it does not: words permuted inside one sector.
-"""
+corruption except with probability ~2**-64 per sector. What it does not: words permuted inside one sector."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@
 cast to the field's dtype. Error bound per element (``fp8_error_bound``), from e4m3's 3 mantissa bits
 and its subnormal step: ``|x - decode(encode(x))| <= 2**-4 * |x| + 2**-10 * s``. A row of zeros gets
 the smallest positive normal float32 as its scale, so every stored scale is finite and > 0, which the
-reader checks (``scale_problem``).
-"""
+reader checks (``scale_problem``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Errors raised by the Feature Store. Every message names the thing, the expected and the found value.
 
-Catch ``StoreError`` for "anything wrong with the store"; the subclasses below say what.
-"""
+Catch ``StoreError`` for "anything wrong with the store"; the subclasses below say what."""
 
 from __future__ import annotations
 

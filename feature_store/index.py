@@ -5,8 +5,7 @@ Global order: commit records sorted by shard name, samples in shard order; globa
 is built (schema hash, presence, byte size, header writer id and seq; provenance.py), and with
 ``verify_checksums`` each shard's checksum and tensor identity when first opened (a duplicate is
 refused, never silently skipped). ``shard_set`` = {writer id: number of its shards} describes a
-snapshot in reader states: writers commit in sequence order, so it selects the same shards later.
-"""
+snapshot in reader states: writers commit in sequence order, so it selects the same shards later."""
 
 from __future__ import annotations
 

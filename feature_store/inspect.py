@@ -9,8 +9,7 @@ leftovers.
 Exit status: 0 clean; 1 problems found (with ``--strict``, leftovers/warnings count as problems);
 2 the store cannot be used at all (no or invalid ``store.json``) or the arguments are wrong.
 A progress bar goes to stderr for large stores (over 64 shards or 1 GiB); ``--json`` prints only the
-machine-readable report on stdout.
-"""
+machine-readable report on stdout."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ A store's ``aux_hidden [T, k*H]`` holds ``store.layer_ids``' hidden states conca
 order (``sel.aux(aux_hidden)``, ``sel.apply(sample)``). Conventions must be equal, a wanted
 ``last_hidden`` (other than "none") and ``tag`` (non-empty) must be the store's, and every wanted id
 must be stored (else ``LayoutMismatchError`` naming the missing ids). The identity selection returns
-the sample itself, a contiguous run is a view, anything else a gather; no wanted ids drops ``aux_hidden``.
-"""
+the sample itself, a contiguous run is a view, anything else a gather; no wanted ids drops ``aux_hidden``."""
 
 from __future__ import annotations
 

@@ -7,8 +7,7 @@ Partition (world size W, rank r) of the epoch's permutation ``perm`` (length n):
 - ``remainder="drop"`` (default): each rank gets ``n // W`` samples, ``perm[:W*(n//W)][r::W]``;
   the ``n % W`` samples at the end of the permutation are skipped this epoch (another set next epoch).
 - ``remainder="wrap"``: each rank gets ``ceil(n / W)`` samples; the permutation is extended by
-  wrapping around to its start, so every sample is seen and ``(-n) % W`` samples are seen twice.
-"""
+  wrapping around to its start, so every sample is seen and ``(-n) % W`` samples are seen twice."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ The writer records its writer id and sequence number in the shard's header and i
 so ``header_mismatch`` catches a shard copied or renamed under another name from the header alone,
 which refuses every byte-for-byte copy (no two records share a (writer id, seq)). A copy whose header
 was rewritten too is caught by ``content_key``: the shard's tensor table plus a digest of the tensor
-bytes computed in the checksum's read, so two shards with equal keys hold the same samples.
-"""
+bytes computed in the checksum's read, so two shards with equal keys hold the same samples."""
 
 from __future__ import annotations
 

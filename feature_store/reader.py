@@ -11,8 +11,7 @@
 - Samples: ``dict[str, Tensor]`` (per-token fields ``[T, *shape]``, per-sample ``[*shape]``, plus 0-d int64
   ``global_step``/``policy_version``); zero-copy views of the mapped shard unless ``copy=True``.
 - Prefetch: a background thread keeps ``prefetch`` samples ready (it opens shards, verifies checksums,
-  hints the kernel to read the sample's pages, copies when ``copy=True``).
-"""
+  hints the kernel to read the sample's pages, copies when ``copy=True``)."""
 
 from __future__ import annotations
 

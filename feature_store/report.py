@@ -10,8 +10,7 @@ even when the copy's header and checksum were rewritten).
 Sampled samples (a deterministic spread, all when ``max_samples=0`` or the store is smaller): values
 finite, masks 0/1 and not empty, token ids in ``[0, vocab_size)``, at least one token.
 Files that are not committed (temporaries, shards without a commit record, unknown names) are
-warnings: they are invisible to readers. An unusable store (no/invalid ``store.json``) raises.
-"""
+warnings: they are invisible to readers. An unusable store (no/invalid ``store.json``) raises."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ readers compare hashes and, when they differ, report the differing entries by na
 
 Shapes: a per-token field ``FieldSpec("aux_hidden", "bfloat16", (k * H,))`` holds ``[T, k*H]`` per
 sample (``T`` = the sample's length in the field's ``segment``); a per-sample field
-``FieldSpec("reward", "float32", (), per_token=False)`` holds ``[]`` per sample.
-"""
+``FieldSpec("reward", "float32", (), per_token=False)`` holds ``[]`` per sample."""
 
 from __future__ import annotations
 
@@ -55,8 +54,7 @@ class FieldSpec:
     ``segment`` groups per-token fields sharing one length (default ``"tokens"``; e.g. a capture
     ``"window"`` when only part of the sequence carries features). ``role`` enables value checks:
     ``"token_ids"`` (``0 <= id < vocab_size``) or ``"mask"`` (0/1, not all 0); ``None`` infers it from
-    the name (``input_ids``/``target_topk_ids`` -> token_ids, ``loss_mask`` -> mask).
-    """
+    the name (``input_ids``/``target_topk_ids`` -> token_ids, ``loss_mask`` -> mask)."""
 
     name: str
     dtype: str

@@ -8,8 +8,7 @@ is rows ``offsets[i]:offsets[i+1]``), per per-sample field ``[n, *shape]``, and 
 
 ``StoreWriter`` (``ShardStream``) pads the header to 4096 bytes and streams its largest per-token
 field at ``add()`` time; ``write_shard`` writes everything at once. Either way every tensor is aligned,
-any safetensors reader opens the file, and the checksum (checksum.py) is computed as bytes are written.
-"""
+any safetensors reader opens the file, and the checksum (checksum.py) is computed as bytes are written."""
 
 from __future__ import annotations
 
@@ -160,8 +159,7 @@ class ShardStream:
     at once), then at ``finish`` the other tensors (largest item size first, then name) and the header.
     The lead's row size is a multiple of 8, so every tensor stays aligned. The checksum is computed as the
     bytes go out: data sectors while appended, the header region apart (``checksum.combine``).
-    ``reserve`` must hold the final header: ``header_reserve`` bounds it from the tensor names and ranks.
-    """
+    ``reserve`` must hold the final header: ``header_reserve`` bounds it from the tensor names and ranks."""
 
     def __init__(self, path: Path, reserve: int) -> None:
         if reserve % SECTOR or reserve < SECTOR:
@@ -320,8 +318,7 @@ class ShardView:
 
     The mapping is private copy-on-write: a caller writing into a returned tensor changes only its own
     memory, never the file. ``MADV_RANDOM`` stops read-around; each sample's byte ranges get
-    ``MADV_WILLNEED`` so a cold read fetches exactly those pages.
-    """
+    ``MADV_WILLNEED`` so a cold read fetches exactly those pages."""
 
     def __init__(self, path: Path, schema: Schema, *, expect_nbytes: int | None = None) -> None:
         self.path, self.schema = path, schema

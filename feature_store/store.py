@@ -9,8 +9,7 @@ and commit records.
 ```
 
 Publication never overwrites: a temp file is fsynced, hard-linked to its final name (``os.link``
-fails if the name exists), unlinked, and the directory fsynced. No lock and no shared mutable file.
-"""
+fails if the name exists), unlinked, and the directory fsynced. No lock and no shared mutable file."""
 
 from __future__ import annotations
 
@@ -107,8 +106,7 @@ def create_or_open_store(root: str | os.PathLike[str], schema: Schema, producer:
     """Create ``store.json`` once (atomic create-if-absent), or check the existing one has ``schema``.
 
     Two writers racing both succeed when their schemas agree; otherwise the loser raises
-    ``SchemaDriftError`` listing the differences (store value vs writer value).
-    """
+    ``SchemaDriftError`` listing the differences (store value vs writer value)."""
     root = Path(root)
     (root / SHARDS_DIR).mkdir(parents=True, exist_ok=True)
     final = root / STORE_JSON

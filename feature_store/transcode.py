@@ -2,8 +2,7 @@
 with the same steps and policy versions, one output shard per input shard (so a split by whole shards
 selects the same samples in both). The source is read with its checksums verified.
 
-    transcode_store("features", "features-fp8", "fp8_e4m3")   # e.g. bf16 -> fp8 (e4m3 + per-token scale)
-"""
+    transcode_store("features", "features-fp8", "fp8_e4m3")   # e.g. bf16 -> fp8 (e4m3 + per-token scale)"""
 
 from __future__ import annotations
 

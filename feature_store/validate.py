@@ -2,8 +2,7 @@
 inspector: floating fields finite, mask fields 0/1 and not all 0, token ids in ``[0, vocab_size)``.
 
 The finiteness test reads the exponent bits (all ones = NaN/inf) in cache-sized chunks with numpy,
-far faster than ``torch.isfinite`` on bf16 CPU tensors.
-"""
+far faster than ``torch.isfinite`` on bf16 CPU tensors."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ writer gets a new run id and continues next to what earlier runs committed (``pr
 Dtype policy (strict, buffer.py): a field's tensor must have the schema's kind; floats are cast to the
 schema's float dtype (bf16 by default for hidden states, ``standard_schema(hidden_dtype=...)``), integers
 to its integer dtype after a range check, bool<->integer only for 0/1 values. Floating data never
-becomes integer data. ``copy_inputs=False`` buffers references instead of copies (see buffer.py).
-"""
+becomes integer data. ``copy_inputs=False`` buffers references instead of copies (see buffer.py)."""
 
 from __future__ import annotations
 
@@ -95,8 +94,7 @@ class StoreWriter:
 
         ``step`` is the global (RL) step, ``policy_version`` the weights version that produced the
         features (-1 = unknown). Returns the commit record when this sample triggered a flush.
-        Nothing is buffered when validation fails.
-        """
+        Nothing is buffered when validation fails."""
         self._check_open()
         for name, v in (("step", step), ("policy_version", policy_version)):
             if not isinstance(v, int) or isinstance(v, bool):

@@ -12,8 +12,7 @@ While the block runs, file descriptors 1 and 2 point at the log file (`os.dup2`)
 processes, C-level output and library warnings land there too; the bars and `console.print` write to
 copies of the original descriptors. A failure inside the block is logged with its traceback, and on
 leaving the terminal gets the log's last lines and the error before the exception propagates.
-`verbose=True` (or no log path) redirects nothing.
-"""
+`verbose=True` (or no log path) redirects nothing."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 vLLM, same prompts. The family comes from the export's `verl_speco_meta.json`.
 
 Both report vLLM's convention (drafters.common.metrics): mean acceptance length
-= 1 + accepted / drafts, per-position acceptance = accepted at position i / drafts.
-"""
+= 1 + accepted / drafts, per-position acceptance = accepted at position i / drafts."""
 
 from __future__ import annotations
 

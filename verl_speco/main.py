@@ -9,8 +9,7 @@ searchpath `pkg://verl.trainer.config`) plus the drafter section
         actor_rollout_ref.model.path=Qwen/Qwen3-8B actor_rollout_ref.rollout.name=vllm \\
         actor_rollout_ref.rollout.drafter.enable=true actor_rollout_ref.rollout.drafter.mode=online
 
-`--cfg job` prints the composed config and exits; a bad drafter key or value exits 2 naming it.
-"""
+`--cfg job` prints the composed config and exits; a bad drafter key or value exits 2 naming it."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """A free TCP port from the operating system (standard library only, no Ray); the probing socket closes
-before it is returned, so use it at once.
-"""
+before it is returned, so use it at once."""
 
 from __future__ import annotations
 

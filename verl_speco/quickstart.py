@@ -11,8 +11,7 @@
 5. our reference speculative decoder on the same prompts, side by side.
 Unset choices come from the target's recipe (`verl_speco.quickstart_plan`). An estimate is printed first
 and after the first timed steps; one progress bar per stage, then the table, `acceptance_per_position.png`,
-`summary.json` and `report.json` under --out; library logs go to `<out>/quickstart.log` (--verbose: terminal).
-"""
+`summary.json` and `report.json` under --out; library logs go to `<out>/quickstart.log` (--verbose: terminal)."""
 
 from __future__ import annotations
 

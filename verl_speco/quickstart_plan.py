@@ -1,8 +1,7 @@
 """The quickstart's recipe per target and its time estimate: a `TargetRecipe` holds what the quickstart
 does when the user sets nothing (prompts, response cap, training preset, n-gram arm, measured costs; the
 `smollm2-135m` run is sized for 2 CPU cores from docs/results/smollm2/README.md). `estimate` gives seconds
-per stage; `cpu_has_bf16()` enables bf16 only where the CPU has bf16 units (elsewhere it is emulated, slower).
-"""
+per stage; `cpu_has_bf16()` enables bf16 only where the CPU has bf16 units (elsewhere it is emulated, slower)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """The quickstart's table and chart: `summarize(report)` (printed and written to summary.json),
-`table_lines(summary)` and `plot_positions(summary, path)`, one column per run that took place.
-"""
+`table_lines(summary)` and `plot_positions(summary, path)`, one column per run that took place."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@
   forward-only on CPU (torch 2.13 has no CPU backward).
 - `auto`: flex on CUDA, sdpa elsewhere (torch_npu has no flex kernel, so flex is refused on NPUs).
 Shapes: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] (Hq a multiple of Hkv) -> [B, Hq, Tq, D]; `mask=None`
-means every query sees every key.
-"""
+means every query sees every key."""
 
 from __future__ import annotations
 

@@ -10,8 +10,7 @@ Worked example, ctx_len 6, B 3, anchors (1, 3); 1 = may attend::
     rows 0-2:   1 0 0 0 0 0    1 1 1     0 0 0      (a_0 = 1: context position 0 only)
     rows 3-5:   1 1 1 0 0 0    0 0 0     1 1 1      (a_1 = 3: context positions 0, 1, 2)
 
-Sequences are right-padded and a + B <= length, so every context key before an anchor is real.
-"""
+Sequences are right-padded and a + B <= length, so every context key before an anchor is real."""
 
 from __future__ import annotations
 
@@ -31,8 +30,7 @@ def sample_anchors(valid_mask: Tensor, block_size: int, num_anchors: int,
     valid_mask: bool [batch, seq]. Candidates: a with valid_mask[a] and a + block_size <= length
     (last True index + 1). Returns anchors int64 [batch, nb] (increasing) and anchor_valid bool
     [batch, nb], nb = min(num_anchors, largest candidate count) >= 1, so a short batch pays for no
-    padding blocks; short rows are padded with (anchor 0, valid False).
-    """
+    padding blocks; short rows are padded with (anchor 0, valid False)."""
     if valid_mask.dim() != 2:
         raise ValueError(f"valid_mask: got shape {tuple(valid_mask.shape)}, expected [batch, seq]")
     if block_size < 1:

@@ -9,8 +9,7 @@ and gradients of the unchunked computation up to summation order. `fn` returns p
 Under FSDP2 a head `fn` calls is a sharded unit, so every rank must make the same number of calls:
 the trainer runs objectives inside `chunk_count_sync(sync)`, which pads each call to the max chunk
 count over ranks with empty chunks. Fused paths (common/fused_head.py) use each chunk's logits once and
-keep the gradient instead of recomputing. The per-row terms here compute in float32 (float64 stays).
-"""
+keep the gradient instead of recomputing. The per-row terms here compute in float32 (float64 stays)."""
 
 from __future__ import annotations
 
@@ -73,8 +72,7 @@ def chunked_rows(fn: RowFn, rows: Sequence[Tensor], chunk_rows: int) -> tuple[Te
     """`fn(*[r[i:j] for r in rows])` over consecutive row chunks [i, j), outputs concatenated on dim 0.
 
     rows: tensors sharing dim 0 (N rows). fn returns a tuple of per-row tensors [n, ...]; the result
-    is that tuple for all N rows ([N, ...]); with N = 0, fn runs once on the empty rows.
-    """
+    is that tuple for all N rows ([N, ...]); with N = 0, fn runs once on the empty rows."""
     check_chunk_rows(chunk_rows)
     n = int(rows[0].shape[0])
     if any(int(r.shape[0]) != n for r in rows):
@@ -96,8 +94,7 @@ def chunked_rows(fn: RowFn, rows: Sequence[Tensor], chunk_rows: int) -> tuple[Te
 def head_weight(weight: Tensor, like: Tensor) -> Tensor:
     """A frozen head weight [V, H] (no grad) in the dtype its matmul with the float rows `like` runs in
     (autocast's dtype when autocast is on and like is float32 or that dtype, else like's dtype), cast
-    once per loss: same logits as `like @ weight.to(like.dtype).T`, without a float32 copy of a bf16 head.
-    """
+    once per loss: same logits as `like @ weight.to(like.dtype).T`, without a float32 copy of a bf16 head."""
     dtype = like.dtype
     device = like.device.type
     if torch.is_autocast_enabled(device) and like.dtype in (torch.float32, torch.get_autocast_dtype(device)):

@@ -1,7 +1,6 @@
 """Types shared by every family and by the reference decoder (docs/internals.md, drafters section):
 `StoreStats`, the proposer interface (`DraftContext` / `Proposal` / `Proposer`), `EngineFormat` (what a
-family ships to the engines) and the `DrafterFamily` protocol with `contract_gaps(family)`.
-"""
+family ships to the engines) and the `DrafterFamily` protocol with `contract_gaps(family)`."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 `vllm_speculative_config`: vLLM's `speculative_config` dict for a draft directory, the method and its
 extra keys read from the catalog (`drafters.registry.engine_method`). `sglang_chain_args`: SGLang's
 server arguments for a chain of K draft steps (EAGLE-style: topk 1, K + 1 draft tokens, the verified
-token included). `check_format`: an export format name against a family's `FORMATS`.
-"""
+token included). `check_format`: an export format name against a family's `FORMATS`."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """What every family's export shares (docs/adding-a-family.md, step 4): `EngineFormatBase` (the
 manifest round trip and engine arguments; four abstract methods a family writes), `DecoderFormat`,
-the directory writer `write_export` and the checked readers `check_export_dir` / `load_checked`.
-"""
+the directory writer `write_export` and the checked readers `check_export_dir` / `load_checked`."""
 
 from __future__ import annotations
 

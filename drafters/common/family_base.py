@@ -4,8 +4,7 @@ A family (drafters/<name>/family.py; docs/adding-a-family.md) subclasses it, nam
 class attributes listed in `HOOKS` (config_cls, model_cls, export_cls, proposer_cls, required,
 mutable_settings, the frozen target pieces' attribute paths) and writes only `required_layout`,
 `objective`, `export`, `load_export` (and `build` when it needs store statistics).
-`drafters.registry.get_family` refuses a family that lacks a member (`contract_gaps`).
-"""
+`drafters.registry.get_family` refuses a family that lacks a member (`contract_gaps`)."""
 
 from __future__ import annotations
 

@@ -7,8 +7,7 @@ the gradient the backward needs; the backward only scales it by the incoming gra
   each chunk of (z, t); the forward keeps d loss / d h [N, H], d e [N, r] and d B [r, V].
 - `soft_ce_head_rows` (EAGLE-3 / P-EAGLE): a trainable head over a small draft vocabulary, called once per
   chunk, with the soft CE gradient kept in the logits' dtype.
-Valid because the loss of a row depends on that row only; equal to plain autograd up to summation order.
-"""
+Valid because the loss of a row depends on that row only; equal to plain autograd up to summation order."""
 
 from __future__ import annotations
 

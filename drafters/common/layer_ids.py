@@ -12,8 +12,7 @@ decoder layer i-1). Engine keys:
 | vllm.dspark_target_layer_ids                        | i - 1  (vLLM adds +1)         |
 | sglang.return_aux_hidden_state_layer_ids (server)   | i - 1  (rollout aux capture)  |
 
-Worked example, internal (2, 18, 33): vLLM top-level (2, 18, 33), SGLang eagle_config (1, 17, 32).
-"""
+Worked example, internal (2, 18, 33): vLLM top-level (2, 18, 33), SGLang eagle_config (1, 17, 32)."""
 
 from __future__ import annotations
 

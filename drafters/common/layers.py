@@ -1,8 +1,7 @@
 """Llama/Qwen-style building blocks shared by the drafter families.
 
 Parameter names follow HF Llama (`q_proj`, `gate_proj`, `input_layernorm`, ...) so engine export
-is a name map. Shapes: hidden [B, T, H]; per-head tensors [B, heads, T, head_dim].
-"""
+is a name map. Shapes: hidden [B, T, H]; per-head tensors [B, heads, T, head_dim]."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """Masked loss pieces returned as (numerator, denominator) sums, and `ObjectiveOutput`.
 
 The loss of a global batch is `sum_s w_s * sum(num_s) / sum(den_s)` over every micro-batch and rank: the
-trainer all-reduces the denominators, so 1 and N processes give the same loss (docs/internals.md).
-"""
+trainer all-reduces the denominators, so 1 and N processes give the same loss (docs/internals.md)."""
 
 from __future__ import annotations
 

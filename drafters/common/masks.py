@@ -16,8 +16,7 @@ T = 4, j = 2, every position real; 1 = may attend::
     row 3:   1 1 1 1       0 0 0 1       0 0 0 1
 
 A padded step-0 key (`key_valid [B, T]` False) is hidden from every other query; each query keeps
-its own position, so a padded row (no loss) is never empty (no NaN).
-"""
+its own position, so a padded row (no loss) is never empty (no NaN)."""
 
 from __future__ import annotations
 
@@ -120,8 +119,7 @@ def ttt_position_ids(position_ids: Tensor, step: int) -> Tensor:
 def shift_left(x: Tensor, n: int, fill: float | int | bool = 0) -> Tensor:
     """Shift along dim 1 (the sequence) by n places to the left, filling the last n with `fill`.
 
-    Worked example: shift_left([[a, b, c, d]], 1) = [[b, c, d, 0]]; n = 0 returns x unchanged.
-    """
+    Worked example: shift_left([[a, b, c, d]], 1) = [[b, c, d, 0]]; n = 0 returns x unchanged."""
     if n < 0:
         raise ValueError(f"n: got {n}, expected >= 0")
     if n == 0:

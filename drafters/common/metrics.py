@@ -3,8 +3,7 @@ simulation of acceptance length from TTT step predictions.
 
 Mean acceptance length = 1 + num_accepted / num_drafts; per-position rate i = accepted_per_pos[i] /
 num_drafts; draft acceptance rate = num_accepted / num_draft_tokens. A tree round (EAGLE-2) proposes
-N nodes and accepts one path of L nodes, with one per-position entry per tree depth.
-"""
+N nodes and accepts one path of L nodes, with one per-position entry per tree depth."""
 
 from __future__ import annotations
 
@@ -61,8 +60,7 @@ def simulated_acceptance_length(step_correct: Tensor, step_valid: Tensor,
 
     step_correct, step_valid: bool [S, ...] per (TTT step, row). A row whose step 0 is valid counts
     1 + its leading valid-and-correct steps (at most `num_speculative_tokens`). Returns (sum of
-    lengths, rows) as float scalars, so ranks can all-reduce both.
-    """
+    lengths, rows) as float scalars, so ranks can all-reduce both."""
     if step_correct.shape != step_valid.shape:
         raise ValueError(f"step_correct {tuple(step_correct.shape)} vs step_valid {tuple(step_valid.shape)}")
     k = step_correct.shape[0] if num_speculative_tokens is None else min(num_speculative_tokens, step_correct.shape[0])

@@ -1,6 +1,5 @@
 """Turn logits into the distribution a sampler draws from: temperature, top-k, top-p (vLLM order).
-Temperature 0 is greedy (one-hot at the argmax, lowest id on ties). logits [..., V] -> probs [..., V] float32.
-"""
+Temperature 0 is greedy (one-hot at the argmax, lowest id on ties). logits [..., V] -> probs [..., V] float32."""
 
 from __future__ import annotations
 

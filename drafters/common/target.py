@@ -1,7 +1,6 @@
 """The frozen target pieces a drafter needs, read from an HF model directory without transformers:
 `TargetSpec` (sizes from `config.json`, the tokenizer's mask token) and `TargetHead` (frozen embedding,
-final norm and LM head from safetensors; a missing `lm_head.weight` only with tied embeddings).
-"""
+final norm and LM head from safetensors; a missing `lm_head.weight` only with tied embeddings)."""
 
 from __future__ import annotations
 

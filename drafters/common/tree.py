@@ -18,8 +18,7 @@ mask (rows = queries, columns = keys)     positions = [0, 1, 2, 2, 3, 3]
       c :   1  1  1  0  1  0
       d :   1  1  1  0  0  1               (d does not see its sibling c)
 so the row of d equals the last row of a causal pass over [x0, x1, a, d] at positions 0..3.
-HF targets take it as an additive float mask [1, 1, T, T] (`additive_mask`) with position_ids [1, T].
-"""
+HF targets take it as an additive float mask [1, 1, T, T] (`additive_mask`) with position_ids [1, T]."""
 
 from __future__ import annotations
 
@@ -149,8 +148,7 @@ class TreeProposer(Protocol):
     expand(ctx, nodes): one stateless draft forward over [context rows; nodes] with
     `tree_attention_mask` / `tree_position_ids`; `nodes` is closed under parents. Node i must compute
     what chain drafting computes at the end of its path (so top_k = 1 is the chain). Returns N + 1
-    rows, row 0 the root; log_probs over the TARGET vocab (-inf where the draft cannot emit).
-    """
+    rows, row 0 the root; log_probs over the TARGET vocab (-inf where the draft cannot emit)."""
 
     def expand(self, ctx: DraftContext, nodes: TreeNodes) -> TreeExpansion: ...
 
@@ -164,8 +162,7 @@ class TreeConfig:
 
     top_k: frontier nodes per depth and children per node; depth: longest path; total_tokens: nodes
     kept by rerank, root excluded (SGLang's --speculative-num-draft-tokens = total_tokens + 1).
-    top_k = 1, total_tokens = depth is the greedy chain.
-    """
+    top_k = 1, total_tokens = depth is the greedy chain."""
 
     top_k: int
     depth: int
@@ -234,8 +231,7 @@ def build_draft_tree(proposer: TreeProposer, ctx: DraftContext, cfg: TreeConfig)
     value(node) = sum of draft log-probs along its path. Depth 1: the root's top_k children; each
     further depth expands the top_k frontier nodes by value (top_k children each); rerank keeps the
     total_tokens best of all candidates. Values only fall along a path and ties favour the shallower
-    node, so every kept node's parent is kept: the result is a tree, in rank (topological) order.
-    """
+    node, so every kept node's parent is kept: the result is a tree, in rank (topological) order."""
     pool = _Pool([], [], [], [], [])
     root = proposer.expand(ctx, TreeNodes.root_only())
     frontier = _children(pool, -1, 1, root.log_probs[0], root.hidden[0], cfg.top_k, 0.0)

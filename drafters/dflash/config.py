@@ -1,8 +1,7 @@
 """DFlash drafter configuration (docs/design/algorithms.md section 4; docs/design/engines.md sections 2.4 and 4.5).
 
 `target_layer_ids` are the engines' "output of layer i" ids; `hidden_state_ids` converts them to internal
-HF `hidden_states` indices (+1, drafters.common.layer_ids). `resolve(target_spec)` fills and checks the rest.
-"""
+HF `hidden_states` indices (+1, drafters.common.layer_ids). `resolve(target_spec)` fills and checks the rest."""
 
 from __future__ import annotations
 

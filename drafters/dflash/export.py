@@ -5,8 +5,7 @@ One format, `native`: `config.json` + `model.safetensors` + `verl_speco_meta.jso
 never the target's embedding or head nor `mask_hidden` (vLLM asserts); the config never carries an
 `eagle_config` dict, which vLLM V1 lets override the DFlash layer ids silently. K rule: a model
 trained with block B is served with `num_speculative_tokens = B - 1` (vLLM does not check it).
-`check_export(dir)` enforces all of this before any engine sees a directory.
-"""
+`check_export(dir)` enforces all of this before any engine sees a directory."""
 
 from __future__ import annotations
 

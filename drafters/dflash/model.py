@@ -7,8 +7,7 @@ or head of its own: the frozen target ones are the non-persistent buffers `targe
     x = target_embed_tokens[anchor, MASK x (B - 1)]            # [batch, nb*B, H]
     every layer: queries from the block rows, keys/values from [H_ctx ; rows], RoPE context 0..n-1,
         block b at a_b..a_b+B-1; x += o_proj(block-masked attention); x += mlp(norm(x))
-    logits = target_lm_head(norm(x))                           # [batch, nb, B, V]
-"""
+    logits = target_lm_head(norm(x))                           # [batch, nb, B, V]"""
 
 from __future__ import annotations
 
@@ -103,8 +102,7 @@ class DFlashDraft(nn.Module):
         """Post-norm block hidden states [batch, nb, B, H] (`logits` maps them through the frozen head).
 
         features: [batch, n, m*H] (row p = position p); block_ids: int64 [batch, nb, B] (normally
-        `blocks.block_input_ids`); anchors: int64 [batch, nb]; anchor_valid: bool [batch, nb].
-        """
+        `blocks.block_input_ids`); anchors: int64 [batch, nb]; anchor_valid: bool [batch, nb]."""
         batch, nb, bs = block_ids.shape
         if not 2 <= bs <= self.cfg.block_size:  # training: block_size rows; drafting K < B - 1: K + 1 rows
             raise ValueError(f"block_ids: blocks of {bs} rows, expected 2..block_size={self.cfg.block_size}")

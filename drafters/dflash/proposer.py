@@ -3,8 +3,7 @@
 ONE draft forward per round over [x_n, MASK x K] at positions n .. n + K (K <= block_size - 1), with the
 context features at 0..n-1 as extra keys; slot k predicts d_k at n + k. Worked example, n = 4, K = 3:
 the block [x_4, M, M, M] at positions 4..7 sees context rows 0..3; slots 1..3 give d_1..d_3. Sampled
-drafting draws each slot from its own q_k and reports q (lossless).
-"""
+drafting draws each slot from its own q_k and reports q (lossless)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 The DFlash backbone with SGLang's `shift_label` layout (slot k = 0 .. B - 2 predicts x_{a+k+1}) and a GRU
 correction head (drafters/domino/model.py). Loss: sum_k w_k [(1 - lam) CE(final_k) + lam CE(U_k)] / sum_k w_k,
-w_k = exp(-k / gamma), lam the base-anchored curriculum (`curriculum_lambda`).
-"""
+w_k = exp(-k / gamma), lam the base-anchored curriculum (`curriculum_lambda`)."""
 
 from __future__ import annotations
 

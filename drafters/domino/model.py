@@ -7,8 +7,7 @@ drafts at inference):
     g_k = GRU(target_embed_tokens[t_0 .. t_k]) output at step k   # [G]
     final_0 = U_0; final_k = U_k + embed_proj([h_k ; g_k])  # k >= 1 (pure_draft_prefix_len = 1)
 Worked example, B 4: slot 0 gives d_1; slot 1 reads GRU(x_a, d_1); slot 2 GRU(x_a, d_1, d_2); slot 3
-drafts nothing (SGLang verifies B - 1 drafts).
-"""
+drafts nothing (SGLang verifies B - 1 drafts)."""
 
 from __future__ import annotations
 

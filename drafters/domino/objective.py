@@ -3,8 +3,7 @@
 Blocks [x_a, MASK x (B - 1)] at anchors a with valid[a] and valid[a + 1]; slot k = 0 .. B - 2 drafts
 x_{a+k+1} with GRU input t_k = x_{a+k} (teacher forcing), counted over the contiguous valid prefix
 (`blocks.next_token_prefix_mask`). Per counted row, w_k = exp(-k / gamma):
-    loss = sum(w * ((1 - lam) * CE(final_k) + lam * CE(U_k))) / sum(w),  lam = `curriculum_lambda`
-"""
+    loss = sum(w * ((1 - lam) * CE(final_k) + lam * CE(U_k))) / sum(w),  lam = `curriculum_lambda`"""
 
 from __future__ import annotations
 

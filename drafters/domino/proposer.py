@@ -3,8 +3,7 @@
 
 ONE backbone forward over the full block [x_n, MASK x (B - 1)] gives h_0..h_{B-1}; then d_1 from U_0 and
 d_{k+1} from U_k + embed_proj([h_k ; g_k]), g_k the GRU state after x_n, d_1, ..., d_k (K <= B - 1).
-Sampling reports each q_{k+1}, so verification stays lossless.
-"""
+Sampling reports each q_{k+1}, so verification stays lossless."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
 The DFlash backbone with every slot drafting (block [x_a, MASK x (B - 1)], slot k predicts x_{a+k+1}, so
 vLLM's num_speculative_tokens = B), a Markov head (logits U_k + W2 e, e = W1[x_prev], optionally gated) and
-a confidence head; loss weights (ce, l1, conf) = (0.1, 0.9, 1.0), slot k weighs exp(-k / gamma).
-"""
+a confidence head; loss weights (ce, l1, conf) = (0.1, 0.9, 1.0), slot k weighs exp(-k / gamma)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ One format, `native` (docs/design/engines.md sections 2.5, 4.7, 5.5): the DFlash
 `DSparkDraftModel` as DeepSeek-V4), every key either engine reads written explicitly (their defaults
 disagree), and the Markov and confidence head tensors. K rule: `num_speculative_tokens` = block_size in
 vLLM, `--speculative-dspark-block-size` = block_size in SGLang; vLLM 0.32 serves only the vanilla
-Markov head.
-"""
+Markov head."""
 
 from __future__ import annotations
 

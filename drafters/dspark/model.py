@@ -6,8 +6,7 @@ Markov predecessor x_prev:
     e = W1[x_prev]  (gated: sigmoid(gate_proj([h ; W1[x_prev]])) * W1[x_prev])   # [r]
     draft logits = U + W2 e                               # [V]
     confidence = sigmoid(proj([h ; e]))  (or proj(h))     # scalar
-`forward` stops before the vocab projection, which the objective runs chunk by chunk (`draft_logits`).
-"""
+`forward` stops before the vocab projection, which the objective runs chunk by chunk (`draft_logits`)."""
 
 from __future__ import annotations
 

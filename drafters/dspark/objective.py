@@ -7,8 +7,7 @@ Per counted row, slot weight w_k = exp(-k / gamma):
     ce   = CE(p_d, label)            (full, restricted or sampled: `ce_rows`)
     l1   = sum_v |p_d - p_t|         (= 2 TV, always over the full vocabulary)
     conf = BCE(c_k, 1 - 0.5 * l1)    (target detached; 0 without a confidence head)
-    loss = sum(w * (ce_weight * ce + l1_weight * l1 + conf_weight * conf)) / sum(w), finite rows only
-"""
+    loss = sum(w * (ce_weight * ce + l1_weight * l1 + conf_weight * conf)) / sum(w), finite rows only"""
 
 from __future__ import annotations
 

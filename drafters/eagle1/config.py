@@ -1,6 +1,5 @@
 """EAGLE-1 drafter configuration (docs/design/algorithms.md section 1; docs/design/engines.md sections 2.1, 4.2):
-one Llama decoder layer without input norm over `fc(cat[embed(x_{t+1}); f_t])`, sized as the target.
-"""
+one Llama decoder layer without input norm over `fc(cat[embed(x_{t+1}); f_t])`, sized as the target."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ One format, `native`: a one-layer Llama config (`architectures: ["LlamaForCausal
 "EagleLlamaForCausalLM"]`, docs/design/engines.md section 2.1) and exactly the tensors vLLM's
 `EagleLlamaForCausalLM` accepts plus `fc.bias` = zeros (vLLM drops it; SGLang's fc would otherwise keep
 a random bias). Never the input norm, final norm, head or embedding (`REFUSED`: vLLM raises, SGLang
-drops or misuses them). `check_export(dir)` enforces this before any engine sees a directory.
-"""
+drops or misuses them). `check_export(dir)` enforces this before any engine sees a directory."""
 
 from __future__ import annotations
 

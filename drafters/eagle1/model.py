@@ -6,8 +6,7 @@ head: the frozen target LM head is the non-persistent buffer `target_lm_head` [V
     h = x + self_attn(x)                              # no input norm on layer 0
     f^_{t+1} = h + mlp(post_attention_layernorm(h))   # no final norm (vLLM: hidden + residual)
     draft logits = target_lm_head(f^_{t+1})           # [.., V]
-`f^_{t+1}` is the regression output and the feature fed back at the next drafting step.
-"""
+`f^_{t+1}` is the regression output and the feature fed back at the next drafting step."""
 
 from __future__ import annotations
 

@@ -10,8 +10,7 @@ Worked example, tokens [x0, x1, x2, x3, pad], loss_mask [0, 1, 1, 1, 0]:
     row mask       [0,  1,  1,  0,  0]   (row 0: prompt token; row 3: no f4)
 Loss over the N masked rows: value_weight * sum SmoothL1(f^, f) / N + prob_weight * sum
 CE_soft(head(f), head(f^)) / N, head the frozen target LM head (2 ObjectiveOutput terms). Training
-adds (U[0,1) - 0.5) * feature_noise * 512 / len to the input features, from the caller's generator.
-"""
+adds (U[0,1) - 0.5) * feature_noise * 512 / len to the input features, from the caller's generator."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ f^_n gives d_1. Step i >= 2 pairs embed(d_{i-1}) with the previous step's OWN pr
 next position. Worked example, n = 3: prefill (x1, f0), (x2, f1), (x3, f2) -> f^_3 -> d_1; step 2 pairs
 (d_1, f^_3) at position 3 -> d_2. Recomputed each round (no draft KV cache across rounds).
 Tree drafting (`expand`, EAGLE-2): node rows pair embed(token) with the parent's predicted feature at
-position n + depth - 1, under the tree mask.
-"""
+position n + depth - 1, under the tree mask."""
 
 from __future__ import annotations
 

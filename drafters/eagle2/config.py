@@ -1,7 +1,6 @@
 """EAGLE-2 drafter configuration (docs/design/algorithms.md section 2): EAGLE-1's draft, drafted as a
 dynamic tree (drafters/common/tree.py). The tree shape defaults 4 / 4 / 16 suit the tiny embedded
-target; use SafeAILab's (10, 7, 60) for 7B-class targets.
-"""
+target; use SafeAILab's (10, 7, 60) for 7B-class targets."""
 
 from __future__ import annotations
 

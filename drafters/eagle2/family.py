@@ -5,8 +5,7 @@ Everything about the weights is EAGLE-1's and is inherited from `drafters.eagle1
 config carries the tree shape (`Eagle2Config`), `tree_config` / `tree_proposer` are the optional
 `TreeDrafterFamily` methods (drafters/common/tree.py) the reference evaluation uses, and
 its engine format records family "eagle2" and the tree SGLang drafts (`Eagle2ExportConfig`).
-`proposer` stays the EAGLE-1 chain (what vLLM serves for this family).
-"""
+`proposer` stays the EAGLE-1 chain (what vLLM serves for this family)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """EAGLE-3 drafter configuration (docs/design/algorithms.md section 3): the draft's sizes are the
-target's; `resolve(target_spec)` fills the target-dependent defaults and checks them against it.
-"""
+target's; `resolve(target_spec)` fills the target-dependent defaults and checks them against it."""
 
 from __future__ import annotations
 

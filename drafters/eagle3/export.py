@@ -8,8 +8,7 @@ Aux layer ids are written twice in `native`: vLLM's top-level `eagle_aux_hidden_
 (internal ids) and SGLang's `eagle_config` copy (output of layer i = internal - 1). Example, internal
 (2, 4, 5): top-level [2, 4, 5], eagle_config [1, 3, 4]; strictly increasing, the order `fc` was trained on.
 Vocab map: `d2t[i]` is an int64 OFFSET (target id = i + d2t[i]), `t2d` bool [V]; both omitted for a full
-draft vocab. `embed_tokens.weight` is never exported (both engines share the target's).
-"""
+draft vocab. `embed_tokens.weight` is never exported (both engines share the target's)."""
 
 from __future__ import annotations
 

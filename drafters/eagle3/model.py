@@ -6,8 +6,7 @@ One layer, from h (features) and e (token embeddings):
     x = cat[input_layernorm(e), hidden_norm(h)]            # [B, T, 2H]
     h' = h + self_attn(x); out = h' + mlp(post_attention_layernorm(h'))   # pre-norm output
     logits = lm_head(norm(out))                            # [B, T, Vd]
-`out` is the next step's h; the first step's h is fc(aux).
-"""
+`out` is the next step's h; the first step's h is fc(aux)."""
 
 from __future__ import annotations
 
@@ -53,8 +52,7 @@ class Eagle3MidLayer(nn.Module):
 @dataclass
 class Eagle3DraftState:
     """Inference state after `prefill` / `step` (all rows share one length): kv[l] per layer the
-    (keys, values) so far; hidden [B, H] pre-norm output of the last row; logits [B, Vd]; next_position [B].
-    """
+    (keys, values) so far; hidden [B, H] pre-norm output of the last row; logits [B, Vd]; next_position [B]."""
 
     kv: list[KV]
     hidden: Tensor
@@ -133,8 +131,7 @@ class Eagle3Model(Eagle3Backbone[Eagle3Config]):
                position_ids: Tensor | None = None, row_start: list[int] | None = None) -> list[Tensor]:
         """Training-time test unroll over S steps; step j's post-norm hidden is [B, T - row_start[j], H]
         for rows row_start[j]..T-1. row_start: non-decreasing, row_start[0] == 0 (later steps attend to
-        step 0's keys); the caller skips only rows no loss needs, so computed rows are unchanged.
-        """
+        step 0's keys); the caller skips only rows no loss needs, so computed rows are unchanged."""
         steps, b, t = step_input_ids.shape
         starts = [0] * steps if row_start is None else list(row_start)
         if len(starts) != steps or starts[0] != 0 or any(not 0 <= s < t for s in starts) or \
@@ -159,8 +156,7 @@ class Eagle3Model(Eagle3Backbone[Eagle3Config]):
         """Training-time test unroll over S steps -> S draft logits [B, T, Vd].
 
         step_input_ids: int64 [S, B, T] (step j row t holds x_{t+1+j}); aux_hidden: [B, T, k*H_t] (row t
-        = f_t); attention_mask: bool [B, T]; position_ids: [B, T] (default 0..T-1).
-        """
+        = f_t); attention_mask: bool [B, T]; position_ids: [B, T] (default 0..T-1)."""
         return [self.lm_head(x) for x in self.unroll(step_input_ids, aux_hidden, attention_mask, position_ids)]
 
     @torch.no_grad()

@@ -7,8 +7,7 @@ Worked example, T = 4, tokens [x0, x1, x2, x3], loss_mask [0, 1, 1, 1]:
     step 0: ids [x1, x2, x3, 0], targets [P1, P2, P3, -], mask [1, 1, 1, 0]
     step 1: ids [x2, x3, 0, 0],  targets [P2, P3, -, -],  mask [1, 1, 0, 0]
 The mask reads loss_mask at p, the row's input token (SafeAILab/SpecForge read loss_mask[t + j]).
-Loss = sum_j ttt_decay^j * L_j / (masked rows of step j), L_j the soft CE summed over masked rows.
-"""
+Loss = sum_j ttt_decay^j * L_j / (masked rows of step j), L_j the soft CE summed over masked rows."""
 
 from __future__ import annotations
 

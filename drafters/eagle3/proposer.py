@@ -3,8 +3,7 @@
 Prefill rows t = 0..n-1 pair embed(x_{t+1}) with fc(cat aux f_t); the last row gives d_1. Step i >= 2
 pairs embed(d_{i-1}) with the previous step's PRE-norm hidden (no fc) at the next position. Recomputed
 each round (no draft KV cache across rounds). Tree drafting (`expand`, EAGLE-2): node rows pair
-embed(token) with the parent's pre-norm hidden at position n + depth - 1, under the tree mask.
-"""
+embed(token) with the parent's pre-norm hidden at position n + depth - 1, under the tree mask."""
 
 from __future__ import annotations
 

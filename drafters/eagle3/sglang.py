@@ -1,8 +1,7 @@
 """What SGLang 0.5.23's `LlamaForCausalLMEagle3` (python/sglang/srt/models/llama_eagle3.py) loads, as a
 checker (no sglang import: SGLang cannot run here). The loader facts it encodes (a Llama config with silu,
 `fc` over exactly 3 aux layers, `eagle_config` output-of-layer ids, names matched exactly and unknown ones
-dropped silently, `d2t` as hot_token_id offsets) are in docs/design/engines.md section 4.3.
-"""
+dropped silently, `d2t` as hot_token_id offsets) are in docs/design/engines.md section 4.3."""
 
 from __future__ import annotations
 

@@ -21,8 +21,7 @@ COD kept (1, 1) and (1, 2); elements [(0,0) (1,0) (2,0) (1,1) (1,2)]:
     (1,1): 1 1 0 1 0
     (1,2): 1 1 0 1 1
 The mask goes through index tables (`q_index`, `kv_index`: element ids, -1 = padding), so a
-partitioned forward evaluates the same function on a subset of rows and columns.
-"""
+partitioned forward evaluates the same function on a subset of rows and columns."""
 
 from __future__ import annotations
 

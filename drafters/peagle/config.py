@@ -1,6 +1,5 @@
 """P-EAGLE drafter configuration (docs/design/algorithms.md section 7; docs/design/engines.md section 2.3.1):
-EAGLE-3's architecture plus the mask token and K, the depths drafted in one forward.
-"""
+EAGLE-3's architecture plus the mask token and K, the depths drafted in one forward."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ One format, `native`: the EAGLE-3 native directory (drafters/eagle3/export.py) p
 (`mask_token_id` and `ptd_token_id`, one id), `mask_hidden` [1, k*H_t] (vLLM refuses a parallel draft
 without it) and, for layers n >= 1, `layers.<n>.hidden_norm.weight` = `input_layernorm.weight` (vLLM reads
 one name, SGLang the other). vLLM serves it with `parallel_drafting: true` and K <= `num_depths`; SGLang
-0.5.23 has no P-EAGLE, so its server arguments are refused. `check_export(dir)` enforces this.
-"""
+0.5.23 has no P-EAGLE, so its server arguments are refused. `check_export(dir)` enforces this."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The P-EAGLE family object registered in the catalog (docs/internals.md contract).
 
 EAGLE-3's family (drafters/eagle3/family.py) with P-EAGLE's config, model, objective, export and
-proposer: the vocab selection, frozen target pieces, store layout and collation are EAGLE-3's.
-"""
+proposer: the vocab selection, frozen target pieces, store layout and collation are EAGLE-3's."""
 
 from __future__ import annotations
 

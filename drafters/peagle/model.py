@@ -4,8 +4,7 @@ layout (drafters/peagle/cod.py) in one forward -> post-norm hidden [B, N, H].
 
 Sequence partitioning (`num_segments` > 1): the depth-0 elements run first (their keys serve every deeper
 element), then each anchor range of deeper elements under `torch.utils.checkpoint`; every element sees
-the same keys as in one pass, so outputs and gradients are equal, with less activation memory.
-"""
+the same keys as in one pass, so outputs and gradients are equal, with less activation memory."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ Targets and position_mask as EAGLE-3 (`prepare_targets`); COD sampling (drafters
 K = num_depths depths on the trainable positions (a target outside the draft vocab still extends a chain,
 it only carries no loss); one flattened forward; element (a, d) is scored against the target at a + 1 + d.
 loss = soft CE summed over scored elements / their count (one term, no depth decay). Metrics: acc,
-acc_pos{d}, cod_elements_pos{d}.
-"""
+acc_pos{d}, cod_elements_pos{d}."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 
 ONE causal draft forward over the n EAGLE-3 rows plus K - 1 mask rows (embed(MASK), fc(mask_hidden)) at
 positions n..n + K - 2: the training layout of one chain at anchor n - 1 (`cod.chain_layout`); the last K
-rows give d_1..d_K, each sampled from its own q_i (lossless). K <= `num_depths`.
-"""
+rows give d_1..d_K, each sampled from its own q_i (lossless). K <= `num_depths`."""
 
 from __future__ import annotations
 

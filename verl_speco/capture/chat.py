@@ -4,8 +4,7 @@ The loss mask is 1 exactly on the tokens the target produces for an assistant tu
 content and its end-of-turn token, found from the chat template's own boundaries (render the
 conversation up to the turn with the generation prompt; the response starts where that prefix
 ends and stops after the first end-of-turn token). Template text after the end-of-turn token
-(e.g. the newline) and the role header are not response tokens.
-"""
+(e.g. the newline) and the role header are not response tokens."""
 
 from __future__ import annotations
 
@@ -137,8 +136,7 @@ def tokenize_chat(tokenizer: Any, messages: Sequence[Message], end_ids: Iterable
 
     ``end_ids``: end-of-turn token ids (the eos ids of the target); the response span of a turn
     ends after the first of them. A template that does not reproduce a turn's prefix
-    token-for-token inside the full conversation is rejected (the boundary would be a guess).
-    """
+    token-for-token inside the full conversation is rejected (the boundary would be a guess)."""
     ends = {int(i) for i in end_ids}
     full = _ids(tokenizer, messages, add_generation_prompt=False)
     mask = [0] * len(full)

@@ -7,8 +7,7 @@ each of them) or explicit internal ids (``--layer-ids 1,2,4,5``), recorded in th
 Each process (rank r of ``WORLD_SIZE`` takes rows r, r+n, ...) checks the dataset (errors name
 ``file:line``), loads the target, optionally generates the responses, tokenizes with the chat template
 (loss mask on the response), runs length-sorted batched forwards with capture hooks and writes one
-record per sample. Bad input is one line ``verl-speco-collect: error: ...`` and exit status 2.
-"""
+record per sample. Bad input is one line ``verl-speco-collect: error: ...`` and exit status 2."""
 
 from __future__ import annotations
 
@@ -162,8 +161,7 @@ def collect_features(target: str | Path, data: str | Path, store: str | Path, *,
     ``families``: one or several drafter families whose layouts' union is captured (explicit
     ``layer_ids`` win). ``engine`` generates the responses with ``generate``: "hf" or "vllm" (a local
     target directory; ``vllm_options`` go to ``vllm_engine.build_llm``). ``encoding``: "raw" or
-    "fp8_e4m3" (about half of bf16's bytes). ``model``/``tokenizer`` may be passed already loaded.
-    """
+    "fp8_e4m3" (about half of bf16's bytes). ``model``/``tokenizer`` may be passed already loaded."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from feature_store import StoreWriter

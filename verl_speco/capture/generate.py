@@ -3,8 +3,7 @@
 Batched ``model.generate`` over left-padded prompts. Greedy by default (deterministic); with
 ``temperature > 0`` it samples from the plain softmax (no top-k/top-p), seeded per batch from
 ``seed`` so a run is reproducible. A response keeps its end-of-turn token when it produced one;
-one that hit ``max_new_tokens`` is kept as is (and counted by the caller).
-"""
+one that hit ``max_new_tokens`` is kept as is (and counted by the caller)."""
 
 from __future__ import annotations
 

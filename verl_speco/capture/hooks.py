@@ -5,8 +5,7 @@ decoder layer ``i - 1``, ``L`` the final-norm output (HF's ``hidden_states[L]``,
 Plain module hooks, no ``output_hidden_states``: this works inside another framework's forward (verl's
 old-logprob pass), under FSDP / checkpoint wrappers, padded or packed (``[1, nnz]``). Captures are detached
 copies, so activations are never retained: ``FeatureCapture(model, layer_ids=(2, 4, 5))`` around a forward,
-then ``cap.pop()`` -> ``aux_hidden [B, T, 3*H]``, ``last_hidden [B, T, H]``.
-"""
+then ``cap.pop()`` -> ``aux_hidden [B, T, 3*H]``, ``last_hidden [B, T, H]``."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ def _text_config(model: nn.Module) -> Any:
 def find_decoder_modules(model: nn.Module, layers_path: str | None = None,
                          norm_path: str | None = None) -> DecoderModules:
     """Find the decoder-layer list and the final norm of an HF causal LM generically (the ModuleList of
-    `num_hidden_layers` whose parent holds the input embedding, and its norm), or from dotted paths.
-    """
+    `num_hidden_layers` whose parent holds the input embedding, and its norm), or from dotted paths."""
     modules = dict(model.named_modules())
     if layers_path is None:
         num_layers = getattr(_text_config(model), "num_hidden_layers", None)
@@ -112,8 +110,7 @@ def _first_tensor(output: Any) -> torch.Tensor:
 class FeatureCapture:
     """Context manager installing capture hooks (module docstring) on `model` (any HF decoder, possibly
     wrapped): `layer_ids` in [0, L] in `aux_hidden` order, `last_hidden`, the copies' `dtype` / `device`
-    (None keeps the model's), `select` applied to every captured tensor first (e.g. pick rows).
-    """
+    (None keeps the model's), `select` applied to every captured tensor first (e.g. pick rows)."""
 
     model: nn.Module
     layer_ids: Sequence[int]

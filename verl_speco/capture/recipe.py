@@ -9,8 +9,7 @@ without it is what a stopped collection left, and is removed first.
 Growing (`grow_from`): a complete store whose prompt file is the first lines of this one, with the
 same settings, is linked in and only the remaining prompts are collected. The base's digest enters
 the recipe (`grown_from`), so a grown store (same prompts, other shard order) never takes the name of
-one collected in one go.
-"""
+one collected in one go."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ Per sample of length ``T`` (padding removed):
 - ``loss_mask``   uint8 ``[T]``, 1 on assistant response tokens
 - ``aux_hidden``  ``[T, k*H]`` hidden states at ``layer_ids`` (internal = HF ``hidden_states``
   indexing), concatenated in that order along the last axis (absent when there are no layer ids)
-- ``last_hidden`` ``[T, H]`` post-final-norm last hidden state (optional)
-"""
+- ``last_hidden`` ``[T, H]`` post-final-norm last hidden state (optional)"""
 
 from __future__ import annotations
 
@@ -87,8 +86,7 @@ def resolve_layout(layer_ids: Sequence[int] | None, families: str | Sequence[str
     Explicit ``layer_ids`` (internal ids) win; otherwise the union (``union_layout``) of each drafter
     family's own ``required_layout(default config, target)`` (e.g. eagle3: (2, L//2, L-3) with a
     post-norm last hidden; eagle1: no layer, the post-norm last hidden). ``families`` names one
-    family or several (``"eagle1,eagle3"``); one store then serves each of them.
-    """
+    family or several (``"eagle1,eagle3"``); one store then serves each of them."""
     from drafters.common.target import TargetSpec
 
     spec = TargetSpec.from_hf_config(hf_config)
@@ -124,8 +122,7 @@ class LengthFilter:
     - ``max_length``: sequences longer than this are cut to it (``truncated`` counts them);
     - ``min_response_tokens``: samples with fewer response tokens (after the cut) are dropped
       (``dropped_short`` counts them). The default 1 drops only samples with no response at all,
-      which carry no training signal.
-    """
+      which carry no training signal."""
 
     min_response_tokens: int = 1
     max_length: int | None = None

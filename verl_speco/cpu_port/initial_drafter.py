@@ -5,8 +5,7 @@ The embedded target: `train_small_drafter`, the quickstart's collect + train on 
 Any other target: `train_task_drafter`, the train split of the run's own task answered by the target
 through vLLM, then `verl-speco-draft-train` with the EAGLE-3 quickstart preset (a drafter trained on
 another domain would mix the domain change into co-training's gain). Both run their CLIs in child
-processes (`<out>/drafter.log`) and are reused when `<out>/drafter.json` names their export.
-"""
+processes (`<out>/drafter.log`) and are reused when `<out>/drafter.json` names their export."""
 
 from __future__ import annotations
 

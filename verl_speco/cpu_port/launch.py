@@ -8,8 +8,7 @@ target's own answers, `initial_drafter`; default: the quickstart's newest export
 recorded in `<out>/launch.json`), then runs `python -m verl_speco.main +speco_cpu=grpo_embedded ...`
 in a child process with the CPU platform's environment, metrics in `<out>/metrics.jsonl` and drafts
 published under `<out>/publish`. Exit status: the run's. The terminal gets a bar per stage and a
-summary; the logs go to `<out>/run_cpu_grpo.log` unless --verbose.
-"""
+summary; the logs go to `<out>/run_cpu_grpo.log` unless --verbose."""
 
 from __future__ import annotations
 

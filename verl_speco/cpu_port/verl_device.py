@@ -5,8 +5,7 @@ of it (`Event`, `Stream`, `current_device`, `current_stream`, `device_count`, `i
 `set_device`, `stream`, `synchronize`). This module re-exports those and adds the rest verl uses:
 cache and memory-fraction calls are no-ops, memory statistics are 0 (the host allocator keeps no
 such counters), `mem_get_info` is the host's (free, total) RAM, the RNG state is torch's CPU one.
-tests/verl/test_cpu_platform.py checks that every `get_torch_device().X` in verl's source exists here.
-"""
+tests/verl/test_cpu_platform.py checks that every `get_torch_device().X` in verl's source exists here."""
 
 from __future__ import annotations
 

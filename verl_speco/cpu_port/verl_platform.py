@@ -5,8 +5,7 @@ and selected by `VERL_PLATFORM=cpu` (never auto-detected, so a machine with an a
 verl's own platform); `env.cpu_environment()` sets both. Besides the platform members, verl needs the
 backend string it builds deduplicated (`init_process_group` wrapped), `verl_device` as the device
 module, `current_device()` the string "cpu" and `ray_resource_name()` "GPU" (why:
-docs/design/verl-on-cpu.md section 1). tests/verl/test_cpu_platform.py pins the verl symbols used.
-"""
+docs/design/verl-on-cpu.md section 1). tests/verl/test_cpu_platform.py pins the verl symbols used."""
 
 from __future__ import annotations
 

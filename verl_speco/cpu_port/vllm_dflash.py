@@ -9,8 +9,7 @@ platform only and only on the vLLM version it was checked against (`PATCHED_VLLM
 raises, so the patch is re-checked instead of silently kept). Installed through
 `verl_speco.cpu_port.install_cpu_port`, which must run in the process that builds the engine
 (`vllm_engine.build_llm` with `VLLM_ENABLE_V1_MULTIPROCESSING=0`, or the verl worker extension
-`verl_speco.cpu_port.vllm_worker`).
-"""
+`verl_speco.cpu_port.vllm_worker`)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ process that builds the engine does not reach them.
 
 Importing this module (vLLM does, in every worker) installs the CPU port's vLLM fixes there
 (`install_cpu_port`). `vllm_engine.build_llm` selects `CPU_DRAFT_EXTENSION` for such engines;
-verl's rollouts use `vllm_worker` instead.
-"""
+verl's rollouts use `vllm_worker` instead."""
 
 from __future__ import annotations
 

@@ -9,8 +9,7 @@ same rebinding but reads an object's attributes only when its `__dict__` is a re
 instance's dict or a class's mapping proxy). Installed on vLLM's CPU platform only, and only on the
 release it was checked against (`PATCHED_VLLM`, through `vllm_check.cpu_fix_applies`).
 `verl_speco.cpu_port.install_cpu_port` installs it before an engine is built (`build_llm`, the verl
-worker extension).
-"""
+worker extension)."""
 
 from __future__ import annotations
 

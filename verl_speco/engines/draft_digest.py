@@ -6,8 +6,7 @@ weight sync restores only the target, and vLLM's wake-up does not reload the dra
 compares this digest after every wake-up with the one taken when the version was loaded
 (`verl_integration/served_draft.py`). `DraftDigestMixin` sits beside `vllm_reload.DraftReloadMixin`;
 it covers the draft's parameters and buffers (non-persistent ones included) and P-EAGLE's mask-slot
-state, never a tensor shared with the target.
-"""
+state, never a tensor shared with the target."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ No sglang import (the server is reached over HTTP or by verl's in-process server
 only) gives the aux layers instead, loads no draft, and takes SGLang's layer ids = internal - 1
 (`drafters.common.layer_ids`). A sequence of P prompt and n generated tokens has P + n - 1 rows;
 one with fewer (speculative decoding up to 0.5.12, a radix-cache hit) is dropped and counted, never
-aligned by guessing. SGLang's side, release by release: docs/design/engines.md section 4.11.
-"""
+aligned by guessing. SGLang's side, release by release: docs/design/engines.md section 4.11."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ python/sglang/srt/): its serializer (`utils/common.py` `MultiprocessingSerialize
 `ForkingPickler` dump whose `deserialize` is a restricted `SafeUnpickler`), the torch reduction
 patch its own callers apply first (`utils/patch_torch.py`, `patch_torch.py` in older releases),
 and the flattened-bucket metadata class (`weight_sync/tensor_bucket.py` `FlattenedTensorMetadata`,
-the class that unpickler accepts).
-"""
+the class that unpickler accepts)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@
 through SGLang's HTTP server: `/begin_weight_update` (selector "draft"), `/update_weights_from_tensor`
 (one base64 serialized entry per TP rank), `/end_weight_update`, plus the memory-occupation routes and
 `/generate` for the rollout capture. The routes' bodies and replies, from SGLang's source:
-docs/design/engines.md section 4.10.
-"""
+docs/design/engines.md section 4.10."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ class SGLangHTTPError(SGLangPublishError):
     """An SGLang HTTP call that failed: unreachable, timed out, an HTTP error status or `success: false`.
 
     `route` is the path called, `status` the HTTP status (None when no reply came back) and
-    `message` SGLang's own message (or the transport error).
-    """
+    `message` SGLang's own message (or the transport error)."""
 
     def __init__(self, base_url: str, route: str, status: int | None, message: str) -> None:
         self.base_url, self.route, self.status, self.message = base_url, route, status, message
@@ -92,8 +90,7 @@ class SGLangHTTPClient:
     (unreachable, timeout, status >= 400, `success` false or missing) raises `SGLangHTTPError` naming
     the route, the status and SGLang's message. A body SGLang would not parse raises
     `SGLangPublishError` before anything is sent. `resume_and_reapply` pairs a memory resume with the
-    publisher's re-apply.
-    """
+    publisher's re-apply."""
 
     def __init__(self, base_url: str, timeout_s: float, api_key: str | None = None) -> None:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):

@@ -3,8 +3,7 @@
 Family-generic (names and shapes come from the family's `EngineFormat`), without importing sglang. A
 publish is SGLang 0.5.23's draft-only update (`selector="draft"` between `begin_weight_update` and
 `end_weight_update`; per TP rank one flattened single-dtype bucket of full tensors). SGLang 0.5.12 has no
-draft-only update and is refused (`live_publish_refusal`). SGLang's side: docs/design/engines.md section 4.9.
-"""
+draft-only update and is refused (`live_publish_refusal`). SGLang's side: docs/design/engines.md section 4.9."""
 
 from __future__ import annotations
 
@@ -187,8 +186,7 @@ class SGLangDraftUpdate:
     def requests(self, serialize: Serialize | None = None) -> list[dict[str, Any]]:
         """The exact kwargs of each `update_weights_from_tensor` call, in order (one bucket each), every
         rank's entry serialized afresh (no reused IPC handles); only the last flushes the cache and only
-        the first aborts requests, all with the same `weight_version`.
-        """
+        the first aborts requests, all with the same `weight_version`."""
         ser = serialize or sglang_serializer()
         if ser is None:
             raise SGLangPublishError("serialize: sglang is not importable here; pass serialize= (SGLang's "
@@ -298,8 +296,7 @@ def check_draft_update(requests: Sequence[Mapping[str, Any]], fmt: EngineFormat,
                        expected: Mapping[str, Tensor] | None = None) -> dict[str, Tensor]:
     """Validate requests against SGLang's request and draft-loader contract for format `fmt` (fields, one
     identical entry per TP rank, bucket metadata, names and shapes, dtypes, with `expected` bit-exact values);
-    returns the tensors rank 0 loads; SGLangPublishError lists every problem.
-    """
+    returns the tensors rank 0 loads; SGLangPublishError lists every problem."""
     des = deserialize or sglang_deserializer()
     if des is None:
         raise SGLangPublishError("deserialize: sglang is not importable here; pass deserialize=")
@@ -376,8 +373,7 @@ class SGLangDraftPublisher:
     """Publishes draft versions to one SGLang server with the versioning of our vLLM path: versions only
     move forward, the latest applied is kept as a bucketed snapshot for `reapply()` after the target's
     weight sync or resume, and a refused apply leaves `latest` unchanged. `weight_version_tag` defaults to
-    None so the target policy's label is not overwritten.
-    """
+    None so the target policy's label is not overwritten."""
 
     def __init__(self, client: SGLangClient, cfg: EngineFormat, *, tp_size: int = 1,
                  serialize: Serialize | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES, session: bool = True,

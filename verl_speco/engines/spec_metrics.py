@@ -3,8 +3,7 @@
 The formulas live in `drafters.common.metrics.AcceptanceStats` (vLLM's convention): mean acceptance
 length = 1 + num_accepted_tokens / num_drafts (1.0 for a never-right draft, 1 + k for a perfect one),
 per-position rate i = accepted_per_pos[i] / num_drafts, draft acceptance rate = accepted / drafted
-tokens. This module only turns cumulative engine counters into them.
-"""
+tokens. This module only turns cumulative engine counters into them."""
 
 from __future__ import annotations
 

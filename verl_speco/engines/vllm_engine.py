@@ -2,8 +2,7 @@
 
 Acceptance counters come from vLLM's process-global Prometheus registry: a second `LLM` unregisters the
 first one's counters, so read an engine's metrics while it is the newest, as the difference of two
-snapshots (`snapshot_spec_counters`, then `read_spec_metrics(llm, since=...)`).
-"""
+snapshots (`snapshot_spec_counters`, then `read_spec_metrics(llm, since=...)`)."""
 
 from __future__ import annotations
 
@@ -93,8 +92,7 @@ def build_llm(target_dir: str | Path, draft_dir: str | Path | None = None, metho
               speculative_extra: dict[str, Any] | None = None, **llm_kwargs: Any) -> LLM:
     """A `vllm.LLM` for `target_dir`, speculating with `draft_dir` when given. dtype, enforce_eager and
     max_num_seqs default per device (`engine_settings`); stats logging is on (the acceptance counters need
-    it); `llm_kwargs` override. A speculators-format export as `target_dir` is served like `vllm serve`.
-    """
+    it); `llm_kwargs` override. A speculators-format export as `target_dir` is served like `vllm serve`."""
     import vllm
     from vllm import LLM
 

@@ -1,8 +1,7 @@
 """Live draft publishing into a running vLLM engine: the worker side (`DraftReloadMixin`, a vLLM
 worker extension that reloads the draft in place) and the engine side (`publish_draft`,
 `draft_stats`, `reload_target`). It patches vLLM internals (the layer-wise reload, the DFlash and
-P-EAGLE buffers), so it names the releases it was checked against and refuses any other.
-"""
+P-EAGLE buffers), so it names the releases it was checked against and refuses any other."""
 
 from __future__ import annotations
 
@@ -30,8 +29,7 @@ class DraftReloadMixin:
     """vLLM worker-extension methods that reload the draft in place from a published version
     (`worker_extension_cls=DRAFT_EXTENSION`, called through `collective_rpc`). Versions only move forward;
     a version is verified completely and held in host memory before the model is touched, so a failed
-    reload restores the previous one bit for bit (docs/design/engines.md section 1.5).
-    """
+    reload restores the previous one bit for bit (docs/design/engines.md section 1.5)."""
 
     model_runner: Any
 

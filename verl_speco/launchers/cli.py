@@ -8,8 +8,7 @@
 stage's overrides through the configs' own validation (verl's `validate_config` for verl stages,
 the trainer's schema for stage 2) and exits; without either the commands run in order, the first
 failure ending the launch with its exit status. Inputs come from the environment
-(verl_speco/launchers/inputs.py). A bad input is one line `launcher: error: ...` and exit status 2.
-"""
+(verl_speco/launchers/inputs.py). A bad input is one line `launcher: error: ...` and exit status 2."""
 
 from __future__ import annotations
 

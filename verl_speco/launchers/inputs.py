@@ -14,8 +14,7 @@ Two-stage workflow, both devices:
   CKPT_DIR      stage 2's checkpoints and exports (default <OUT>/checkpoints)
   COLLECT_STEPS GRPO steps of stage 1 (default gpu 50, cpu 2); TRAIN_STEPS optimizer steps of
                 stage 2 (default gpu 2000, cpu 20); NPROC_PER_NODE trainer processes (default gpu auto, cpu 1)
-  OUT           default runs/qwen3_8b_<family>_separate (gpu)
-"""
+  OUT           default runs/qwen3_8b_<family>_separate (gpu)"""
 
 from __future__ import annotations
 

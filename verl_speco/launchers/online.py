@@ -3,8 +3,7 @@ captured from the updated actor (capture_pass=post_update), trained on its own a
 next rollout runs (schedule=overlap) and published live into the rollout servers. DEVICE=cpu runs the
 same family on the CPU platform with the embedded target (verl_speco/cpu_port/launch.py). The engine
 settings speculative decoding depends on are explicit (`engine_overrides`; why each, in
-docs/design/engines.md section 8).
-"""
+docs/design/engines.md section 8)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ read by `drafter_recipe`; CPU settings are the quickstart presets' (`configs/pre
 so the CPU launchers and the quickstart train the same drafters. The NPU launchers serve with vllm-ascend
 (k + 1 <= 16), without SGLang. k follows from the settings (`speculative_tokens`: block_size - 1 for
 dflash and domino, block_size for dspark, num_depths for peagle, CHAIN_TOKENS for chains); the engine
-formats refuse any other k (`refusal` asks them).
-"""
+formats refuse any other k (`refusal` asks them)."""
 
 from __future__ import annotations
 

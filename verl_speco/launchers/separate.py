@@ -2,8 +2,7 @@
 1. collect: verl GRPO with the drafter `collect_only` into FEATURE_DIR (no draft served, so any engine);
 2. train: `verl-speco-inspect-features --strict`, then `verl-speco-draft-train` into CKPT_DIR with the same
    family and settings, resuming from its latest complete checkpoint.
-On CPU stage 1 is `verl_speco.cpu_port.launch` and stage 2 trains at the quickstart presets' sizes.
-"""
+On CPU stage 1 is `verl_speco.cpu_port.launch` and stage 2 trains at the quickstart presets' sizes."""
 
 from __future__ import annotations
 

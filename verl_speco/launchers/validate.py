@@ -1,7 +1,6 @@
 """`--check`: a launcher's overrides through the configs' own validation, nothing started: verl stages
 composed as `verl-speco` does and run through verl's `validate_config`, the family's settings and (online)
-the engine arguments built; the trainer stage against its typed schema. Failures raise `LaunchCheckError`.
-"""
+the engine arguments built; the trainer stage against its typed schema. Failures raise `LaunchCheckError`."""
 
 from __future__ import annotations
 

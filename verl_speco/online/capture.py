@@ -7,8 +7,7 @@ counted by reason. A row is the valid tokens of one sequence, its loss mask the 
 Worked example (T = 6):
     input_ids      [p, p, a, b, c, p]    attention_mask [0, 0, 1, 1, 1, 0]
     loss_mask      [0, 0, 0, 1, 1, 0]    -> row input_ids [a, b, c], loss_mask [0, 1, 1]
-In remove-padding layout row r occupies [cu[r], cu[r+1]) of [1, nnz], cu = cumsum of valid counts.
-"""
+In remove-padding layout row r occupies [cu[r], cu[r+1]) of [1, nnz], cu = cumsum of valid counts."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Typed schema of the drafter settings of an RL run: `actor_rollout_ref.rollout.drafter.*` (added by
 `configs/speco_trainer.yaml`). `DrafterRunConfig.from_dict` is the only reader: an unknown key or bad value
-fails naming it. Modes (docs/design/architecture.md section 1): `online`, `collect_only`, `offline`.
-"""
+fails naming it. Modes (docs/design/architecture.md section 1): `online`, `collect_only`, `offline`."""
 
 from __future__ import annotations
 

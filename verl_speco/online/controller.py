@@ -5,8 +5,7 @@ Per RL step it takes the step's rows and decides when a round trains (every `tra
 skipped when nothing was captured), when it is collected (`serial` at once, `overlap` at the next step's
 boundary, so it trains during the next rollout) and when it is published (every `publish_interval`
 rounds). It keeps the servers' publish bookkeeping and turns their cumulative spec-decode counters into
-per-window `drafter/...` metrics. No verl, no ray: the drafter is whatever implements `DrafterLink`.
-"""
+per-window `drafter/...` metrics. No verl, no ray: the drafter is whatever implements `DrafterLink`."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ A version is a directory `<publish_dir>/v000042/` written atomically (temp dir +
 `bucket_NNN.safetensors` in checkpoint names. Buckets bound the memory a receiver holds at once; tensors
 never travel pickled (the engine reads the files, from /dev/shm by default). The `keep` newest versions
 are kept (`publish_room` checks the room at start-up). Receivers never trust a version: `verify_version`
-checks it completely before an engine is touched and `verified_buckets` re-checks the bytes it yields.
-"""
+checks it completely before an engine is touched and `verified_buckets` re-checks the bytes it yields."""
 
 from __future__ import annotations
 

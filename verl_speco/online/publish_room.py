@@ -1,7 +1,6 @@
 """Start-up check that the publish directory has room for the draft versions it will hold: /dev/shm in
 a container is 64 MiB without `--ipc=host` / `--shm-size`, while `VERSIONS_ALIVE` versions of a bf16
-Qwen3-8B DFlash draft take about 2 GiB each; without it the first publish fails late, with "No space left".
-"""
+Qwen3-8B DFlash draft take about 2 GiB each; without it the first publish fails late, with "No space left"."""
 
 from __future__ import annotations
 

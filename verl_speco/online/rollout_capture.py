@@ -5,8 +5,7 @@
 A response of P prompt and n generated tokens has hidden states for P + n - 1 positions, so its row is
 the sequence without its last token. Worked example, prompt [a, b, c], output [d, e, f]:
     row input_ids [a, b, c, d, e]    loss_mask [0, 0, 0, 1, 1]    hidden [5, D]
-equal to the actor's row for those tokens (causal). Unalignable responses are dropped and counted.
-"""
+equal to the actor's row for those tokens (causal). Unalignable responses are dropped and counted."""
 
 from __future__ import annotations
 

@@ -10,8 +10,7 @@ With a process group of W > 1 the draft is sharded with FSDP2 as in the standalo
 holds the same buffer and sampler seed, so all draw the same global micro-batch and rank r trains rows r,
 r + W, ... with globally normalised losses. Worked example, W = 2, rows [a, b, c]: rank 0 [a, c], rank 1
 [b], equal to one process on [a, b, c]; with fewer rows than ranks, rank r takes row r mod n (every rank
-must run the FSDP collectives). On an accelerator the draft computes in bfloat16 over float32 weights.
-"""
+must run the FSDP collectives). On an accelerator the draft computes in bfloat16 over float32 weights."""
 
 from __future__ import annotations
 

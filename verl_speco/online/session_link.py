@@ -1,7 +1,6 @@
 """`SessionLink`: an in-process `DrafterSession` as the `OnlineController`'s drafter (the drift study).
 A round runs on its own thread, so under `schedule=overlap` it trains during the host's next rollout;
-`add` may run meanwhile, `publish` refuses to while a round trains.
-"""
+`add` may run meanwhile, `publish` refuses to while a round trains."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """`collect_only` mode: the online capture's rows go to the Feature Store (one writer per rank) that
-`verl-speco-draft-train` reads; shards are committed at every step boundary and every `flush_samples` rows.
-"""
+`verl-speco-draft-train` reads; shards are committed at every step boundary and every `flush_samples` rows."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """`drafter.speculation`: which engines take a batch-size schedule, and the speculative-config fields an
 engine start gets from a calibration. `fixed` drafts `num_speculative_tokens` everywhere; `auto` gives
 vLLM releases with `num_speculative_tokens_per_batch_size` the plan's schedule; unset means auto where
-possible. vLLM 0.32 builds that lookup once per engine, so a schedule is planned per engine start.
-"""
+possible. vLLM 0.32 builds that lookup once per engine, so a schedule is planned per engine start."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Measure a `StepTimes` on this machine's vLLM: the decode step of the target alone and with its drafter
 at every k = 0..k_max (an engine of k_max whose schedule gives k everywhere) over a grid of batch sizes
-(`vllm_engine.time_decode_steps`), plus the draft's acceptance per position. Needs an otherwise idle machine.
-"""
+(`vllm_engine.time_decode_steps`), plus the draft's acceptance per position. Needs an otherwise idle machine."""
 
 from __future__ import annotations
 

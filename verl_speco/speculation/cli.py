@@ -8,8 +8,7 @@ k = 0..--k-max) at each of --batch-sizes, measures the draft's acceptance per po
 `calibration.json`, `plan.json` (the schedule and its predictions) and `plan.png`. `plan` re-plans from
 a calibration with another acceptance (a newer draft's held-out figures) without timing anything.
 The schedule goes to vLLM 0.32 as `speculative_config.num_speculative_tokens_per_batch_size`; an RL run
-reads the calibration through `drafter.speculation_calibration`.
-"""
+reads the calibration through `drafter.speculation_calibration`."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ under plain decoding, a fixed k or a schedule.
 A decode step costs the same whatever the draft accepts, so step times are measured once per hardware,
 target and draft shape (`StepTimes`), and acceptance enters only through the expected tokens per step.
 A drafting engine pays its draft's first forward even at k = 0 (vLLM 0.32 keeps the draft's KV cache in
-sync), so "k = 0 in a drafting engine" and "no drafter" are different arms, both measured.
-"""
+sync), so "k = 0 in a drafting engine" and "no drafter" are different arms, both measured."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """A speculation plan from a calibration: the k per batch-size range vLLM 0.32 takes as
 `speculative_config.num_speculative_tokens_per_batch_size`, and the calibration file that carries the
-measurements from `verl-speco-speculation calibrate` to `drafter.speculation_calibration`.
-"""
+measurements from `verl-speco-speculation calibrate` to `drafter.speculation_calibration`."""
 
 from __future__ import annotations
 

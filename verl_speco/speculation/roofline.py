@@ -1,7 +1,6 @@
 """Step times on paper for a GPU the project has not run on: a roofline of the verification and draft
 forwards as a `StepTimes` (`benchmarks/device_checks_speculation.py` replaces the paper figures with
-measured ones). A forward costs max(bytes / bandwidth, FLOPs / FLOP/s) plus a launch cost.
-"""
+measured ones). A forward costs max(bytes / bandwidth, FLOPs / FLOP/s) plus a launch cost."""
 
 from __future__ import annotations
 

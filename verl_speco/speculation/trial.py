@@ -1,6 +1,5 @@
 """The quickstart's speculation trial: calibrate on the served prompts, plan, and decode one rollout-shaped
-batch with plain decoding and with the plan side by side (report["speculation"]).
-"""
+batch with plain decoding and with the plan side by side (report["speculation"])."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 
     from verl_speco.target import ensure_target, write_prompt_dataset
     model_dir = ensure_target()           # built once, then cached
-    write_prompt_dataset("prompts.jsonl", n=64, variant="base", split="test", seed=0)
-"""
+    write_prompt_dataset("prompts.jsonl", n=64, variant="base", split="test", seed=0)"""
 
 from verl_speco.target.build import default_recipe, ensure_target, fast_recipe, finetune_target, target_path
 from verl_speco.target.cache import TargetRecipe, cache_root, read_recipe_file

@@ -2,8 +2,7 @@
 
 `default_recipe` / `fast_recipe` name what is built, `ensure_target` builds it once (bit-identical
 run to run on a given torch build and CPU: fixed `num_threads`), `finetune_target` derives a drifted
-target from a built one. The CLI is `verl-speco-build-target` (`named.main`).
-"""
+target from a built one. The CLI is `verl-speco-build-target` (`named.main`)."""
 
 from __future__ import annotations
 
@@ -60,8 +59,7 @@ def ensure_target(
 ) -> Path:
     """Path of the built target for `recipe` (default: `default_recipe()`), building it if absent.
 
-    `out` builds into that directory instead of the cache; `force` rebuilds even if present.
-    """
+    `out` builds into that directory instead of the cache; `force` rebuilds even if present."""
     from verl_speco.target.produce import produce_target
 
     recipe = recipe or default_recipe()
@@ -83,8 +81,7 @@ def finetune_target(
     """Fine-tune the target in `base_dir` on `corpus_variant` for `steps` steps; save to `out_dir`.
 
     Real, deterministic training (the drift a later RL step would cause). `out_dir` is reused when it
-    already holds the same fine-tune of the same base; returns `out_dir`.
-    """
+    already holds the same fine-tune of the same base; returns `out_dir`."""
     from verl_speco.target.produce import produce_finetune
 
     if steps < 1:

@@ -3,8 +3,7 @@
 `${VERL_SPECO_CACHE:-~/.cache/verl_speco}/targets/<name>-<hash>/` is an HF directory plus
 `recipe.json` (the recipe, its hash and every other file's sha256). `build_atomically` runs a build
 in a temporary sibling renamed into place under a file lock, so concurrent callers build once and
-never see a partial directory; every cache hit re-hashes the files (`BuildDigestError`).
-"""
+never see a partial directory; every cache hit re-hashes the files (`BuildDigestError`)."""
 
 from __future__ import annotations
 
@@ -94,8 +93,7 @@ def verify_digests(model_dir: str | Path, info: dict[str, Any]) -> None:
     """Check the files of `model_dir` against the digests recorded in its recipe `info`.
 
     Raises BuildDigestError naming every file that is missing or changed, or when `info` records
-    no digests (or none for the weights).
-    """
+    no digests (or none for the weights)."""
     recorded = info.get(DIGESTS_KEY)
     if not isinstance(recorded, dict) or WEIGHTS_FILE not in recorded:
         raise BuildDigestError(f"{model_dir}/{RECIPE_FILE} records no {DIGESTS_KEY} digest of {WEIGHTS_FILE}: "
@@ -137,8 +135,7 @@ def build_atomically(final: Path, expected_hash: str, force: bool, produce: Call
     `produce` must write RECIPE_FILE (with "hash" and the `file_digests` of the other files) last. A
     cache hit (`final` holds `expected_hash`) is returned only once its files match the recorded
     digests (else BuildDigestError). A `final` holding another hash raises unless `force`, so a
-    user-chosen `--out` is never silently overwritten.
-    """
+    user-chosen `--out` is never silently overwritten."""
     with _locked(final):
         found = read_recipe_file(final)
         if found is not None and found.get("hash") == expected_hash and not force:

@@ -5,8 +5,7 @@ trace (column addition and subtraction, multiplication by a digit, counting, sor
 template words and copied digits, so a drafter can predict it well. Example `i` is drawn from a
 string-seeded `random.Random` (reproducible across processes). `variant="shifted"` renders the same
 problems in another learnable answer style (a target fine-tuned on it drifts on the very prompts it
-was trained on). Train and test are disjoint by the SHA-256 bucket of the user message.
-"""
+was trained on). Train and test are disjoint by the SHA-256 bucket of the user message."""
 
 from __future__ import annotations
 

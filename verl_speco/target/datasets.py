@@ -2,8 +2,7 @@
 
 One row per line: `{"id", "task", "answer", "messages": [user turn]}`. With `include_reference=True` the assistant turn of the chosen variant is appended to `messages`
 (the full conversation offline feature collection runs the target over). Files are written to a
-temporary name and renamed, so a reader never sees a half-written file.
-"""
+temporary name and renamed, so a reader never sees a half-written file."""
 
 from __future__ import annotations
 
@@ -52,6 +51,5 @@ def write_prompt_dataset(
 ) -> Path:
     """Write `n` chat rows of `split` ("train" or "held-out" "test") to `path`; returns `path`.
 
-    Prompts do not depend on `variant`; it only selects the style of the reference answers.
-    """
+    Prompts do not depend on `variant`; it only selects the style of the reference answers."""
     return write_jsonl(path, prompt_rows(n, variant, split, seed, include_reference))

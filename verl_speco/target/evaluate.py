@@ -3,8 +3,7 @@
 Metrics over held-out prompts (each a fraction in [0, 1]):
 - `exact`: the generation equals the reference response of `variant`;
 - `first_line`: its first line equals the reference's first line (style: base and shifted differ there);
-- `answer`: the reference answer string appears in its last line (arithmetic correctness).
-"""
+- `answer`: the reference answer string appears in its last line (arithmetic correctness)."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 8 decoder layers so the EAGLE-3 default aux layers (2, L//2, L-3) = (2, 4, 5) in HF hidden_states
 indexing are distinct; GQA (4 query heads, 2 KV heads) so the kv-head plumbing of drafters and
 engines is exercised; untied LM head, as in the large Qwen3 models drafters are built for.
-The MLP is 2x the hidden size (not Qwen's ~3x), which trains as well here and keeps the build short.
-"""
+The MLP is 2x the hidden size (not Qwen's ~3x), which trains as well here and keeps the build short."""
 
 from __future__ import annotations
 

@@ -5,8 +5,7 @@
 
 Anything else must be an HF model directory (config.json, weights, tokenizer). Each named target
 is built or converted once into the target cache and its files' digests are checked on every use.
-`main` is `verl-speco-build-target`.
-"""
+`main` is `verl-speco-build-target`."""
 
 from __future__ import annotations
 

@@ -37,8 +37,7 @@ def save_model(model: PreTrainedModel, out_dir: Path, eos_id: int, pad_id: int) 
 
     config.json also gets a top-level `rope_theta` (transformers 5 keeps it only inside
     `rope_parameters`), so readers that parse config.json without transformers, and transformers 4.x,
-    find it.
-    """
+    find it."""
     from transformers import GenerationConfig
 
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)

@@ -7,8 +7,7 @@
 
 `write_sharegpt_sets` makes first-turn and multi-turn chat prompts (the target regenerates the final
 assistant turn), deduplicated by content hash and split train / held-out by that hash and a seed
-(independent of file order), the split recorded in `split.json`.
-"""
+(independent of file order), the split recorded in `split.json`."""
 
 from __future__ import annotations
 

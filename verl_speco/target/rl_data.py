@@ -10,8 +10,7 @@ corpus's format); `plain_steps`, the same asked for worked answers (long text fo
 `compute_score` (verl's `reward.custom_reward_function`): corpus rows get 1.0 for the answer stated
 the corpus's way, else half the fraction of the reference's lines reproduced in order (a graded
 signal for short rollouts); plain rows get 1.0 when the last integer is the answer, 0.25 when it
-appears elsewhere, else 0.
-"""
+appears elsewhere, else 0."""
 
 from __future__ import annotations
 

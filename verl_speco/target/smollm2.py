@@ -7,8 +7,7 @@ tied embeddings), close to but not bit-identical with the bf16 release. The cach
 `targets/smollm2-135m-<hash>/` (`cache.py`) is keyed on the GGUF's pinned sha256 and the converter's
 version; every call checks the GGUF and, on a hit, the converted files' digests. The mask token the
 block drafters and P-EAGLE need is the never-chatted special token `<empty_output>`, named
-`mask_token` in tokenizer_config.json.
-"""
+`mask_token` in tokenizer_config.json."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ The Qwen2 split regex (every digit its own piece, so arithmetic stays digit-alig
 byte-level mapping: all 256 bytes are symbols, so `decode(encode(x)) == x` exactly. Merges are
 learned by `BpeTrainer` on a fixed corpus sample (reproducibility checked in the tests). Special
 tokens: `<|endoftext|>` (pad), `<|im_start|>`, `<|im_end|>` (eos), `<|mask|>` (the block drafters'
-mask id, never produced). No BOS, like Qwen3.
-"""
+mask id, never produced). No BOS, like Qwen3."""
 
 from __future__ import annotations
 
@@ -87,8 +86,7 @@ def save_tokenizer(tok: Tokenizer, out_dir: str | Path, model_max_length: int = 
     """Write tokenizer.json, tokenizer_config.json (with the chat template) and chat_template.jinja.
 
     The config is written by hand with keys that transformers 4.x and 5.x (and so vLLM and SGLang)
-    both read: `tokenizer_class` PreTrainedTokenizerFast, eos/pad, no bos, the template inline.
-    """
+    both read: `tokenizer_class` PreTrainedTokenizerFast, eos/pad, no bos, the template inline."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))

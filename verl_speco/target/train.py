@@ -3,8 +3,7 @@
 Each step draws the next `batch_size` examples of the corpus stream (fresh data every step: no
 epochs, no overfitting), renders them with the chat template and trains next-token prediction on the
 assistant turn only (its text and the closing `<|im_end|>`): `labels[t] = tokens[t]` where the loss
-mask is 1, else -100 (the model shifts labels internally).
-"""
+mask is 1, else -100 (the model shifts labels internally)."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ class TrainSpec:
 
     `num_threads` is the intra-op thread count training runs with, whatever the caller's setting:
     a CPU kernel may split a reduction by the thread count, so another count may give other
-    weights. One thread splits nothing and slows least on a busy machine.
-    """
+    weights. One thread splits nothing and slows least on a busy machine."""
 
     steps: int = 600
     batch_size: int = 16
@@ -103,8 +101,7 @@ def set_intra_op_threads(n: int) -> None:
     Calls the C setter: an in-process vLLM CPU worker replaces `torch.set_num_threads` with a
     function that only logs a warning (vllm/v1/worker/cpu_worker.py, after its thread binding), so
     after any in-process engine the public setter silently keeps vLLM's count, and a build would
-    train with whatever thread count that engine chose.
-    """
+    train with whatever thread count that engine chose."""
     torch._C.set_num_threads(n)
     if torch.get_num_threads() != n:
         raise RuntimeError(f"intra-op threads: asked for {n}, torch reports {torch.get_num_threads()}")
@@ -120,8 +117,7 @@ def train(
     """Train `model` in place for `spec.steps` steps with `spec.num_threads` intra-op threads.
 
     Bit-identical for a fixed spec and initial model on a given torch build and CPU, whatever the
-    machine's load or the caller's thread count (restored afterwards).
-    """
+    machine's load or the caller's thread count (restored afterwards)."""
     prev_threads = torch.get_num_threads()
     set_intra_op_threads(spec.num_threads)
     if log is not None:

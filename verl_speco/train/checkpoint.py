@@ -5,8 +5,7 @@ weights, AdamW state, per-rank RNG and data cursors, `state.json`) and `complete
 (a step without it, or whose files differ from it, is never resumed from). Nothing under a final name
 is ever written into or partially deleted: saves and prunes go through `*.tmp` / `*.old` renames, so
 a kill leaves the previous complete checkpoint to resume from. The file-by-file layout:
-docs/design/formats.md section 3. All ranks must see the same filesystem.
-"""
+docs/design/formats.md section 3. All ranks must see the same filesystem."""
 
 from __future__ import annotations
 

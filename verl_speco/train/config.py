@@ -4,8 +4,7 @@ The dataclasses below are the single source of truth: they are registered with H
 ConfigStore as `draft_trainer_schema`, `configs/draft_trainer.yaml` lists that schema first in
 its defaults, so a key that is not in the schema (a typo, a stale option) fails at composition.
 Family-specific drafter settings stay an open dict here and are validated by the family's own
-config dataclass (`family.config_cls`) in `build_family_config`.
-"""
+config dataclass (`family.config_cls`) in `build_family_config`."""
 
 from __future__ import annotations
 

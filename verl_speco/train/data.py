@@ -7,8 +7,7 @@
   first opened (`data.verify_checksums`).
 - Held-out: `data.eval_store`, or with `data.eval_fraction` > 0 the last whole shards of every writer
   of `data.store` (excluded from training by pinning the prefix `shard_set`). Every rank runs the
-  same number of eval forwards.
-"""
+  same number of eval forwards."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@
 - FSDP2: each maximal proper submodule whose parameters are all trainable is one `fully_shard` unit
   (head modules run after the root's forward, and only a unit's own forward gathers its parameters),
   then the root with every frozen parameter ignored: frozen target pieces stay replicated plain
-  tensors. Gradients are SUM-reduced: the objective is already normalised by global denominators.
-"""
+  tensors. Gradients are SUM-reduced: the objective is already normalised by global denominators."""
 
 from __future__ import annotations
 

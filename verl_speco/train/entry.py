@@ -7,8 +7,7 @@ Composes `configs/<config-name>.yaml` with the Hydra overrides against the typed
 (`verl_speco/train/config.py`), checks the inputs (`verl_speco.train.preflight`), then trains
 (`verl_speco.train.loop.run`). A user error (config, store, target, resume path) is one line
 `verl-speco-draft-train: error: ...` on stderr and exit status 2. Usually started by
-`verl-speco-draft-train`, which adds torchrun for several processes or nodes.
-"""
+`verl-speco-draft-train`, which adds torchrun for several processes or nodes."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@
 `torch.distributed.run` (`--standalone`, or a c10d / static rendezvous), arguments falling back to
 NNODES, NPROC_PER_NODE, NODE_RANK, MASTER_ADDR, MASTER_PORT, RDZV_ENDPOINT, RDZV_ID. `--dry-run`
 prints the exact command. Everything else is a Hydra override; the config and its inputs are checked
-before torchrun starts (a user error: one line `verl-speco-draft-train: error: ...`, exit status 2).
-"""
+before torchrun starts (a user error: one line `verl-speco-draft-train: error: ...`, exit status 2)."""
 
 from __future__ import annotations
 

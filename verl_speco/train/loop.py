@@ -5,8 +5,7 @@ stream -> `step.train_step` (global-batch normalisation, clipping, non-finite sk
 (JSONL / TensorBoard / progress bar on rank 0) -> eval every `eval_every` steps and at the last
 step -> checkpoint every `save_every` steps and at the end of the invocation (`total_steps`, or
 `stop_after` steps after the start). `run.resume` restores weights, optimizer, RNG, the data
-cursor and the counters, so the continued run equals an uninterrupted one.
-"""
+cursor and the counters, so the continued run equals an uninterrupted one."""
 
 from __future__ import annotations
 

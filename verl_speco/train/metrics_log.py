@@ -3,8 +3,7 @@
 JSONL records: {"step": N, "kind": "train"|"eval", <metric>: float, ...}. On resume from step K
 the file is rewritten to drop records with step > K, so it reads as one uninterrupted run. Only
 the last line may be torn (a kill, power loss or a full disk mid-write: a cut record, or a tail of
-zero bytes): it is dropped with a warning; any other unreadable line is an error naming file:line.
-"""
+zero bytes): it is dropped with a warning; any other unreadable line is an error naming file:line."""
 
 from __future__ import annotations
 

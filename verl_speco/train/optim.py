@@ -5,8 +5,7 @@ The schedule keeps no state besides the step counter, so resuming only needs the
   - warmup (step < W): lr * (step + 1) / W
   - decay over the remaining `total - W` steps, progress p = (step - W) / max(1, total - W - 1):
     cosine: lr * (m + (1 - m) * (1 + cos(pi * p)) / 2); linear: lr * (1 - (1 - m) * p);
-    constant: lr; with m = min_lr_ratio, so the last step runs at exactly lr * m.
-"""
+    constant: lr; with m = min_lr_ratio, so the last step runs at exactly lr * m."""
 
 from __future__ import annotations
 

@@ -7,8 +7,7 @@ checkpoint's completion marker) and raises `ConfigError` / `CheckpointError` nam
 the value and what was expected. `verl-speco-draft-train` runs it once before starting torchrun;
 every trainer process runs it again (cheap) before training. `USER_ERRORS` are the exception types
 the CLI reports as `verl-speco-draft-train: error: <message>` with exit status 2; anything else is
-a bug and keeps its traceback.
-"""
+a bug and keeps its traceback."""
 
 from __future__ import annotations
 

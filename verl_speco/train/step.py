@@ -3,8 +3,7 @@
 The global loss is L = sum_s w_s * (sum over micro-batches and ranks of num_s) / D_s, D_s the all-reduced
 sum of den_s (docs/internals.md); with FSDP2 SUM-reducing gradients, the gradient is dL/dθ whatever the
 split. A step whose global loss or gradient norm is not finite is skipped on every rank. `StepResult.timing`
-gives seconds per stage (batch, forward, loss, backward, optim), device-synchronised at each boundary.
-"""
+gives seconds per stage (batch, forward, loss, backward, optim), device-synchronised at each boundary."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 `full_sequence_masks` turns verl's jagged v1 batches (or legacy padded ones with a [B, R] response mask)
 into right-padded `input_ids`, `attention_mask` and a full-length `loss_mask`. Rows are planned for the
 whole batch before the forward; each micro-batch (reordered, packed [1, nnz] or padded [b, T]) keeps only
-its planned rows' activations (`MicroBatchSelection`), and `assemble` restores batch order, packed [1, n, ...].
-"""
+its planned rows' activations (`MicroBatchSelection`), and `assemble` restores batch order, packed [1, n, ...]."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Between our drafter settings and verl's config tree: verl's strict `RolloutConfig` rejects unknown
 keys, so `extract_drafter` validates `actor_rollout_ref.rollout.drafter` and moves it to
-`actor_rollout_ref.speco_drafter`, which the actor workers read back (`drafter_from_actor_rollout_ref`).
-"""
+`actor_rollout_ref.speco_drafter`, which the actor workers read back (`drafter_from_actor_rollout_ref`)."""
 
 from __future__ import annotations
 

@@ -7,8 +7,7 @@ report the version or digest; serve a fixed baseline and restore) and `replica.s
 extension (`vllm_server.py`); for SGLang, `SGLangDraftServerMixin` sends the verified version to the
 server's own HTTP address (engines/sglang_publish.py) from a thread, so the event loop keeps serving.
 SGLang reports no per-position counters. `install_sglang_replica_class` imports sglang only when verl
-asks for the "sglang" replica.
-"""
+asks for the "sglang" replica."""
 
 from __future__ import annotations
 

@@ -2,8 +2,7 @@
 rank of the online `DrafterSession` (FSDP2 over their process group when several). `DrafterGroup` is
 the trainer's handle: `group.method.remote(...)` calls every rank and returns rank 0's object ref,
 which resolves once every rank answered. Captured rows and head snapshots travel as safetensors bytes in
-Ray's object store, worker -> drafter directly: the trainer only passes references.
-"""
+Ray's object store, worker -> drafter directly: the trainer only passes references."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ The step's rows carry the text the policy generated BEFORE its update, so when a
 answers' format the next draft lags the policy by a step. With `fresh_samples=N`, after the weight sync
 the trainer (`trainer_step.fresh_round`) asks the servers for one response to each of N training prompts,
 captures them with the updated actor and trains the round on them with the step's rows. The prompts come
-in a seeded order of their own (`FreshPrompts`), leaving the RL run's data order untouched.
-"""
+in a seeded order of their own (`FreshPrompts`), leaving the RL run's data order untouched."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 `arm_rollout_capture` puts the capture's server arguments and our agent loop into the run's config
 before verl starts (the loop config file next to the publishes: multi-node runs need `publish_dir` on
 shared storage). `rollout_entries` reads the trajectories' `extra_fields[CAPTURE_KEY]`; a batch without
-them is refused naming why, never silently left without rows.
-"""
+them is refused naming why, never silently left without rows."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ verl 0.9.1 sleeps the vLLM rollout at level 2 on GPU (and the weight sync's `rel
 which discards the draft with the target, and nothing reloads it (engines/draft_digest.py). So after
 every wake-up `check_served_draft` compares each worker's served-draft digest with the one it gave after
 loading (`record`): if different, the held version is re-published (`drafter/republished_after_wake`), and
-if still different `DraftServingError` ends the run. SGLang servers (no digest API) get a blind re-apply.
-"""
+if still different `DraftServingError` ends the run. SGLang servers (no digest API) get a blind re-apply."""
 
 from __future__ import annotations
 

@@ -6,8 +6,7 @@ points: the capture flags go into `rollout.engine_kwargs.sglang` (passed to SGLa
 generate to the same server over SGLang's own `/generate` with `return_hidden_states`. The hidden states
 are aligned where they arrive (`RolloutCapture.encode`) and travel as safetensors bytes in
 `extra_fields[CAPTURE_KEY]`. The version gate covers the verl internals used
-(`LLMServerClient._acquire_server` / `_release_server`, servers keyed by address).
-"""
+(`LLMServerClient._acquire_server` / `_release_server`, servers keyed by address)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """`SpecoTaskRunner`: verl's `TaskRunnerV1` running our trainer; `run` is verl's PPO entry with it.
 `TaskRunnerV1.run` resolves its trainer inside the method, so `SpecoTaskRunner.run` repeats its few steps
-with `speco_trainer_cls(...)` (the contract test pins them) and the drafter section parsed once.
-"""
+with `speco_trainer_cls(...)` (the contract test pins them) and the drafter section parsed once."""
 
 from __future__ import annotations
 

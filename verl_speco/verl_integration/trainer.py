@@ -4,8 +4,7 @@
 registry. With the drafter disabled (or `offline`) every override falls through to verl; otherwise each
 translates one verl hook into calls of the `OnlineController` and of `trainer_setup`, `trainer_step` and
 `weight_sync`; `drafter/` metrics join verl's step metrics. `VERL_PATCHES` lists the private verl methods
-overridden, read on the releases in `VERL_RELEASES`; any other installed release is refused.
-"""
+overridden, read on the releases in `VERL_RELEASES`; any other installed release is refused."""
 
 from __future__ import annotations
 

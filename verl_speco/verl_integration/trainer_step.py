@@ -1,8 +1,7 @@
 """What `SpecoTrainerMixin`'s hooks do inside a verl step, around the `OnlineController`: fetch the step's
 rows (from the actor workers' `speco_end_step`, or from the rollout's returned hidden states), write
 them to the Feature Store (collect_only) or hand them to the controller (online), the fresh samples'
-round (`fresh_samples.py`), and the held-out acceptance of verl's validation. `t` is the trainer.
-"""
+round (`fresh_samples.py`), and the held-out acceptance of verl's validation. `t` is the trainer."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@
 `engines.vllm_reload.DraftReloadMixin` and `engines.draft_digest.DraftDigestMixin`) and calls those
 methods on every worker through `collective_rpc`, returning the answers. `install_replica_class`
 registers `SpecoVLLMReplica` as verl's "vllm" rollout replica. Importing this needs a `vllm`
-distribution (the CPU wheel needs an alias, docs/design/environment.md section 1).
-"""
+distribution (the CPU wheel needs an alias, docs/design/environment.md section 1)."""
 
 from __future__ import annotations
 

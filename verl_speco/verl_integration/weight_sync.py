@@ -1,7 +1,6 @@
 """The rollout servers' side of a publish in a verl run: verl's weight sync restores only the target and
 its level-2 sleep discards the draft, so `SpecoCheckpointEngineManager` runs `after_weights` after every
-sync and wake-up (nothing in flight): load the newest publish, else check by digest and re-publish.
-"""
+sync and wake-up (nothing in flight): load the newest publish, else check by digest and re-publish."""
 
 from __future__ import annotations
 

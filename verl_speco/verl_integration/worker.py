@@ -7,8 +7,7 @@ The worker plans the kept rows from the masks (`online.capture.plan_rows`, taggi
 and selects each micro-batch's planned rows, snapshots the target head on the first micro-batch (a
 collective under FSDP2), and converts the kept rows to `CapturedRows`. `speco_end_step` hands them on:
 object refs for the drafter group (online) or this rank's Feature Store writer (collect_only).
-verl's own code paths are unchanged when the drafter is disabled or no capture was asked.
-"""
+verl's own code paths are unchanged when the drafter is disabled or no capture was asked."""
 
 from __future__ import annotations
 
