@@ -24,13 +24,9 @@ from drafters.common.masks import AttentionMask, MaskMod, int_scalar
 
 def sample_anchors(valid_mask: Tensor, block_size: int, num_anchors: int,
                    generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
-    """Per sequence, `num_anchors` block starts drawn uniformly without replacement (from `generator`
-    only, on its device).
-
-    valid_mask: bool [batch, seq]. Candidates: a with valid_mask[a] and a + block_size <= length
-    (last True index + 1). Returns anchors int64 [batch, nb] (increasing) and anchor_valid bool
-    [batch, nb], nb = min(num_anchors, largest candidate count) >= 1, so a short batch pays for no
-    padding blocks; short rows are padded with (anchor 0, valid False)."""
+    """Per sequence, `num_anchors` block starts a (valid_mask[a], a + block_size <= length) drawn without
+    replacement from `generator`: anchors int64 [batch, nb] (increasing) and anchor_valid bool [batch, nb],
+    nb = min(num_anchors, largest candidate count) >= 1; short rows padded with (0, False)."""
     if valid_mask.dim() != 2:
         raise ValueError(f"valid_mask: got shape {tuple(valid_mask.shape)}, expected [batch, seq]")
     if block_size < 1:
@@ -114,9 +110,7 @@ def next_token_slot_weights(num_slots: int, gamma: float) -> Tensor:
 
 
 def block_mask_mod(anchors: Tensor, anchor_valid: Tensor, ctx_len: int, block_size: int) -> MaskMod:
-    """The block attention rule (module docstring) as a flex-attention mask function: key kv_idx <
-    ctx_len is context (visible iff the block is valid and kv_idx < anchor), a larger one is block
-    row kv_idx - ctx_len (visible iff in the query's block q_idx // block_size)."""
+    """The block attention rule (module docstring) as a flex-attention mask function."""
     anchors = anchors.long()
     valid = anchor_valid.to(torch.bool)
     n, size = int_scalar(ctx_len, anchors), int_scalar(block_size, anchors)  # tensors: no compile per value

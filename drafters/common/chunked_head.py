@@ -1,15 +1,8 @@
 """The LM head and every loss term that reads its logits, over chunks of rows (issue 21).
 
-[rows, vocab] logits for every loss row at once dominate training memory. `chunked_rows(fn, rows,
-chunk_rows)` runs `fn` (head projection(s) + per-row loss terms) on `chunk_rows` rows at a time, each
-chunk under a non-reentrant `torch.utils.checkpoint`: one chunk of logits alive at once, and the loss
-and gradients of the unchunked computation up to summation order. `fn` returns per-row tensors only
-([n] or [n, k]), never logits, and draws no random numbers.
-
-Under FSDP2 a head `fn` calls is a sharded unit, so every rank must make the same number of calls:
-the trainer runs objectives inside `chunk_count_sync(sync)`, which pads each call to the max chunk
-count over ranks with empty chunks. Fused paths (common/fused_head.py) use each chunk's logits once and
-keep the gradient instead of recomputing. The per-row terms here compute in float32 (float64 stays)."""
+`chunked_rows` runs head + per-row loss terms on `chunk_rows` rows at a time, each chunk checkpointed, so
+one chunk of [rows, vocab] logits is alive at once; `chunk_count_sync` keeps the chunk count equal on
+every rank (a sharded FSDP2 head is a collective per call). Per-row terms compute in float32."""
 
 from __future__ import annotations
 
@@ -37,9 +30,8 @@ _COUNT_SYNC: ContextVar[Callable[[int], int] | None] = ContextVar("chunk_count_s
 
 @contextmanager
 def chunk_count_sync(sync: Callable[[int], int]) -> Iterator[None]:
-    """Within: each chunked call runs max(local count, sync(local count)) chunks, the extra ones
-    empty; `sync` is called once per chunked call, in the same order on every rank (the trainer:
-    all-reduce max over the ranks)."""
+    """Within: each chunked call runs max(local count, sync(local count)) chunks, the extra ones empty;
+    `sync` runs once per call in the same order on every rank (the trainer: all-reduce max)."""
     token = _COUNT_SYNC.set(sync)
     try:
         yield
@@ -69,10 +61,8 @@ def chunk_bounds(n: int, chunk_rows: int) -> list[tuple[int, int]]:
 
 
 def chunked_rows(fn: RowFn, rows: Sequence[Tensor], chunk_rows: int) -> tuple[Tensor, ...]:
-    """`fn(*[r[i:j] for r in rows])` over consecutive row chunks [i, j), outputs concatenated on dim 0.
-
-    rows: tensors sharing dim 0 (N rows). fn returns a tuple of per-row tensors [n, ...]; the result
-    is that tuple for all N rows ([N, ...]); with N = 0, fn runs once on the empty rows."""
+    """`fn(*[r[i:j] for r in rows])` over row chunks [i, j) of rows sharing dim 0, per-row outputs [n, ...]
+    concatenated to [N, ...]; with N = 0, fn runs once on the empty rows."""
     check_chunk_rows(chunk_rows)
     n = int(rows[0].shape[0])
     if any(int(r.shape[0]) != n for r in rows):

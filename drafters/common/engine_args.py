@@ -1,9 +1,5 @@
-"""The engine arguments every family's export config builds the same way (one place for them).
-
-`vllm_speculative_config`: vLLM's `speculative_config` dict for a draft directory, the method and its
-extra keys read from the catalog (`drafters.registry.engine_method`). `sglang_chain_args`: SGLang's
-server arguments for a chain of K draft steps (EAGLE-style: topk 1, K + 1 draft tokens, the verified
-token included). `check_format`: an export format name against a family's `FORMATS`."""
+"""The engine arguments every family's export config builds the same way: `vllm_speculative_config`
+(method from the catalog), `sglang_chain_args` (a chain of K steps) and `check_format`."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""`DrafterFamilyBase`: the family methods every catalog entry shares, written once.
-
-A family (drafters/<name>/family.py; docs/adding-a-family.md) subclasses it, names its pieces in the
-class attributes listed in `HOOKS` (config_cls, model_cls, export_cls, proposer_cls, required,
-mutable_settings, the frozen target pieces' attribute paths) and writes only `required_layout`,
-`objective`, `export`, `load_export` (and `build` when it needs store statistics).
-`drafters.registry.get_family` refuses a family that lacks a member (`contract_gaps`)."""
+"""`DrafterFamilyBase`: the family methods every catalog entry shares, written once. A family
+(docs/adding-a-family.md) names its pieces in the attributes listed in `HOOKS` and writes only
+`required_layout`, `objective`, `export`, `load_export` (and `build` when it needs store statistics)."""
 
 from __future__ import annotations
 

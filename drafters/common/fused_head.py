@@ -1,13 +1,7 @@
 """Fused head + loss paths (issue 21): each chunk's [n, V] logits are used once, in the forward, which keeps
-the gradient the backward needs; the backward only scales it by the incoming gradient (no recompute).
-
-- `frozen_head_ce_rows` (DFlash): a frozen head with a per-row hard CE (Liger-style).
-- `fused_head_loss` (DSpark, EAGLE-1): draft logits z_i = W h_i + B^T e_i (W the frozen head [V, H], the
-  low-rank bias B [r, V] optional and trainable) and target logits t_i = W g_i, a caller's `RowLoss` over
-  each chunk of (z, t); the forward keeps d loss / d h [N, H], d e [N, r] and d B [r, V].
-- `soft_ce_head_rows` (EAGLE-3 / P-EAGLE): a trainable head over a small draft vocabulary, called once per
-  chunk, with the soft CE gradient kept in the logits' dtype.
-Valid because the loss of a row depends on that row only; equal to plain autograd up to summation order."""
+the gradient the backward only scales (no recompute): `frozen_head_ce_rows` (DFlash), `fused_head_loss`
+(DSpark, EAGLE-1: frozen head plus optional low-rank bias B [r, V]) and `soft_ce_head_rows` (EAGLE-3 /
+P-EAGLE's trainable draft-vocab head). Valid because a row's loss depends on that row only."""
 
 from __future__ import annotations
 
@@ -127,10 +121,8 @@ class _SoftCE(torch.autograd.Function):
 
 def soft_ce_head_rows(head: Callable[[Tensor], Tensor], hidden: Tensor, probs: Tensor, prob_rows: Tensor,
                       chunk_rows: int) -> tuple[Tensor, Tensor]:
-    """hidden [N, H] (may need grad), head: the draft head module (trainable: called once per chunk, the
-    chunk count synced under `chunk_count_sync`), probs [P, Vd] target distributions (no grad), prob_rows
-    int64 [N] each row's target in probs -> (soft CE [N] = soft_ce_prob_rows(head(hidden), probs[prob_rows]),
-    argmax of head(hidden) [N]), module docstring. Differentiable in hidden and in the head's parameters."""
+    """hidden [N, H], head (trainable, called once per chunk), probs [P, Vd] (no grad), prob_rows int64 [N]
+    -> (soft CE [N] of head(hidden) against probs[prob_rows], argmax [N]); differentiable in hidden and head."""
     check_chunk_rows(chunk_rows)
     if int(prob_rows.shape[0]) != int(hidden.shape[0]):
         raise ValueError(f"rows: hidden {int(hidden.shape[0])} vs prob_rows {int(prob_rows.shape[0])}")
@@ -179,10 +171,8 @@ class _FrozenHeadCE(torch.autograd.Function):
 
 def frozen_head_ce_rows(hidden: Tensor, weight: Tensor, labels: Tensor, chunk_rows: int,
                         top_k: int) -> tuple[Tensor, Tensor]:
-    """hidden [N, H] (may need grad), a FROZEN head weight [V, H], labels int64 [N] -> (CE [N] =
-    hard_ce_rows(hidden @ weight.T, labels), top-`top_k` ids [N, min(top_k, V)]), `chunk_rows` at a
-    time; the forward keeps d CE / d hidden = (softmax - onehot) @ weight (module docstring). No module
-    is called, so no chunk-count sync is needed."""
+    """hidden [N, H], a FROZEN head weight [V, H], labels int64 [N] -> (CE [N], top-`top_k` ids [N, k]),
+    `chunk_rows` at a time, keeping d CE / d hidden = (softmax - onehot) @ weight from the forward."""
     check_chunk_rows(chunk_rows)
     if int(labels.shape[0]) != int(hidden.shape[0]):
         raise ValueError(f"rows: hidden {int(hidden.shape[0])} vs labels {int(labels.shape[0])}")

@@ -61,9 +61,8 @@ def default_eagle3_layer_ids(num_layers: int) -> tuple[int, int, int]:
 
 
 def check_servable_aux_ids(layer_ids: Sequence[int], num_layers: int) -> tuple[int, ...]:
-    """Aux ids every engine can capture: strictly increasing (engines concatenate captures in layer
-    order) and within 1..L-1 (SGLang cannot express 0; L would be post-norm in HF but is never
-    captured by the engines)."""
+    """Aux ids every engine can capture: strictly increasing (captures concatenate in layer order) and
+    within 1..L-1 (SGLang cannot express 0; L is never captured)."""
     ids = tuple(int(i) for i in layer_ids)
     if not ids or list(ids) != sorted(set(ids)) or ids[0] < 1 or ids[-1] > num_layers - 1:
         raise ValueError(f"aux_layer_ids: got {ids}, expected strictly increasing ids within 1..{num_layers - 1} "

@@ -1,13 +1,9 @@
-"""Attention masks as mask functions (one definition serves SDPA and flex attention) and the
-left shift used by every training-time alignment.
+"""Attention masks as mask functions (one definition serves SDPA and flex attention: `AttentionMask.dense()`
+broadcasts to bool [B, 1, Tq, Tk]; captured sizes are tensors, `int_scalar`, so one flex graph serves every
+offset) and the left shift used by every training-time alignment.
 
-A mask function `mask_mod(b, h, q_idx, kv_idx) -> bool` has flex attention's signature;
-`AttentionMask.dense()` broadcasts it into a bool [B, 1, Tq, Tk] for SDPA. Mask functions capture
-tensors only (`int_scalar`), so compiled flex attention serves every offset with one graph.
-
-EAGLE-3 TTT mask: at step j the keys are steps 0..j, T each (kv = i * T + s). Query row t sees the
-step-0 keys s <= t that are real, and the step-i keys (1 <= i <= j) at s == t. Worked example,
-T = 4, j = 2, every position real; 1 = may attend::
+EAGLE-3 TTT mask: at step j the keys are steps 0..j, T each (kv = i * T + s). Query row t sees the real
+step-0 keys s <= t and the step-i keys (1 <= i <= j) at s == t. Worked example, T = 4, j = 2::
 
             step-0 keys   step-1 keys   step-2 keys
     row 0:   1 0 0 0       1 0 0 0       1 0 0 0
@@ -15,8 +11,7 @@ T = 4, j = 2, every position real; 1 = may attend::
     row 2:   1 1 1 0       0 0 1 0       0 0 1 0
     row 3:   1 1 1 1       0 0 0 1       0 0 0 1
 
-A padded step-0 key (`key_valid [B, T]` False) is hidden from every other query; each query keeps
-its own position, so a padded row (no loss) is never empty (no NaN)."""
+Each query keeps its own position, so a padded row (`key_valid` False, no loss) is never empty."""
 
 from __future__ import annotations
 
@@ -84,9 +79,8 @@ def ttt_mask_mod(key_valid: Tensor, q_offset: int = 0) -> MaskMod:
 
 @dataclass
 class TTTAttentionMask(AttentionMask):
-    """The TTT mask plus its structure, so SDPA can skip the (step * T) mostly-masked keys:
-    key_valid bool [B, T]; step j (keys = step-0 block + j diagonal blocks, T each); queries are
-    the rows q_offset..T-1 (q_len = T - q_offset)."""
+    """The TTT mask plus its structure (step-0 block + j diagonal blocks), so SDPA can skip the mostly
+    masked keys; queries are rows q_offset..T-1."""
 
     key_valid: Tensor
     step: int
@@ -117,9 +111,7 @@ def ttt_position_ids(position_ids: Tensor, step: int) -> Tensor:
 
 
 def shift_left(x: Tensor, n: int, fill: float | int | bool = 0) -> Tensor:
-    """Shift along dim 1 (the sequence) by n places to the left, filling the last n with `fill`.
-
-    Worked example: shift_left([[a, b, c, d]], 1) = [[b, c, d, 0]]; n = 0 returns x unchanged."""
+    """Shift dim 1 left by n, filling the last n with `fill`: shift_left([[a, b, c, d]], 1) = [[b, c, d, 0]]."""
     if n < 0:
         raise ValueError(f"n: got {n}, expected >= 0")
     if n == 0:

@@ -1,9 +1,6 @@
-"""Acceptance metrics in vLLM's convention (v1/spec_decode/metrics.py), and the training-time
-simulation of acceptance length from TTT step predictions.
-
-Mean acceptance length = 1 + num_accepted / num_drafts; per-position rate i = accepted_per_pos[i] /
-num_drafts; draft acceptance rate = num_accepted / num_draft_tokens. A tree round (EAGLE-2) proposes
-N nodes and accepts one path of L nodes, with one per-position entry per tree depth."""
+"""Acceptance metrics in vLLM's convention (v1/spec_decode/metrics.py: mean acceptance length =
+1 + num_accepted / num_drafts; per-position rate i = accepted_per_pos[i] / num_drafts; a tree round
+counts its accepted path), and the training-time simulation of acceptance length."""
 
 from __future__ import annotations
 
@@ -56,11 +53,8 @@ class AcceptanceStats:
 
 def simulated_acceptance_length(step_correct: Tensor, step_valid: Tensor,
                                 num_speculative_tokens: int | None = None) -> tuple[Tensor, Tensor]:
-    """Training-time estimate of vLLM's mean acceptance length from TTT predictions.
-
-    step_correct, step_valid: bool [S, ...] per (TTT step, row). A row whose step 0 is valid counts
-    1 + its leading valid-and-correct steps (at most `num_speculative_tokens`). Returns (sum of
-    lengths, rows) as float scalars, so ranks can all-reduce both."""
+    """Training-time estimate of vLLM's mean acceptance length: step_correct, step_valid bool [S, ...]; a
+    row with a valid step 0 counts 1 + its leading valid-and-correct steps. Returns (sum, rows), floats."""
     if step_correct.shape != step_valid.shape:
         raise ValueError(f"step_correct {tuple(step_correct.shape)} vs step_valid {tuple(step_valid.shape)}")
     k = step_correct.shape[0] if num_speculative_tokens is None else min(num_speculative_tokens, step_correct.shape[0])

@@ -100,9 +100,8 @@ MASK_TOKEN_NAMES = ("<|MASK|>", "<|mask|>", "<mask>", "[MASK]")  # SGLang's DFla
 
 
 def mask_token_discovery(model_dir: Path) -> tuple[str, int] | None:
-    """(token, id) of the tokenizer's mask token: tokenizer_config.json `mask_token` if set, else
-    the first added token of tokenizer.json named in MASK_TOKEN_NAMES; None without either file or
-    token. A `mask_token` that tokenizer.json does not define is refused."""
+    """(token, id) of the tokenizer's mask token (tokenizer_config.json `mask_token`, else the first added
+    token named in MASK_TOKEN_NAMES), or None; a `mask_token` tokenizer.json lacks is refused."""
     tok_path, cfg_path = model_dir / "tokenizer.json", model_dir / "tokenizer_config.json"
     if not tok_path.is_file():
         return None

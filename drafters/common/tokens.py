@@ -6,9 +6,7 @@ from collections.abc import Collection, Sequence
 
 
 def cut_at_end(tokens: Sequence[int], end_ids: Collection[int]) -> tuple[list[int], bool]:
-    """(tokens up to and including the first end token, whether one was found).
-
-    Example: cut_at_end([5, 7, 2, 9], {2}) -> ([5, 7, 2], True); cut_at_end([5, 7], {2}) -> ([5, 7], False)."""
+    """(tokens up to and including the first end token, whether one was found)."""
     for k, tok in enumerate(tokens):
         if tok in end_ids:
             return list(tokens[: k + 1]), True

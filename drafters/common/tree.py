@@ -134,21 +134,17 @@ class TreeNodes:
 
 @dataclass
 class TreeExpansion:
-    """log_probs float32 [N + 1, V] (TARGET vocab; -inf outside a reduced draft vocab) and hidden
-    [N + 1, H_d]: row 0 is the root (the distribution of the token after x_n), row 1 + i node i
-    (the distribution of its children); hidden rows are what a child receives as parent_hidden."""
+    """log_probs float32 [N + 1, V] (TARGET vocab) and hidden [N + 1, H_d]: row 0 the root, row 1 + i
+    node i (the distribution of its children; hidden is what a child receives as parent_hidden)."""
 
     log_probs: Tensor
     hidden: Tensor
 
 
 class TreeProposer(Protocol):
-    """What `build_draft_tree` needs from an EAGLE-style drafter (EAGLE-1/2, EAGLE-3).
-
-    expand(ctx, nodes): one stateless draft forward over [context rows; nodes] with
-    `tree_attention_mask` / `tree_position_ids`; `nodes` is closed under parents. Node i must compute
-    what chain drafting computes at the end of its path (so top_k = 1 is the chain). Returns N + 1
-    rows, row 0 the root; log_probs over the TARGET vocab (-inf where the draft cannot emit)."""
+    """What `build_draft_tree` needs from an EAGLE-style drafter: expand(ctx, nodes), one stateless forward
+    over [context rows; nodes] under the tree mask, node i computing what chain drafting computes at the
+    end of its path (top_k = 1 is the chain); N + 1 rows, log_probs over the TARGET vocab."""
 
     def expand(self, ctx: DraftContext, nodes: TreeNodes) -> TreeExpansion: ...
 
@@ -158,11 +154,9 @@ class TreeProposer(Protocol):
 
 @dataclass(frozen=True)
 class TreeConfig:
-    """EAGLE-2 tree shape (SafeAILab `top_k`, `depth`, `total_token`; defaults there 10, 7, 60).
-
-    top_k: frontier nodes per depth and children per node; depth: longest path; total_tokens: nodes
-    kept by rerank, root excluded (SGLang's --speculative-num-draft-tokens = total_tokens + 1).
-    top_k = 1, total_tokens = depth is the greedy chain."""
+    """EAGLE-2 tree shape (SafeAILab `top_k`, `depth`, `total_token`: 10, 7, 60 there): frontier nodes per
+    depth and children per node, longest path, nodes kept by rerank (root excluded; SGLang's
+    --speculative-num-draft-tokens = total_tokens + 1)."""
 
     top_k: int
     depth: int
@@ -182,9 +176,8 @@ class TreeConfig:
 
 @runtime_checkable
 class TreeDrafterFamily(DrafterFamily, Protocol):
-    """A family whose reference drafting is an EAGLE-2 dynamic tree (e.g. eagle2): callers decode
-    with `drafters.spec_decode.tree_speculative_generate` and `tree_proposer`; `proposer` stays the
-    chain its engines serve where they have no tree (vLLM 0.32)."""
+    """A family whose reference drafting is an EAGLE-2 tree (eagle2): decoded with
+    `tree_speculative_generate`; `proposer` stays the chain engines without trees serve (vLLM 0.32)."""
 
     def tree_config(self, cfg: Any) -> TreeConfig:
         """The tree shape (top_k, depth, total_tokens) of a resolved config."""
@@ -226,12 +219,9 @@ def _best(pool: _Pool, candidates: list[int], k: int) -> list[int]:
 
 
 def build_draft_tree(proposer: TreeProposer, ctx: DraftContext, cfg: TreeConfig) -> DraftTree:
-    """EAGLE-2 dynamic tree (SafeAILab `topK_genrate`, SGLang `organize_draft_results`).
-
-    value(node) = sum of draft log-probs along its path. Depth 1: the root's top_k children; each
-    further depth expands the top_k frontier nodes by value (top_k children each); rerank keeps the
-    total_tokens best of all candidates. Values only fall along a path and ties favour the shallower
-    node, so every kept node's parent is kept: the result is a tree, in rank (topological) order."""
+    """EAGLE-2 dynamic tree (SafeAILab `topK_genrate`, SGLang `organize_draft_results`): value = sum of draft
+    log-probs on the path; each depth expands the top_k frontier nodes, rerank keeps the total_tokens best.
+    Values only fall along a path and ties favour the shallower node, so the kept nodes form a tree."""
     pool = _Pool([], [], [], [], [])
     root = proposer.expand(ctx, TreeNodes.root_only())
     frontier = _children(pool, -1, 1, root.log_probs[0], root.hidden[0], cfg.top_k, 0.0)

@@ -1,10 +1,7 @@
-"""Reduced draft vocabulary (EAGLE-3 / P-EAGLE): selection by frequency and the d2t / t2d maps.
-
-The draft vocab is the `Vd` most frequent target tokens over loss-masked positions, sorted by target id
-(SafeAILab `scandata`; ties to the lower id), so `target_logits[..., t2d]` is in draft-id order.
-`d2t [Vd]` int64 holds OFFSETS (target_id = draft_id + d2t[draft_id], as both engines compute it);
-`t2d [V]` bool marks the kept target ids. Worked example, counts [0, 5, 0, 9, 9, 1], Vd = 3: kept
-[1, 3, 4], d2t = [1, 2, 2], t2d = [F, T, F, T, T, F]. A full vocab (Vd == V) is never exported."""
+"""Reduced draft vocabulary (EAGLE-3 / P-EAGLE): the `Vd` most frequent target tokens over loss-masked
+positions, sorted by target id (SafeAILab `scandata`), and the maps `d2t [Vd]` int64 OFFSETS
+(target_id = draft_id + d2t[draft_id], as both engines compute it) and `t2d [V]` bool. Worked example,
+counts [0, 5, 0, 9, 9, 1], Vd = 3: kept [1, 3, 4], d2t = [1, 2, 2], t2d = [F, T, F, T, T, F]."""
 
 from __future__ import annotations
 

@@ -45,9 +45,8 @@ MASK_HIDDEN = "mask_hidden"  # any name containing it: vLLM asserts (DFlash embe
 
 @dataclass(frozen=True)
 class DFlashExportConfig(export_format.DecoderFormat):
-    """The engine side of a DFlash draft (drafters.common.contract.EngineFormat; to_dict and from_dict
-    are `EngineFormatBase`'s, for every subclass: its own fields, named in messages by its `label`).
-    The decoder sizes (`DecoderFormat`) are the target's."""
+    """The engine side of a DFlash draft (drafters.common.contract.EngineFormat); the decoder sizes are the
+    target's."""
 
     max_position_embeddings: int  # >= the target's
     num_hidden_layers: int  # the draft's decoder layers
@@ -190,10 +189,8 @@ def refuse_names(names: Iterable[str], where: str) -> None:
 
 def check_tensors(tensors: Mapping[str, Tensor], cfg: DFlashExportConfig, where: str = "DFlash export",
                   want: Mapping[str, tuple[int, ...]] | None = None) -> None:
-    """Refuse, naming the tensor: engine-refused names, missing/unexpected names, an fc width that
-    is not len(target_layer_ids) x hidden_size, wrong shapes, a dtype other than `cfg.dtype`,
-    non-finite values. `want`: the expected name -> shape (default: `expected_shapes(cfg)`; DSpark
-    passes its backbone + heads)."""
+    """Refuse, naming the tensor: engine-refused, missing or unexpected names, an fc width other than
+    len(target_layer_ids) x hidden_size, wrong shapes or dtype, non-finite values (`want`: name -> shape)."""
     refuse_names(tensors, where)
     want = cfg.tensor_shapes() if want is None else want
     missing, extra = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
@@ -220,9 +217,8 @@ def check_tensors(tensors: Mapping[str, Tensor], cfg: DFlashExportConfig, where:
 
 def engine_tensors(state_dict: Mapping[str, Tensor], cfg: DFlashExportConfig, fmt: str = "native",
                    dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-    """The tensors of an export, engine names, on CPU: what `model.safetensors` holds and what a
-    live publish sends. `state_dict` is a `DFlashDraft`'s (its frozen target buffers are dropped
-    if present); every tensor in `dtype`, by default `cfg.dtype` (which must then agree)."""
+    """The tensors of an export, engine names, on CPU (file and live publish alike): a `DFlashDraft` state
+    dict without its frozen target buffers, in `dtype` (default `cfg.dtype`)."""
     check_format(fmt, FORMATS)
     cast = dtype if dtype is not None else getattr(torch, cfg.dtype)
     name = str(cast).removeprefix("torch.")
@@ -333,9 +329,8 @@ def check_export(export_dir: str | Path, export_cls: type[DFlashExportConfig] | 
 
 def load_export(export_dir: str | Path, target: TargetHead, export_cls: type[DFlashExportConfig],
                 drafter_cls: type[DFlashConfig], model_cls: type[DFlashDraft]) -> DFlashDraft:
-    """Read an export back into a `model_cls` on `target` (its frozen embedding and head): checked
-    (`check_export`), sizes matched against the target, weights exact, eval mode. The training-only
-    settings come from verl_speco_meta.json, the architecture from config.json."""
+    """Read a checked export back into a `model_cls` on `target`, sizes matched, weights exact, eval mode
+    (training-only settings from verl_speco_meta.json, the architecture from config.json)."""
     cfg = check_export(export_dir, export_cls)
     drafter = drafter_cls(**{**export_format.recorded_settings(export_dir), **cfg.drafter_settings()})
     want = export_cls.from_drafter(drafter, target.spec, max_position_embeddings=cfg.max_position_embeddings,

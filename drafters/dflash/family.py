@@ -1,10 +1,5 @@
-"""The DFlash family object registered in the catalog (docs/internals.md contract).
-
-`DFlashFamily` is written over its class attributes (config, model, export config, loader,
-objective, proposer; the shared methods are `DrafterFamilyBase`'s), so a family on the same
-backbone (drafters/dspark/family.py) subclasses it and names its own pieces instead of copying
-the methods. `build` is the base's: a fresh draft over the full target vocab (no draft vocab,
-`store_stats` is unused)."""
+"""The DFlash family object registered in the catalog (docs/internals.md contract), written over its class
+attributes so families on the same backbone (DSpark, Domino) subclass it and name their own pieces."""
 
 from __future__ import annotations
 
@@ -48,9 +43,8 @@ class DFlashFamily(DrafterFamilyBase):
         return load_export(export_dir, target, self.export_cls, self.config_cls, self.model_cls)
 
     def required_layout(self, cfg: DFlashConfig, target_spec: TargetSpec) -> Layout:
-        """The context layers in the internal convention (output-of-layer id + 1), and the post-norm
-        last hidden only for a family that reads it (DSpark's target distribution; DFlash and Domino
-        do not), so a store without it (SGLang's aux rollout capture) serves them."""
+        """The context layers (internal ids) and the post-norm last hidden only for a family that reads it
+        (DSpark), so a store without it (SGLang's aux rollout capture) serves DFlash and Domino."""
         last = "post_norm" if "last_hidden" in self.required else "none"
         return Layout(layer_ids=cfg.hidden_state_ids(target_spec), last_hidden=last)
 

@@ -19,9 +19,8 @@ M = TypeVar("M", bound=DFlashDraft)
 
 
 def block_hidden(model: DFlashDraft, ctx: DraftContext, hidden_state_ids: tuple[int, ...], rows: int) -> torch.Tensor:
-    """ONE backbone forward for the round: the block [x_n, MASK x (rows - 1)] at positions
-    n .. n + rows - 1 over the context features at 0..n-1 -> post-norm hidden [rows, H] (DFlash,
-    DSpark and Domino proposers share it; each checks its own draft count first)."""
+    """ONE backbone forward: [x_n, MASK x (rows - 1)] at positions n.. over the context features at
+    0..n-1 -> post-norm hidden [rows, H] (shared by the DFlash, DSpark and Domino proposers)."""
     features = ctx.features(hidden_state_ids)  # [n, m*H_t]
     ids, n = ctx.token_ids, features.shape[0]
     device = model.fc.weight.device
@@ -34,10 +33,8 @@ def block_hidden(model: DFlashDraft, ctx: DraftContext, hidden_state_ids: tuple[
 
 
 class BlockProposer(Generic[M]):
-    """What the DFlash, DSpark and Domino proposers share: the model, its context layer ids (HF
-    indices) and the round's one backbone forward after the draft-count check. A block of B rows
-    drafts at most B - `anchor_rows` tokens (DFlash and Domino: the anchor slot drafts nothing, 1;
-    DSpark: every slot drafts, 0)."""
+    """What the DFlash, DSpark and Domino proposers share; a block of B rows drafts at most
+    B - `anchor_rows` tokens (1 for DFlash and Domino, whose anchor slot drafts nothing; 0 for DSpark)."""
 
     anchor_rows = 1
 

@@ -1,9 +1,6 @@
-"""Domino draft export: SGLang's DFLASH with `projector_type: "domino"` (docs/design/engines.md sections 2.6, 4.6, 5.6).
-
-One format, `native`: the DFlash export (drafters/dflash/export.py) plus the Domino `dflash_config` keys
-(projector_type, shift_label, pure_draft_prefix_len, gru_hidden_dim, emb_dim; top-level `emb_dim` too)
-and the GRU head tensors. SGLang serves it with `--speculative-num-draft-tokens B` (CUDA, bf16 only).
-vLLM 0.32 has no Domino (it would serve plain DFlash silently), so `vllm_speculative_config` refuses."""
+"""Domino draft export: SGLang's DFLASH with `projector_type: "domino"` (docs/design/engines.md sections 2.6,
+4.6, 5.6): the DFlash export plus the Domino `dflash_config` keys and GRU head tensors, served by SGLang
+(CUDA, bf16 only). vLLM 0.32 has no Domino (it would serve plain DFlash silently), so it is refused."""
 
 from __future__ import annotations
 

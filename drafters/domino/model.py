@@ -1,13 +1,9 @@
 """Domino draft: the DFlash backbone + a causal GRU correction head (docs/design/algorithms.md section 6).
-
-Parameter names are the engines' (docs/design/engines.md section 4.6). For one block [x_a, MASK x (B - 1)]
-with post-norm hidden h_k and the tokens t_0 = x_a, t_1, ... preceding each draft (labels in training,
-drafts at inference):
+For one block [x_a, MASK x (B - 1)], post-norm hidden h_k and the tokens t_0 = x_a, t_1, ... before each
+draft (labels in training, drafts at inference):
     U_k = target_lm_head(h_k)                               # [V] base logits, slot k -> x_{a+k+1}
     g_k = GRU(target_embed_tokens[t_0 .. t_k]) output at step k   # [G]
-    final_0 = U_0; final_k = U_k + embed_proj([h_k ; g_k])  # k >= 1 (pure_draft_prefix_len = 1)
-Worked example, B 4: slot 0 gives d_1; slot 1 reads GRU(x_a, d_1); slot 2 GRU(x_a, d_1, d_2); slot 3
-drafts nothing (SGLang verifies B - 1 drafts)."""
+    final_0 = U_0; final_k = U_k + embed_proj([h_k ; g_k])  # k >= 1 (pure_draft_prefix_len = 1)"""
 
 from __future__ import annotations
 
@@ -44,18 +40,16 @@ class DominoDraft(DFlashDraft):
 
     def row_logits(self, hidden: Tensor, gru: Tensor, slot: Tensor,
                    head: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """hidden [n, H], gru [n, G], slot int64 [n] (0 .. B-2) -> (base logits U [n, V], final logits
-        [n, V]); slot 0 keeps U (pure_draft_prefix_len = 1). The objective calls it chunk by chunk
-        (head: see `logits`)."""
+        """hidden [n, H], gru [n, G], slot int64 [n] -> (base logits U [n, V], final logits [n, V]); slot 0
+        keeps U (pure_draft_prefix_len = 1)."""
         base = self.logits(hidden, head)  # [n, V]
         corrected = (slot >= 1)[:, None]  # [n, 1]
         return base, torch.where(corrected, base + self.correction(hidden, gru), base)
 
     def forward(self, features: Tensor, block_ids: Tensor, anchors: Tensor,  # type: ignore[override]
                 anchor_valid: Tensor, prev_ids: Tensor, select: Tensor) -> tuple[Tensor, Tensor]:
-        """Training forward (teacher forcing) over the B - 1 drafting slots, kept where `select` (bool
-        [batch, nb, B - 1]) holds; prev_ids int64 [batch, nb, B - 1] (t_k = x_{a+k}) -> (post-norm
-        hidden [N, H], GRU outputs [N, G]) in `select.nonzero()` order."""
+        """Teacher-forced forward over the B - 1 drafting slots where `select` (bool [batch, nb, B - 1])
+        holds, prev_ids int64 [batch, nb, B - 1] -> (post-norm hidden [N, H], GRU outputs [N, G])."""
         batch, nb, bs = block_ids.shape
         if tuple(prev_ids.shape) != (batch, nb, bs - 1) or tuple(select.shape) != (batch, nb, bs - 1):
             raise ValueError(f"prev_ids {tuple(prev_ids.shape)} / select {tuple(select.shape)}: expected "

@@ -1,9 +1,6 @@
 """Domino block drafting for the reference decoder, as SGLang's greedy Domino rollout does it
-(docs/design/engines.md section 4.6; docs/design/algorithms.md section 6, inference).
-
-ONE backbone forward over the full block [x_n, MASK x (B - 1)] gives h_0..h_{B-1}; then d_1 from U_0 and
-d_{k+1} from U_k + embed_proj([h_k ; g_k]), g_k the GRU state after x_n, d_1, ..., d_k (K <= B - 1).
-Sampling reports each q_{k+1}, so verification stays lossless."""
+(docs/design/engines.md section 4.6): ONE backbone forward over the full block, then d_1 from U_0 and
+d_{k+1} from U_k + embed_proj([h_k ; g_k]) step by step (K <= B - 1), each q reported (lossless)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""DSpark draft export for vLLM (`method="dspark"`) and SGLang (`DSPARK`), its check, and the reader.
-
-One format, `native` (docs/design/engines.md sections 2.5, 4.7, 5.5): the DFlash export
-(drafters/dflash/export.py) with `architectures: ["Qwen3DSparkModel"]` (vLLM would read
-`DSparkDraftModel` as DeepSeek-V4), every key either engine reads written explicitly (their defaults
-disagree), and the Markov and confidence head tensors. K rule: `num_speculative_tokens` = block_size in
-vLLM, `--speculative-dspark-block-size` = block_size in SGLang; vLLM 0.32 serves only the vanilla
-Markov head."""
+"""DSpark draft export for vLLM (`method="dspark"`) and SGLang (`DSPARK`), its check, and the reader
+(docs/design/engines.md sections 2.5, 4.7, 5.5): the DFlash export with `architectures:
+["Qwen3DSparkModel"]`, every key either engine reads written explicitly (their defaults disagree) and the
+head tensors; K = block_size in both engines; vLLM 0.32 serves only the vanilla Markov head."""
 
 from __future__ import annotations
 

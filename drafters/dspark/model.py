@@ -56,9 +56,8 @@ class ConfidenceHead(nn.Module):
 
 @dataclass
 class DSparkRows:
-    """The selected rows of one forward, before the vocab projection (the objective runs it chunk by
-    chunk, common/chunked_head.py): hidden [N, H] (post-norm backbone), markov [N, r] (the Markov
-    features e; None without a Markov head), confidence [N] float32 or None (no confidence head)."""
+    """The selected rows of one forward before the vocab projection: hidden [N, H], markov [N, r] (None
+    without a Markov head), confidence [N] float32 (None without a confidence head)."""
 
     hidden: Tensor
     markov: Tensor | None

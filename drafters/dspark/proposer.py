@@ -1,8 +1,6 @@
-"""DSpark block drafting for the reference decoder (docs/design/algorithms.md section 5, inference).
-
-ONE backbone forward over [x_n, MASK x (K - 1)] at positions n .. n + K - 1 (K <= block_size) gives base
-logits U_1..U_K; then left to right from d_0 = x_n, d_k ~ softmax((U_k + W2 e(d_{k-1}, h_k)) / T)
-(greedy: argmax), reporting q_k, so verification stays lossless."""
+"""DSpark block drafting for the reference decoder (docs/design/algorithms.md section 5): ONE backbone
+forward over [x_n, MASK x (K - 1)] gives U_1..U_K; then d_k ~ softmax((U_k + W2 e(d_{k-1}, h_k)) / T) left
+to right (greedy: argmax), each q_k reported (lossless)."""
 
 from __future__ import annotations
 

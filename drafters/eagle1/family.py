@@ -1,8 +1,5 @@
-"""The EAGLE-1 family object registered in the catalog (docs/internals.md contract).
-
-The shared methods (resolve, config_of, with_settings, set_target_head, build, engine format,
-collate, proposer) are `DrafterFamilyBase`'s over the class attributes below; EAGLE-2
-(drafters/eagle2/family.py) subclasses this family with its own config and export."""
+"""The EAGLE-1 family object registered in the catalog (docs/internals.md contract); EAGLE-2
+(drafters/eagle2/family.py) subclasses it with its own config and export."""
 
 from __future__ import annotations
 

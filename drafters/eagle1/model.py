@@ -80,9 +80,8 @@ class Eagle1Model(nn.Module):
 
     def forward(self, input_ids: Tensor, features: Tensor, attention_mask: Tensor,
                 position_ids: Tensor | None = None) -> Tensor:
-        """Teacher-forced pass: input_ids [B, T] (row t holds x_{t+1}, already shifted by the
-        objective), features [B, T, H] (row t holds f_t), attention_mask bool [B, T] (real
-        positions; causal over them) -> predicted features [B, T, H] (row t estimates f_{t+1})."""
+        """Teacher-forced pass: input_ids [B, T] (row t = x_{t+1}), features [B, T, H] (row t = f_t),
+        attention_mask bool [B, T] -> predicted features [B, T, H] (row t estimates f_{t+1})."""
         b, t = input_ids.shape
         pos = position_ids if position_ids is not None else torch.arange(t, device=input_ids.device).expand(b, t)
         out, _ = self._draft(input_ids, features, pos, ttt_attention_mask(attention_mask.to(torch.bool), 0), None)

@@ -1,11 +1,6 @@
-"""The EAGLE-2 family object registered in the catalog (docs/internals.md contract).
-
-Everything about the weights is EAGLE-1's and is inherited from `drafters.eagle1.family`
-(model, objective, collate, layout, frozen target pieces); this family adds the tree: its
-config carries the tree shape (`Eagle2Config`), `tree_config` / `tree_proposer` are the optional
-`TreeDrafterFamily` methods (drafters/common/tree.py) the reference evaluation uses, and
-its engine format records family "eagle2" and the tree SGLang drafts (`Eagle2ExportConfig`).
-`proposer` stays the EAGLE-1 chain (what vLLM serves for this family)."""
+"""The EAGLE-2 family object registered in the catalog (docs/internals.md contract): EAGLE-1's weights,
+model and objective, plus the tree (`Eagle2Config`, `tree_config` / `tree_proposer`, an engine format
+that records the tree SGLang drafts); `proposer` stays the EAGLE-1 chain vLLM serves."""
 
 from __future__ import annotations
 

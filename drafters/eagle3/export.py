@@ -220,9 +220,8 @@ def export_eagle3(state_dict: Mapping[str, Tensor], cfg: Eagle3ExportConfig, out
                   fmt: str = "native", *, verifier: str | None = None, speculative_tokens: int = 3,
                   verifier_architectures: Sequence[str] = (), dtype: torch.dtype | None = None,
                   meta: Mapping[str, Any] | None = None) -> Path:
-    """Write `out_dir` in format `fmt` ("native" or "speculators"); returns the directory. `verifier`
-    (the target's path or HF id) is what `vllm serve <speculators dir>` loads as the target; `meta`
-    goes to `verl_speco_meta.json`."""
+    """Write `out_dir` in format `fmt` ("native" or "speculators"); `verifier` (the target's path or HF id)
+    is what `vllm serve <speculators dir>` loads as the target."""
     tensors = engine_tensors(state_dict, cfg, fmt, dtype)
     dtype_name = written_dtype(tensors)
     if fmt == "native":

@@ -65,9 +65,7 @@ def _cat_kv(before: KV | None, new: KV) -> KV:
 
 
 class Eagle3Backbone(nn.Module, Generic[ConfigT]):
-    """The EAGLE-3 draft's modules and its layer stack, generic in the config: EAGLE-3's
-    (`Eagle3Model` adds the training-time-test unroll and chain drafting) or P-EAGLE's
-    (drafters/peagle/model.py adds `mask_hidden` and the parallel element forward)."""
+    """The EAGLE-3 draft's modules and layer stack, generic in the config (EAGLE-3's or P-EAGLE's)."""
 
     d2t: Tensor
     t2d: Tensor
@@ -153,10 +151,8 @@ class Eagle3Model(Eagle3Backbone[Eagle3Config]):
 
     def forward(self, step_input_ids: Tensor, aux_hidden: Tensor, attention_mask: Tensor,
                 position_ids: Tensor | None = None) -> list[Tensor]:
-        """Training-time test unroll over S steps -> S draft logits [B, T, Vd].
-
-        step_input_ids: int64 [S, B, T] (step j row t holds x_{t+1+j}); aux_hidden: [B, T, k*H_t] (row t
-        = f_t); attention_mask: bool [B, T]; position_ids: [B, T] (default 0..T-1)."""
+        """Training-time test unroll -> S draft logits [B, T, Vd]: step_input_ids int64 [S, B, T] (step j
+        row t = x_{t+1+j}), aux_hidden [B, T, k*H_t] (row t = f_t), attention_mask bool [B, T]."""
         return [self.lm_head(x) for x in self.unroll(step_input_ids, aux_hidden, attention_mask, position_ids)]
 
     @torch.no_grad()

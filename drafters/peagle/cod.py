@@ -138,9 +138,8 @@ def cod_sample(target_valid: Tensor, document: Tensor, num_depths: int, ratio: f
 
 
 def chain_layout(num_rows: int, num_depths: int, device: torch.device | str = "cpu") -> CODLayout:
-    """One sequence of `num_rows` = n verified rows plus the mask slots (n - 1, 1..K-1): the layout
-    of one parallel-drafting forward (inference), in the training layout's terms. The sequence
-    has n + 1 positions (x_0..x_n: row n - 1 reads x_n), position n anchors no element."""
+    """One sequence of n verified rows plus the mask slots (n - 1, 1..K-1): one parallel-drafting forward
+    (inference) in the training layout's terms; position n anchors no element."""
     if num_rows < 1 or num_depths < 1:
         raise ValueError(f"chain_layout: need num_rows >= 1 and num_depths >= 1, got {num_rows}, {num_depths}")
     anchor = torch.cat([torch.arange(num_rows), torch.full((num_depths - 1,), num_rows - 1)])
@@ -180,10 +179,8 @@ def cod_attention_mask(layout: CODLayout, q_index: Tensor | None = None,
 
 def cod_structured_mask(layout: CODLayout, q_index: Tensor | None = None,
                         kv_index: Tensor | None = None) -> BlockGatherMask:
-    """`cod_attention_mask` with its structure for the CPU fast path (common/attention.py
-    `block_gather_sdpa`): the first T key columns are the depth-0 elements (the dense block), the rest
-    of a query's keys its own chain (at most K - 1, gathered). A padding query with no visible key is
-    given key 0, so no softmax row is empty."""
+    """`cod_attention_mask` with its structure for the CPU fast path (`block_gather_sdpa`): the first T
+    key columns (depth 0) as the dense block, a query's own chain gathered; padding queries see key 0."""
     b, n = layout.anchor.shape
     t, k = layout.seq_len, int(layout.counts.shape[1])
     dev = layout.anchor.device
@@ -215,9 +212,8 @@ def cod_structured_mask(layout: CODLayout, q_index: Tensor | None = None,
 
 
 def segment_indices(layout: CODLayout, num_segments: int) -> list[Tensor]:
-    """Sequence partitioning: the depth >= 1 elements split by anchor into `num_segments` equal anchor
-    ranges; per segment an int64 [B, Ns] table of element ids (-1 = padding), empty ones dropped. A
-    chain shares one anchor, so a segment needs only its own keys plus the depth-0 keys."""
+    """Sequence partitioning: the depth >= 1 elements split into `num_segments` anchor ranges, per segment
+    an int64 [B, Ns] table of element ids (-1 = padding), empty ones dropped."""
     if num_segments < 1:
         raise ValueError(f"num_segments: got {num_segments}, expected >= 1")
     t = layout.seq_len

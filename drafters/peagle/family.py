@@ -1,7 +1,5 @@
-"""The P-EAGLE family object registered in the catalog (docs/internals.md contract).
-
-EAGLE-3's family (drafters/eagle3/family.py) with P-EAGLE's config, model, objective, export and
-proposer: the vocab selection, frozen target pieces, store layout and collation are EAGLE-3's."""
+"""The P-EAGLE family object registered in the catalog: EAGLE-3's family with P-EAGLE's config, model,
+objective, export and proposer."""
 
 from __future__ import annotations
 
