@@ -1,6 +1,5 @@
-"""Drafter families, their shared pieces and the reference speculative decoder.
-
-Imports only torch, safetensors, numpy and `feature_store`; never initialises CUDA."""
+"""Drafter families, their shared pieces and the reference speculative decoder (imports only torch,
+safetensors, numpy and `feature_store`; never initialises CUDA)."""
 
 from drafters.registry import available_families, get_family, known_families
 

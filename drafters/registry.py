@@ -1,10 +1,7 @@
 """The catalog: the one place a drafter family is registered (docs/design/architecture.md section 2).
-
-Families load lazily by import path (`import drafters.registry` imports no family code); engine method
-names are catalog data. A built-in family is one `CatalogEntry` in `BUILTIN`; another package's family
-registers through the entry-point group `ENTRY_POINT_GROUP` ("verl_speco_drafters", found in every
-process where it is installed) or `register_family(entry)` (docs/adding-a-family.md). `get_family`
-refuses a family that lacks a contract member, naming it (`FamilyContractError`)."""
+Families load lazily by import path; a built-in is one `CatalogEntry` in `BUILTIN`, another package's
+registers through the entry-point group `ENTRY_POINT_GROUP` or `register_family` (docs/adding-a-family.md);
+`get_family` refuses a family lacking a contract member (`FamilyContractError`)."""
 
 from __future__ import annotations
 
@@ -119,9 +116,8 @@ _discovered = False
 
 
 def register_family(entry: CatalogEntry) -> None:
-    """Add a family from another package to the catalog (module docstring). Registering the same
-    entry again is a no-op; another entry under a known name, a malformed name or an unknown
-    engine is refused naming it."""
+    """Add a family from another package to the catalog (idempotent); a different entry under a known name,
+    a malformed name or an unknown engine is refused naming it."""
     if not isinstance(entry, CatalogEntry):
         raise TypeError(f"register_family: got {type(entry).__name__}, expected a drafters.registry.CatalogEntry")
     if not re.fullmatch(NAME_PATTERN, entry.name):
@@ -156,9 +152,8 @@ def unregister_family(name: str) -> None:
 
 
 def discover_families() -> tuple[str, ...]:
-    """Register every family installed packages declare under `ENTRY_POINT_GROUP` (value
-    "module:ATTRIBUTE" of a `CatalogEntry` of the same name); returns the names found. One that fails
-    to load is remembered with its error, which a lookup of that name reports."""
+    """Register every family installed packages declare under `ENTRY_POINT_GROUP`; returns the names found.
+    One that fails to load is remembered, and a lookup of its name reports the error."""
     global _discovered
     _discovered = True
     found = []

@@ -1,14 +1,8 @@
-"""Reference speculative decoder (pure torch, one sequence, recompute without KV cache).
-
-Target: an HF-like module, `target(input_ids=[1, T], output_hidden_states=True)` -> `.logits` [1, T, V],
-`.hidden_states` (L + 1 of [1, T, H]). Drafter: any `Proposer` (common/contract.py). A round drafts
-d_1..d_k, runs one target pass over [x_0..x_n, d_1..d_k] (position n + i - 1 scores d_i, n + k gives the
-bonus), verifies (drafters/verify.py) and commits the accepted drafts plus one target token. Greedy mode
-reproduces greedy decoding exactly; sampling mode is lossless. Stats follow vLLM's counters.
-
-`tree_speculative_generate` (EAGLE-2): build_draft_tree, then ONE target pass over [x_0..x_n; nodes]
-with the tree mask and positions (C = n + 1; the target takes a 4-D additive `attention_mask`), the
-walk of drafters/verify.py, and the committed path's hidden states (a node row equals a causal pass)."""
+"""Reference speculative decoder (pure torch, one sequence, recompute without KV cache): an HF-like target
+(`.logits` [1, T, V], `.hidden_states`) and any `Proposer`; each round one target pass over
+[x_0..x_n, d_1..d_k], verification (drafters/verify.py), the accepted drafts plus one target token. Greedy
+mode reproduces greedy decoding exactly, sampling is lossless; stats follow vLLM's counters.
+`tree_speculative_generate` (EAGLE-2) verifies a whole tree in one target pass under the tree mask."""
 
 from __future__ import annotations
 
@@ -124,9 +118,8 @@ def speculative_generate(target: nn.Module, proposer: Proposer, prompt_ids: Tens
 @torch.no_grad()
 def target_tree_forward(target: nn.Module, token_ids: Tensor, mask: Tensor,
                         position_ids: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
-    """token_ids [T], mask bool [T, T] (True = may attend), position_ids [T] -> (logits [T, V]
-    float32, hidden_states: L + 1 tensors [T, H]). The mask goes in as a 4-D additive float mask
-    [1, 1, T, T] in the target's dtype (HF uses a 4-D mask unchanged)."""
+    """token_ids [T], mask bool [T, T], position_ids [T] -> (logits [T, V] float32, L + 1 hidden states
+    [T, H]), the mask passed as a 4-D additive float mask [1, 1, T, T] (HF uses it unchanged)."""
     param = next(target.parameters(), None)
     dtype = param.dtype if param is not None and param.is_floating_point() else torch.float32
     device = param.device if param is not None else torch.device("cpu")

@@ -1,15 +1,10 @@
 """Verification of a draft against the target: lossless speculative sampling (docs/design/algorithms.md section 0).
 
-Chains: draft_ids int64 [k] (target ids); draft_probs float [k, V] or None (greedy drafting: q one-hot,
-as vLLM); target rows [k + 1, V], row i scores draft token i, row k is the bonus. Returns (num_accepted
-in 0..k, next_token).
-
-Trees (EAGLE-2): token_ids / parents int64 [N]; target rows [N + 1, V], row 0 at the root, row 1 + i at
-node i. Returns (accepted path, next_token). Candidates are deterministic (top-k children; SafeAILab
-`evaluate_posterior`): children are tried in rank order with q one-hot, so child x is accepted with
-probability p(x); after a rejection p <- p with x zeroed and renormalised; if none is accepted
-next_token is drawn from the current p. This emits exactly the target's distribution (each candidate
-x_j with prod_{i<j}(1 - p_i(x_i)) * p_j(x_j) = p(x_j)); sampled candidates would need SpecInfer's scheme."""
+Chains: draft_ids int64 [k], draft_probs [k, V] or None (greedy drafting: q one-hot, as vLLM), target rows
+[k + 1, V] (row k the bonus) -> (num_accepted, next_token). Trees (EAGLE-2): token_ids / parents int64 [N],
+target rows [N + 1, V] (row 0 the root) -> (accepted path, next_token); deterministic top-k candidates are
+tried in rank order with q one-hot (SafeAILab `evaluate_posterior`), a rejected one zeroed out of p, which
+emits exactly the target's distribution (sampled candidates would need SpecInfer's scheme)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Accelerator probing and the per-device choices built on it: the only module that imports torch_npu.
-
-torch_npu is imported inside `_import_torch_npu` only: without CANN's libraries its import fails or
-leaves torch half patched, so any failure counts as "no NPU" and resolves to the CPU. Per device type
-("cuda", "npu", "cpu"): `collective_backend` (nccl | hccl | gloo), `collective_dtype` (HCCL has no float64
-all-reduce: float32 / int32 on npu), `set_current_device`, `ray_accelerator_options` and
-`local_accelerator_index` (ray itself is imported by verl_integration only)."""
+"""Accelerator probing and the per-device choices built on it (collective backend and dtype, device
+binding, Ray's accelerator request and index): the only module that imports torch_npu, and only inside
+`_import_torch_npu`, where any failure counts as "no NPU" (a broken CANN install resolves to the CPU)."""
 
 from __future__ import annotations
 
@@ -92,11 +88,9 @@ def ray_accelerator_options(device_type: str, count: float) -> dict[str, Any]:
 
 def local_accelerator_index(device_type: str, accelerator_ids: Mapping[str, Sequence[str]],
                             environ: Mapping[str, str]) -> int:
-    """The torch index (cuda:i, npu:i) of the accelerator Ray assigned to this worker, from
-    `accelerator_ids` (`ray.get_runtime_context().get_accelerator_ids()`): the id's position in the
-    visible-devices variable when it is set (Ray narrows it, unless RAY_EXPERIMENTAL_NOSET_* as our NPU
-    launcher sets), else the id itself. Worked example, NPU id "5": narrowed to "5" -> 0; NOSET with
-    "4,5,6,7" -> 1; NOSET, unset -> 5. Several ids: the lowest."""
+    """The torch index (cuda:i, npu:i) of the accelerator Ray assigned to this worker: the id's position in
+    the visible-devices variable when set (Ray narrows it unless RAY_EXPERIMENTAL_NOSET_*), else the id.
+    Worked example, NPU id "5": narrowed to "5" -> 0; NOSET "4,5,6,7" -> 1; NOSET, unset -> 5."""
     if device_type not in RAY_RESOURCES:
         raise ValueError(f"device type: got {device_type!r}, expected one of {', '.join(RAY_RESOURCES)}")
     resource, variable = RAY_RESOURCES[device_type], VISIBLE_DEVICES[device_type]

@@ -1,11 +1,6 @@
-"""Attention core with two backends over one mask function.
-
-- `sdpa`: `scaled_dot_product_attention` with the dense bool mask of `AttentionMask.dense()`; everywhere.
-- `flex`: flex attention with a `BlockMask` from the same function; compiled on CUDA, uncompiled and
-  forward-only on CPU (torch 2.13 has no CPU backward).
-- `auto`: flex on CUDA, sdpa elsewhere (torch_npu has no flex kernel, so flex is refused on NPUs).
-Shapes: q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] (Hq a multiple of Hkv) -> [B, Hq, Tq, D]; `mask=None`
-means every query sees every key."""
+"""Attention core over one mask function: `sdpa` (the dense mask, everywhere), `flex` (a `BlockMask` from the
+same function; compiled on CUDA, forward-only on CPU) and `auto` (flex on CUDA, else sdpa; torch_npu has no
+flex kernel). q [B, Hq, Tq, D], k/v [B, Hkv, Tk, D] (Hq a multiple of Hkv) -> [B, Hq, Tq, D]."""
 
 from __future__ import annotations
 
@@ -59,9 +54,8 @@ def _compiled_flex() -> Callable[..., Any]:
 
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, mask: AttentionMask | None) -> Tensor:
-    """Compiled, with contiguous q/k/v and every length and captured size marked dynamic, so one graph
-    per mask function serves every length, TTT step, offset and block size (benchmarks/flex_compiles.py
-    counts them)."""
+    """Compiled, contiguous q/k/v, lengths and captured sizes dynamic: one graph per mask function for every
+    length, step, offset and block size (benchmarks/flex_compiles.py counts them)."""
     gqa = q.shape[1] != k.shape[1]
     mask_mod = None if mask is None else mask.mask_mod
     batch = q.shape[0] if mask is None else mask.batch
@@ -153,9 +147,8 @@ def _slot_scores(qg: Tensor, kd: Tensor, dbias: Tensor | None, scale: float) -> 
 
 
 class _TTTAttention(torch.autograd.Function):
-    """Softmax attention of q [B, Hq, Tq, D] over flash-attention key blocks (`tensors`: k, v
-    [B, Hkv, Tk, D], additive mask or None per block; `causal` flags) plus J own keys per query
-    (kd/vd [B, Hkv, Tq, J, D], dbias [B, 1, Tq, J] 0 / -inf). Returns [B, Hq, Tq, D]."""
+    """Softmax attention of q [B, Hq, Tq, D] over flash key blocks (k, v [B, Hkv, Tk, D], mask or None,
+    causal flag each) plus J own keys per query (kd/vd [B, Hkv, Tq, J, D], dbias [B, 1, Tq, J])."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, kd: Tensor, vd: Tensor, dbias: Tensor | None, scale: float,

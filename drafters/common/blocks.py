@@ -1,16 +1,11 @@
 """Numerics for block drafting (DFlash, DSpark, Domino; docs/design/algorithms.md sections 4-6).
-
-Layout: the context (target features, RoPE positions 0..n-1), then `num_blocks` blocks of B rows
-flattened block-major (row q is block q // B, slot q % B); block b sits at positions a_b .. a_b + B - 1.
-Keys are [context ; all blocks]. A block sees the context before its anchor and all of its own block
-(non-causal), never another block; a padding block sees only itself (no empty softmax row, no loss).
-Worked example, ctx_len 6, B 3, anchors (1, 3); 1 = may attend::
+The context (positions 0..n-1) then `num_blocks` blocks of B rows, block-major, block b at positions
+a_b .. a_b + B - 1; keys are [context ; all blocks]. A block sees the context before its anchor and its own
+block (non-causal), never another; a padding block only itself. Worked example, ctx_len 6, B 3, anchors (1, 3)::
 
                  context      block 0   block 1
     rows 0-2:   1 0 0 0 0 0    1 1 1     0 0 0      (a_0 = 1: context position 0 only)
-    rows 3-5:   1 1 1 0 0 0    0 0 0     1 1 1      (a_1 = 3: context positions 0, 1, 2)
-
-Sequences are right-padded and a + B <= length, so every context key before an anchor is real."""
+    rows 3-5:   1 1 1 0 0 0    0 0 0     1 1 1      (a_1 = 3: context positions 0, 1, 2)"""
 
 from __future__ import annotations
 

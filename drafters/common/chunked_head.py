@@ -82,9 +82,8 @@ def chunked_rows(fn: RowFn, rows: Sequence[Tensor], chunk_rows: int) -> tuple[Te
 
 
 def head_weight(weight: Tensor, like: Tensor) -> Tensor:
-    """A frozen head weight [V, H] (no grad) in the dtype its matmul with the float rows `like` runs in
-    (autocast's dtype when autocast is on and like is float32 or that dtype, else like's dtype), cast
-    once per loss: same logits as `like @ weight.to(like.dtype).T`, without a float32 copy of a bf16 head."""
+    """A frozen head weight [V, H] (no grad) cast once per loss to the dtype its matmul with `like` runs in
+    (autocast's, or like's): the same logits without a float32 copy of a bf16 head."""
     dtype = like.dtype
     device = like.device.type
     if torch.is_autocast_enabled(device) and like.dtype in (torch.float32, torch.get_autocast_dtype(device)):
@@ -138,9 +137,8 @@ def topk_ids(logits: Tensor, k: int) -> Tensor:
 
 def draft_vocab_targets(head: Callable[[Tensor], Tensor], hidden: Tensor, t2d: Tensor,
                         chunk_rows: int) -> tuple[Tensor, Tensor]:
-    """The frozen target head's outputs EAGLE-3 / P-EAGLE need, one [chunk, V] logits alive at a time
-    (no grad): hidden [N, H], t2d bool [V] -> (argmax over V, int64 [N]; `target_probs` of the
-    draft-vocab logits for the rows whose argmax is in the draft vocab, [count, Vd], row order)."""
+    """What EAGLE-3 / P-EAGLE need of the frozen target head, chunk by chunk (no grad): hidden [N, H], t2d
+    bool [V] -> (argmax int64 [N], the draft-vocab `target_probs` [count, Vd] of rows whose argmax is in it)."""
     check_chunk_rows(chunk_rows)
     args, probs = [], []
     with torch.no_grad():

@@ -1,9 +1,6 @@
-"""Pad feature-store samples into a right-padded training batch.
-
-Samples (input_ids [T_i], loss_mask [T_i], aux_hidden [T_i, k*H], last_hidden [T_i, H], optional 0-dim
-scalars) -> per-token fields [B, T, ...] (T = max T_i rounded up to `pad_to_multiple_of`; padding
+"""Pad feature-store samples into a right-padded batch: per-token fields [B, T, ...] (padding
 `PAD_VALUES[name]` or 0, so padded rows carry no loss), scalars [B], attention_mask bool [B, T] and
-lengths int64 [B]. `check_batch` is every objective's first check of such a batch."""
+lengths int64 [B]; `check_batch` is every objective's first check of such a batch."""
 
 from __future__ import annotations
 

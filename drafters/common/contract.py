@@ -62,9 +62,8 @@ class Proposal:
 
     @classmethod
     def drawn(cls, logits: Tensor, sampling: SamplingParams, generator: torch.Generator | None = None) -> Proposal:
-        """The proposal of K slots drafted in one forward, each drawn independently from its own
-        distribution: logits [K, V] (target vocab) -> the argmax when `sampling.greedy`, else one
-        sample per slot from q = `logits_to_probs(logits)`, with q reported (lossless: each d_k ~ q_k)."""
+        """The proposal of K slots drafted in one forward from logits [K, V]: the argmax when greedy, else one
+        independent sample per slot from q = `logits_to_probs(logits)`, q reported (lossless)."""
         if sampling.greedy:
             return cls(logits.argmax(-1).long().cpu(), None)
         q = logits_to_probs(logits, sampling)  # [K, V]
@@ -79,9 +78,8 @@ class Proposer(Protocol):
 
 
 class EngineFormat(Protocol):
-    """The engine side of one family's draft. `to_dict()` is JSON naming the family and
-    `drafters.registry.engine_format_from_dict` rebuilds it: how a publish manifest tells a rollout
-    server what it receives."""
+    """The engine side of one family's draft; `to_dict()` (JSON naming the family) is how a publish manifest
+    tells a rollout server what it receives (`drafters.registry.engine_format_from_dict`)."""
 
     family: ClassVar[str]
 

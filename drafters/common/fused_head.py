@@ -84,10 +84,9 @@ class _FusedHeadLoss(torch.autograd.Function):
 def fused_head_loss(hidden: Tensor, target_hidden: Tensor, weight: Tensor, target_weight: Tensor,
                     markov: Tensor | None, bias: Tensor | None, row_loss: RowLoss,
                     chunk_rows: int) -> tuple[Tensor, tuple[Tensor, ...]]:
-    """(sum over chunks of row_loss(z, t, start, stop)[0], the per-row outputs [1] concatenated, no grad).
-    hidden [N, H] and markov e [N, r] (may need grad), target_hidden [N, H] (no grad), weight [V, H] the
-    FROZEN head, target_weight the same in target_hidden's dtype, bias B [r, V] or None. row_loss gets z
-    [n, V] (float32 leaf), t [n, V] and [start, stop); its loss must depend on z row-wise only."""
+    """(sum over chunks of row_loss(z, t, start, stop)[0], per-row outputs concatenated): hidden [N, H] and
+    markov [N, r] may need grad, target_hidden [N, H] does not, weight [V, H] is the FROZEN head, bias
+    B [r, V] or None; z [n, V] is a float32 leaf and the loss must depend on it row-wise only."""
     check_chunk_rows(chunk_rows)
     if weight.requires_grad or target_weight.requires_grad:
         raise ValueError("fused_head_loss: the head weight must not require grad (frozen head only)")

@@ -1,17 +1,13 @@
-"""Attention masks as mask functions (one definition serves SDPA and flex attention: `AttentionMask.dense()`
-broadcasts to bool [B, 1, Tq, Tk]; captured sizes are tensors, `int_scalar`, so one flex graph serves every
-offset) and the left shift used by every training-time alignment.
-
-EAGLE-3 TTT mask: at step j the keys are steps 0..j, T each (kv = i * T + s). Query row t sees the real
-step-0 keys s <= t and the step-i keys (1 <= i <= j) at s == t. Worked example, T = 4, j = 2::
+"""Attention masks as mask functions (one definition serves SDPA through `AttentionMask.dense()` and flex
+attention; captured sizes are tensors, so one flex graph serves every offset) and the left shift.
+EAGLE-3 TTT mask: at step j the keys are steps 0..j, T each; row t sees the real step-0 keys s <= t and
+the step-i keys at s == t (its own position, so a padded row is never empty). T = 4, j = 2::
 
             step-0 keys   step-1 keys   step-2 keys
     row 0:   1 0 0 0       1 0 0 0       1 0 0 0
     row 1:   1 1 0 0       0 1 0 0       0 1 0 0
     row 2:   1 1 1 0       0 0 1 0       0 0 1 0
-    row 3:   1 1 1 1       0 0 0 1       0 0 0 1
-
-Each query keeps its own position, so a padded row (`key_valid` False, no loss) is never empty."""
+    row 3:   1 1 1 1       0 0 0 1       0 0 0 1"""
 
 from __future__ import annotations
 

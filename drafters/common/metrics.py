@@ -65,9 +65,8 @@ def simulated_acceptance_length(step_correct: Tensor, step_valid: Tensor,
 
 
 def reachable_chain_counts(draftable: list[bool], k: int) -> tuple[int, int]:
-    """(accepted draft tokens, drafts) of a greedy k-chain decode of one known response by the best
-    draft that cannot propose tokens marked not `draftable` beyond the first draft position: an upper
-    bound on what any draft makes on it. draftable[i] is per response token (eos included)."""
+    """(accepted draft tokens, drafts) of a greedy k-chain decode of a known response by the best draft
+    that cannot propose tokens not `draftable` past the first draft position: an upper bound."""
     if k < 1:
         raise ValueError(f"k: got {k}, expected >= 1")
     accepted = drafts = 0
@@ -87,9 +86,8 @@ TOP_K = 5  # block_row_metrics' top-k accuracy
 
 def block_row_metrics(top: Tensor, labels: Tensor, draft_pos: Tensor, row_loss: Tensor,
                       num_positions: int) -> dict[str, tuple[Tensor, Tensor]]:
-    """Diagnostics of a block drafter's loss rows as (sum, count) pairs (DFlash, DSpark, Domino):
-    acc, top5, valid_tokens, and per position j acc_pos{j} / loss_pos{j}. top int64 [N, k], labels
-    int64 [N], draft_pos int64 [N] (1-based position in the block), row_loss [N]."""
+    """Diagnostics of a block drafter's loss rows as (sum, count) pairs: acc, top5, valid_tokens and per
+    position j acc_pos{j} / loss_pos{j}; top int64 [N, k], labels, draft_pos (1-based), row_loss [N]."""
     with torch.no_grad():
         n = torch.tensor(float(labels.numel()), device=labels.device)
         hit1 = (top[:, 0] == labels).float()

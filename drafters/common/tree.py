@@ -1,11 +1,7 @@
-"""EAGLE-2 dynamic draft trees (docs/design/algorithms.md section 2): the tree, its attention mask and
-positions, the `TreeProposer` / `TreeDrafterFamily` protocols, and expand + rerank.
-
-The ROOT is x_n, the last committed token. N draft nodes in topological order: `token_ids`,
-`parents` (-1 = root), `depths` (1 = child of the root), each int64 [N]. A forward over a tree
-lays out [C context rows; N node rows]: context rows are causal, node i sees every context row,
-its ancestors and itself; its position is C + depths[i] - 1. The target verifies with C = n + 1,
-an EAGLE draft uses C = n. Worked example, C = 2 (x0, x1 = root), 4 nodes:
+"""EAGLE-2 dynamic draft trees (docs/design/algorithms.md section 2): the tree, its mask and positions, the
+`TreeProposer` / `TreeDrafterFamily` protocols, and expand + rerank. N nodes in topological order
+(`token_ids`, `parents` -1 = the root x_n, `depths`, int64 [N]) after C context rows (target: C = n + 1,
+EAGLE draft: C = n); node i sees the context, its ancestors and itself, at position C + depths[i] - 1:
     root x1 ── a(0) ── c(2)                token_ids = [a, b, c, d]
             │        └─ d(3)               parents   = [-1, -1, 0, 0]
             └─ b(1)                        depths    = [1, 1, 2, 2]
@@ -17,8 +13,7 @@ mask (rows = queries, columns = keys)     positions = [0, 1, 2, 2, 3, 3]
       b :   1  1  0  1  0  0               (b does not see its sibling a)
       c :   1  1  1  0  1  0
       d :   1  1  1  0  0  1               (d does not see its sibling c)
-so the row of d equals the last row of a causal pass over [x0, x1, a, d] at positions 0..3.
-HF targets take it as an additive float mask [1, 1, T, T] (`additive_mask`) with position_ids [1, T]."""
+so d's row equals the last row of a causal pass over [x0, x1, a, d]; HF takes it as `additive_mask`."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""DFlash draft export for vLLM (`method="dflash"`) and SGLang (`DFLASH`), its check, and the reader.
-
-One format, `native`: `config.json` + `model.safetensors` + `verl_speco_meta.json`
-(docs/design/engines.md sections 2.4 and 4.5). The tensors are exactly the `DFlashDraft` parameters,
-never the target's embedding or head nor `mask_hidden` (vLLM asserts); the config never carries an
-`eagle_config` dict, which vLLM V1 lets override the DFlash layer ids silently. K rule: a model
-trained with block B is served with `num_speculative_tokens = B - 1` (vLLM does not check it).
-`check_export(dir)` enforces all of this before any engine sees a directory."""
+"""DFlash draft export for vLLM (`method="dflash"`) and SGLang (`DFLASH`), its check, and the reader
+(docs/design/engines.md sections 2.4 and 4.5): exactly the `DFlashDraft` parameters (never the target's
+embedding or head, nor `mask_hidden`), never an `eagle_config` (vLLM V1 lets it override the layer ids
+silently); served with K = B - 1, which vLLM does not check. `check_export(dir)` enforces all of this."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
 """DFlash draft backbone (docs/design/algorithms.md section 4; z-lab `dflash/model.py`, vLLM `qwen3_dflash.py`).
-
-Parameter names are the engines' tensor names (drafters/dflash/export.py). The draft has no embedding
-or head of its own: the frozen target ones are the non-persistent buffers `target_embed_tokens` /
-`target_lm_head` (never saved). Forward, n context positions, nb blocks of B rows (common/blocks.py):
+No embedding or head of its own (the frozen target's are non-persistent buffers). n context positions,
+nb blocks of B rows (common/blocks.py):
     H_ctx = hidden_norm(fc(features))                          # [batch, n, H], fixed for all layers
     x = target_embed_tokens[anchor, MASK x (B - 1)]            # [batch, nb*B, H]
-    every layer: queries from the block rows, keys/values from [H_ctx ; rows], RoPE context 0..n-1,
-        block b at a_b..a_b+B-1; x += o_proj(block-masked attention); x += mlp(norm(x))
+    every layer: queries from the rows, keys/values from [H_ctx ; rows] under the block mask
     logits = target_lm_head(norm(x))                           # [batch, nb, B, V]"""
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""DFlash training objective (docs/design/algorithms.md section 4).
-
-Blocks [x_a, MASK x (B - 1)] at positions a..a+B-1 from sampled anchors (common/blocks.py); slot
-k >= 1 predicts its own token x_{a+k}, slot 0 carries no loss; weights w_k = exp(-(k - 1) / gamma):
+"""DFlash training objective (docs/design/algorithms.md section 4): blocks [x_a, MASK x (B - 1)] at
+sampled anchors, slot k >= 1 predicting its own token x_{a+k} with weight w_k = exp(-(k - 1) / gamma):
     valid[b, j, k] = anchor_valid[b, j] & k >= 1 & a_j + k < length & loss_mask[a_j + k]
-    loss = sum(w_k * CE * valid) / sum(w_k * valid)
-returned as one ObjectiveOutput term so the denominator can be all-reduced (common/losses.py)."""
+    loss = sum(w_k * CE * valid) / sum(w_k * valid)    (one ObjectiveOutput term)"""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""DFlash block drafting for the reference decoder, as vLLM's `DFlashProposer` does it (docs/design/engines.md section 2.4).
-
-ONE draft forward per round over [x_n, MASK x K] at positions n .. n + K (K <= block_size - 1), with the
-context features at 0..n-1 as extra keys; slot k predicts d_k at n + k. Worked example, n = 4, K = 3:
-the block [x_4, M, M, M] at positions 4..7 sees context rows 0..3; slots 1..3 give d_1..d_3. Sampled
-drafting draws each slot from its own q_k and reports q (lossless)."""
+"""DFlash block drafting for the reference decoder, as vLLM's `DFlashProposer` does it (docs/design/engines.md
+section 2.4): ONE forward over [x_n, MASK x K] at positions n..n + K over the context at 0..n-1; slot k
+gives d_k (n = 4, K = 3: [x_4, M, M, M] at 4..7 sees rows 0..3, slots 1..3 give d_1..d_3)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Domino training objective (docs/design/algorithms.md section 6; SpecForge `OnlineDominoModel`).
-
-Blocks [x_a, MASK x (B - 1)] at anchors a with valid[a] and valid[a + 1]; slot k = 0 .. B - 2 drafts
-x_{a+k+1} with GRU input t_k = x_{a+k} (teacher forcing), counted over the contiguous valid prefix
-(`blocks.next_token_prefix_mask`). Per counted row, w_k = exp(-k / gamma):
-    loss = sum(w * ((1 - lam) * CE(final_k) + lam * CE(U_k))) / sum(w),  lam = `curriculum_lambda`"""
+"""Domino training objective (docs/design/algorithms.md section 6; SpecForge `OnlineDominoModel`): slot
+k = 0 .. B - 2 drafts x_{a+k+1} (GRU input x_{a+k}), counted over the contiguous valid prefix, w_k =
+exp(-k / gamma): loss = sum(w * ((1 - lam) CE(final_k) + lam CE(U_k))) / sum(w), lam = `curriculum_lambda`."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
 """DSpark draft: the DFlash backbone + Markov head + confidence head (docs/design/algorithms.md section 5).
-
-Parameter names are the engines' (drafters/dspark/export.py). Row math, post-norm backbone hidden h [H],
-Markov predecessor x_prev:
-    U = target_lm_head(h)                                 # [V] base logits
+Per row, post-norm hidden h [H] and Markov predecessor x_prev:
     e = W1[x_prev]  (gated: sigmoid(gate_proj([h ; W1[x_prev]])) * W1[x_prev])   # [r]
-    draft logits = U + W2 e                               # [V]
-    confidence = sigmoid(proj([h ; e]))  (or proj(h))     # scalar
-`forward` stops before the vocab projection, which the objective runs chunk by chunk (`draft_logits`)."""
+    draft logits = target_lm_head(h) + W2 e                                       # [V]
+    confidence = sigmoid(proj([h ; e]))  (or proj(h))                              # scalar"""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""DSpark training objective (docs/design/algorithms.md section 5; DeepSpec loss).
-
-Blocks [x_a, MASK x (B - 1)] (B = gamma) at anchors a with valid[a] and valid[a + 1]; slot k's
-label is x_{a+k+1}, its Markov predecessor x_{a+k}, its target p_t = softmax(target_lm_head(
-last_hidden[a + k])); slot k counts over the contiguous valid prefix (`blocks.next_token_prefix_mask`).
-Per counted row, slot weight w_k = exp(-k / gamma):
+"""DSpark training objective (docs/design/algorithms.md section 5; DeepSpec loss). Slot k of a block at
+anchor a: label x_{a+k+1}, Markov predecessor x_{a+k}, target p_t from the target head at a + k, counted
+over the contiguous valid prefix; per counted row, weight w_k = exp(-k / gamma):
     ce   = CE(p_d, label)            (full, restricted or sampled: `ce_rows`)
     l1   = sum_v |p_d - p_t|         (= 2 TV, always over the full vocabulary)
     conf = BCE(c_k, 1 - 0.5 * l1)    (target detached; 0 without a confidence head)
@@ -54,10 +51,9 @@ def sampled_negatives(vocab: int, cfg: DSparkConfig, device: torch.device,
 
 def ce_rows(logits: Tensor, labels: Tensor, target_logits: Tensor, cfg: DSparkConfig,
             negatives: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Per-row CE [n] and candidate count [n] for one chunk: logits [n, V], labels int64 [n],
-    target_logits [n, V] (no grad). restricted: -z_y + logsumexp over the target's top ce_vocab plus
-    the label; sampled: -z_y + logsumexp([z_y, z_neg + log((V - 1) / n)]) over the shared negatives
-    (one that hits the row's label is dropped)."""
+    """Per-row CE [n] and candidate count [n] of one chunk (logits, target_logits [n, V], labels [n]):
+    full; restricted to the target's top ce_vocab plus the label; or sampled (shared negatives,
+    -z_y + logsumexp([z_y, z_neg + log((V - 1) / n)]))."""
     n_rows, vocab = logits.shape
     if cfg.ce_mode == "full":
         return hard_ce_rows(logits, labels), torch.full((n_rows,), float(vocab), device=logits.device)
@@ -81,10 +77,8 @@ def ce_rows(logits: Tensor, labels: Tensor, target_logits: Tensor, cfg: DSparkCo
 
 def head_loss(model: DSparkDraft, rows: DSparkRows, labels: Tensor, target_hidden: Tensor, negatives: Tensor | None,
               slot_w: Tensor, conf_ok: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The vocab-wide terms of the N rows, fused chunk by chunk (common/fused_head.py): hidden [N, H],
-    markov [N, r] or None, labels int64 [N], target_hidden [N, H], slot_w [N], conf_ok bool [N] ->
-    (sum of slot_w * (ce_weight * ce + l1_weight * l1) over the finite rows, differentiable; then per
-    row, no grad: ce, ce candidates, l1, the weighted term, top-5 ids [N, 5], finiteness)."""
+    """The vocab-wide terms of N rows, fused chunk by chunk: (sum of slot_w * (ce_weight * ce + l1_weight *
+    l1) over finite rows, differentiable; per row without grad: ce, candidates, l1, the term, top-5, finite)."""
     cfg = model.cfg
     head = head_weight(model.target_lm_head, rows.hidden)  # [V, H], cast once (if at all), not per chunk
     target_head = head if target_hidden.dtype == rows.hidden.dtype else head_weight(model.target_lm_head, target_hidden)

@@ -1,10 +1,7 @@
-"""EAGLE-1 draft export for vLLM (`method="eagle"`) and SGLang (`EAGLE`), its check, and the reader.
-
-One format, `native`: a one-layer Llama config (`architectures: ["LlamaForCausalLMEagle",
-"EagleLlamaForCausalLM"]`, docs/design/engines.md section 2.1) and exactly the tensors vLLM's
-`EagleLlamaForCausalLM` accepts plus `fc.bias` = zeros (vLLM drops it; SGLang's fc would otherwise keep
-a random bias). Never the input norm, final norm, head or embedding (`REFUSED`: vLLM raises, SGLang
-drops or misuses them). `check_export(dir)` enforces this before any engine sees a directory."""
+"""EAGLE-1 draft export for vLLM (`method="eagle"`) and SGLang (`EAGLE`), its check, and the reader: one
+`native` one-layer Llama directory (docs/design/engines.md section 2.1) with exactly the tensors vLLM's
+`EagleLlamaForCausalLM` accepts plus a zero `fc.bias` (SGLang's fc would keep a random one), never those
+in `REFUSED`; `check_export(dir)` enforces this before any engine sees a directory."""
 
 from __future__ import annotations
 

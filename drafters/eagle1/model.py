@@ -1,12 +1,8 @@
-"""EAGLE-1 draft model (docs/design/algorithms.md section 1; vLLM `llama_eagle.py`, SGLang `llama_eagle.py`).
-
-Parameter names are the export contract (drafters/eagle1/export.py); no input norm, final norm or own
-head: the frozen target LM head is the non-persistent buffer `target_lm_head` [V, H]. One step, row t:
+"""EAGLE-1 draft model (docs/design/algorithms.md section 1; vLLM and SGLang `llama_eagle.py`): no input norm,
+final norm or head of its own (the frozen target head is the buffer `target_lm_head`). Row t:
     x = fc(cat[embed(x_{t+1}), f_t])                 # [.., H]; EMBEDDING FIRST (vLLM's order)
-    h = x + self_attn(x)                              # no input norm on layer 0
-    f^_{t+1} = h + mlp(post_attention_layernorm(h))   # no final norm (vLLM: hidden + residual)
-    draft logits = target_lm_head(f^_{t+1})           # [.., V]
-`f^_{t+1}` is the regression output and the feature fed back at the next drafting step."""
+    f^_{t+1} = h + mlp(post_attention_layernorm(h)), h = x + self_attn(x)
+    draft logits = target_lm_head(f^_{t+1})           # [.., V]; f^ is also fed back at the next step"""
 
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """EAGLE-1 batch preparation and training objective (docs/design/algorithms.md section 1; SafeAILab
-`eagle/train/main.py`).
-
-Row t: input token x_{t+1}, input feature f_t (post-norm last hidden), target f_{t+1}; row mask =
-loss_mask[t] & real(t) & real(t + 1) (SafeAILab's; EAGLE-3 here reads the mask at the input token).
-Worked example, tokens [x0, x1, x2, x3, pad], loss_mask [0, 1, 1, 1, 0]:
+`eagle/train/main.py`). Row t: input token x_{t+1}, feature f_t, target f_{t+1}, mask loss_mask[t] &
+real(t) & real(t + 1). Worked example, tokens [x0, x1, x2, x3, pad], loss_mask [0, 1, 1, 1, 0]:
     input ids      [x1, x2, x3, 0,  0]
     input features [f0, f1, f2, f3, 0]
     targets        [f1, f2, f3, 0,  0]
     row mask       [0,  1,  1,  0,  0]   (row 0: prompt token; row 3: no f4)
-Loss over the N masked rows: value_weight * sum SmoothL1(f^, f) / N + prob_weight * sum
-CE_soft(head(f), head(f^)) / N, head the frozen target LM head (2 ObjectiveOutput terms). Training
-adds (U[0,1) - 0.5) * feature_noise * 512 / len to the input features, from the caller's generator."""
+Loss: value_weight * SmoothL1(f^, f) + prob_weight * CE_soft(head(f), head(f^)), each over the masked
+rows; training adds uniform noise to the input features (`feature_noise`)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""EAGLE-1 chain drafting for the reference decoder, as vLLM's EAGLE proposer does it (`method="eagle"`).
-
-Prefill rows t = 0..n-1 pair embed(x_{t+1}) with f_t at position t; the last row's predicted feature
-f^_n gives d_1. Step i >= 2 pairs embed(d_{i-1}) with the previous step's OWN predicted feature at the
-next position. Worked example, n = 3: prefill (x1, f0), (x2, f1), (x3, f2) -> f^_3 -> d_1; step 2 pairs
-(d_1, f^_3) at position 3 -> d_2. Recomputed each round (no draft KV cache across rounds).
-Tree drafting (`expand`, EAGLE-2): node rows pair embed(token) with the parent's predicted feature at
-position n + depth - 1, under the tree mask."""
+"""EAGLE-1 chain drafting for the reference decoder, as vLLM's EAGLE proposer does it: prefill rows pair
+embed(x_{t+1}) with f_t, then each step pairs embed(d_{i-1}) with the previous step's OWN predicted
+feature (n = 3: (x1, f0), (x2, f1), (x3, f2) -> f^_3 -> d_1; (d_1, f^_3) at position 3 -> d_2).
+`expand` (EAGLE-2) pairs each node's token with its parent's predicted feature under the tree mask."""
 
 from __future__ import annotations
 

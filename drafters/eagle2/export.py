@@ -1,8 +1,6 @@
-"""EAGLE-2 engine format: the EAGLE-1 export (same `config.json`, tensors and check) with family
-"eagle2" and the tree shape recorded. vLLM 0.32 has no tree (docs/design/engines.md section 2.2), so it
-serves the EAGLE-1 chain; SGLang serves the tree (section 4.1) with `speculative_eagle_topk` = top_k,
-`speculative_num_steps` = depth, `speculative_num_draft_tokens` = total_tokens + 1, set explicitly
-(SGLang's automatic choice for Qwen3 is a chain)."""
+"""EAGLE-2 engine format: the EAGLE-1 export with family "eagle2" and the tree shape recorded; vLLM 0.32
+serves the EAGLE-1 chain (docs/design/engines.md section 2.2), SGLang the tree (section 4.1), its sizes set
+explicitly (SGLang's automatic choice for Qwen3 is a chain)."""
 
 from __future__ import annotations
 

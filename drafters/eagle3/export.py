@@ -1,14 +1,8 @@
-"""EAGLE-3 draft export in the engines' formats, and the reader for the round trip.
-
-- `native`: `LlamaForCausalLMEagle3` as vLLM (`method="eagle3"`) and SGLang (`EAGLE3`) load it, weights
-  in training names (vLLM renames `midlayer.` to `layers.0.` itself). Extra layers `layers.<n>.*` load
-  in vLLM only; SGLang serves one-layer drafts (verl_speco/engines/sglang_contract.py).
-- `speculators`: the vllm-project/speculators layout, weights under `layers.0.*`; vLLM only.
-Aux layer ids are written twice in `native`: vLLM's top-level `eagle_aux_hidden_state_layer_ids`
-(internal ids) and SGLang's `eagle_config` copy (output of layer i = internal - 1). Example, internal
-(2, 4, 5): top-level [2, 4, 5], eagle_config [1, 3, 4]; strictly increasing, the order `fc` was trained on.
-Vocab map: `d2t[i]` is an int64 OFFSET (target id = i + d2t[i]), `t2d` bool [V]; both omitted for a full
-draft vocab. `embed_tokens.weight` is never exported (both engines share the target's)."""
+"""EAGLE-3 draft export in the engines' formats, and the reader for the round trip: `native`
+(`LlamaForCausalLMEagle3` for vLLM and SGLang, training names) and `speculators` (vLLM only).
+Aux layer ids are written twice in `native`: vLLM's top-level ids (internal) and SGLang's `eagle_config`
+(internal - 1), e.g. internal (2, 4, 5) -> [2, 4, 5] and [1, 3, 4]. Vocab map: `d2t[i]` int64 OFFSETS
+(target id = i + d2t[i]) and `t2d` bool [V], omitted for a full vocab; never `embed_tokens.weight`."""
 
 from __future__ import annotations
 

@@ -1,12 +1,8 @@
-"""EAGLE-3 draft model (docs/design/algorithms.md section 3; vLLM `llama_eagle3.py`, SafeAILab `cnets.py`).
-
-Parameter names are the export contract (vLLM/SGLang `LlamaForCausalLMEagle3`). The frozen target LM
-head for training targets is the non-persistent buffer `target_lm_head` [V, H]: never saved.
-One layer, from h (features) and e (token embeddings):
+"""EAGLE-3 draft model (docs/design/algorithms.md section 3; vLLM `llama_eagle3.py`, SafeAILab `cnets.py`);
+the frozen target head for training targets is the buffer `target_lm_head`. One layer, h features, e embeddings:
     x = cat[input_layernorm(e), hidden_norm(h)]            # [B, T, 2H]
-    h' = h + self_attn(x); out = h' + mlp(post_attention_layernorm(h'))   # pre-norm output
-    logits = lm_head(norm(out))                            # [B, T, Vd]
-`out` is the next step's h; the first step's h is fc(aux)."""
+    h' = h + self_attn(x); out = h' + mlp(post_attention_layernorm(h'))   # pre-norm, the next step's h
+    logits = lm_head(norm(out))                            # [B, T, Vd]; the first step's h is fc(aux)"""
 
 from __future__ import annotations
 
@@ -127,9 +123,8 @@ class Eagle3Model(Eagle3Backbone[Eagle3Config]):
 
     def unroll(self, step_input_ids: Tensor, aux_hidden: Tensor, attention_mask: Tensor,
                position_ids: Tensor | None = None, row_start: list[int] | None = None) -> list[Tensor]:
-        """Training-time test unroll over S steps; step j's post-norm hidden is [B, T - row_start[j], H]
-        for rows row_start[j]..T-1. row_start: non-decreasing, row_start[0] == 0 (later steps attend to
-        step 0's keys); the caller skips only rows no loss needs, so computed rows are unchanged."""
+        """Training-time test unroll: step j's post-norm hidden [B, T - row_start[j], H]; rows before
+        row_start[j] (non-decreasing, row_start[0] == 0) are ones no loss needs, so results are unchanged."""
         steps, b, t = step_input_ids.shape
         starts = [0] * steps if row_start is None else list(row_start)
         if len(starts) != steps or starts[0] != 0 or any(not 0 <= s < t for s in starts) or \

@@ -1,12 +1,8 @@
-"""EAGLE-3 batch preparation and training objective (docs/design/algorithms.md section 3).
-
-Targets live at unshifted positions p: the distribution softmax(target_lm_head(last_hidden[p])[t2d])
-(predicts x_{p+1}), masked by position_mask[p] = loss_mask & attention_mask & t2d[argmax]. TTT step j,
-row t reads p = t + 1 + j, so inputs, targets and masks are shifted left by 1 + j (zero-filled).
-Worked example, T = 4, tokens [x0, x1, x2, x3], loss_mask [0, 1, 1, 1]:
-    step 0: ids [x1, x2, x3, 0], targets [P1, P2, P3, -], mask [1, 1, 1, 0]
+"""EAGLE-3 batch preparation and training objective (docs/design/algorithms.md section 3). Targets live at
+unshifted positions p (the target's draft-vocab distribution after x_p, masked by loss_mask & attention_mask
+& t2d[argmax]); TTT step j, row t reads p = t + 1 + j, so all three are shifted left by 1 + j. Example:
+    step 0: ids [x1, x2, x3, 0], targets [P1, P2, P3, -], mask [1, 1, 1, 0]   (loss_mask [0, 1, 1, 1])
     step 1: ids [x2, x3, 0, 0],  targets [P2, P3, -, -],  mask [1, 1, 0, 0]
-The mask reads loss_mask at p, the row's input token (SafeAILab/SpecForge read loss_mask[t + j]).
 Loss = sum_j ttt_decay^j * L_j / (masked rows of step j), L_j the soft CE summed over masked rows."""
 
 from __future__ import annotations
@@ -30,9 +26,8 @@ REQUIRED_FIELDS = ("input_ids", "loss_mask", "aux_hidden", "last_hidden")
 
 @dataclass
 class Eagle3Targets:
-    """Position-level (unshifted) targets: target_argmax int64 [B, T] (0 off the loss rows); position_mask
-    bool [B, T]; probs float32 [P, Vd], the target distribution over the draft vocab at the P masked
-    positions (row order of `position_mask.nonzero()`), computed once; prob_row int64 [B, T] (-1 off mask)."""
+    """Position-level (unshifted) targets: target_argmax int64 [B, T], position_mask bool [B, T], probs
+    float32 [P, Vd] at the P masked positions (computed once), prob_row int64 [B, T] (-1 off mask)."""
 
     target_argmax: Tensor
     position_mask: Tensor
@@ -83,9 +78,8 @@ def soft_ce_head(model: Eagle3Backbone[Any], hidden: Tensor, probs: Tensor, prob
 
 
 def needed_row_starts(position_mask: Tensor, steps: int) -> list[int]:
-    """First row each TTT step must compute: step j needs row t iff some position t+1+i (j <= i < S)
-    carries loss; step 0 always starts at 0 (its keys serve every later query). Worked example, S = 2,
-    position_mask [[0, 0, 0, 1, 1, 0]] -> [0, 1]; a batch without loss rows gives T - 1."""
+    """First row each TTT step must compute (step j needs row t iff a position t+1+i, i >= j, carries loss;
+    step 0 starts at 0). Worked example, S = 2, position_mask [[0, 0, 0, 1, 1, 0]] -> [0, 1]."""
     t = position_mask.shape[1]
     needed = torch.zeros_like(position_mask, dtype=torch.bool)
     starts = [0] * steps

@@ -1,9 +1,6 @@
-"""EAGLE-3 chain drafting for the reference decoder, as vLLM's EAGLE-3 proposer does it.
-
-Prefill rows t = 0..n-1 pair embed(x_{t+1}) with fc(cat aux f_t); the last row gives d_1. Step i >= 2
-pairs embed(d_{i-1}) with the previous step's PRE-norm hidden (no fc) at the next position. Recomputed
-each round (no draft KV cache across rounds). Tree drafting (`expand`, EAGLE-2): node rows pair
-embed(token) with the parent's pre-norm hidden at position n + depth - 1, under the tree mask."""
+"""EAGLE-3 chain drafting for the reference decoder, as vLLM's EAGLE-3 proposer does it: prefill rows pair
+embed(x_{t+1}) with fc(aux f_t); each step pairs embed(d_{i-1}) with the previous step's pre-norm hidden.
+`expand` (EAGLE-2) pairs each node's token with its parent's pre-norm hidden under the tree mask."""
 
 from __future__ import annotations
 

@@ -1,27 +1,19 @@
 """P-EAGLE numerics: COD sampling, the flattened element layout and its attention mask
 (docs/design/algorithms.md section 7; speculators `models/peagle/{data,attention}.py`).
 
-P-EAGLE trains all K depths in one forward over elements (a, d): anchor a, depth d in 0..K-1, laid
-out depth-major per row (the T depth-0 elements, then the anchors COD kept at each depth d >= 1,
-ascending; padded, `exists` False). Element (a, d) is draft slot d of a round whose last verified row
-is a: RoPE position position_ids[a] + d; input (x_{a+1}, fc(aux f_a)) at d = 0, else (MASK,
-fc(mask_hidden)); target the target distribution at a + 1 + d (EAGLE-3's alignment, and vLLM's
-parallel-drafting layout at inference).
-
-COD sampling keeps, per depth d >= 1, count_d = min(|pool_d|, floor((n_valid - d) * max(r^d, r_min)))
-anchors drawn from those kept at d - 1 whose target at a + 1 + d is valid and in a's document, so a
-chain (a, 0..d) is contiguous (`floor` adds 1e-9 first, so 100 * 0.7 ** 2 = 48.999999... counts 49).
-
-Attention: element q sees k iff both exist, same document, and k is depth 0 at or before q's anchor
-or an earlier-or-equal depth of q's own chain (every element sees itself). Worked example, T = 3,
-COD kept (1, 1) and (1, 2); elements [(0,0) (1,0) (2,0) (1,1) (1,2)]:
+All K depths train in one forward over elements (a, d), depth-major per row: the T depth-0 elements,
+then the anchors COD kept at each depth (padding: `exists` False). Element (a, d) is draft slot d of a
+round whose last verified row is a: position position_ids[a] + d, input (x_{a+1}, fc(aux f_a)) at d = 0
+else (MASK, fc(mask_hidden)), target the distribution at a + 1 + d. COD keeps count_d = min(|pool_d|,
+floor((n_valid - d) * max(r^d, r_min))) anchors of depth d - 1 (floor adds 1e-9: 100 * 0.7 ** 2 -> 49).
+Element q sees k iff same document and k is depth 0 at or before q's anchor or an earlier-or-equal depth
+of q's chain. Worked example, T = 3, COD kept (1, 1), (1, 2); elements [(0,0) (1,0) (2,0) (1,1) (1,2)]:
     (0,0): 1 0 0 0 0
     (1,0): 1 1 0 0 0
     (2,0): 1 1 1 0 0
     (1,1): 1 1 0 1 0
     (1,2): 1 1 0 1 1
-The mask goes through index tables (`q_index`, `kv_index`: element ids, -1 = padding), so a
-partitioned forward evaluates the same function on a subset of rows and columns."""
+The mask reads index tables (`q_index`, `kv_index`), so a partitioned forward evaluates the same function."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""P-EAGLE draft model: the EAGLE-3 draft (drafters/eagle3/model.py) plus `mask_hidden` [1, k*H_t] (learnable,
-at the pre-fc width: it replaces the target features at mask slots), run over the flattened COD element
-layout (drafters/peagle/cod.py) in one forward -> post-norm hidden [B, N, H].
-
-Sequence partitioning (`num_segments` > 1): the depth-0 elements run first (their keys serve every deeper
-element), then each anchor range of deeper elements under `torch.utils.checkpoint`; every element sees
-the same keys as in one pass, so outputs and gradients are equal, with less activation memory."""
+"""P-EAGLE draft model: EAGLE-3's plus `mask_hidden` [1, k*H_t] (at the pre-fc width, standing in for the
+target features at mask slots), run over the COD element layout in one forward -> [B, N, H]. With
+`num_segments` > 1 the deeper elements run per anchor range under checkpoint: same outputs, less memory."""
 
 from __future__ import annotations
 

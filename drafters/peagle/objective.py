@@ -1,10 +1,7 @@
-"""P-EAGLE training objective (docs/design/algorithms.md section 7; SpecForge `algorithms/peagle/model.py`).
-
-Targets and position_mask as EAGLE-3 (`prepare_targets`); COD sampling (drafters/peagle/cod.py) over
-K = num_depths depths on the trainable positions (a target outside the draft vocab still extends a chain,
-it only carries no loss); one flattened forward; element (a, d) is scored against the target at a + 1 + d.
-loss = soft CE summed over scored elements / their count (one term, no depth decay). Metrics: acc,
-acc_pos{d}, cod_elements_pos{d}."""
+"""P-EAGLE training objective (docs/design/algorithms.md section 7; SpecForge `algorithms/peagle/model.py`):
+EAGLE-3's targets, COD sampling over K = num_depths (a target outside the draft vocab still extends a
+chain), one flattened forward, element (a, d) scored against the target at a + 1 + d; loss = soft CE
+summed over scored elements / their count (no depth decay)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """P-EAGLE parallel drafting for the reference decoder, as vLLM's parallel-drafting EAGLE-3 does it
-(docs/design/engines.md section 2.3.1; vLLM `v1/spec_decode/llm_base_proposer.py` with `parallel_drafting`).
-
-ONE causal draft forward over the n EAGLE-3 rows plus K - 1 mask rows (embed(MASK), fc(mask_hidden)) at
-positions n..n + K - 2: the training layout of one chain at anchor n - 1 (`cod.chain_layout`); the last K
-rows give d_1..d_K, each sampled from its own q_i (lossless). K <= `num_depths`."""
+(docs/design/engines.md section 2.3.1): ONE causal forward over the n EAGLE-3 rows plus K - 1 mask rows,
+the training layout of one chain at anchor n - 1 (`cod.chain_layout`); K <= `num_depths`."""
 
 from __future__ import annotations
 

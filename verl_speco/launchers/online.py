@@ -1,9 +1,6 @@
-"""Online co-training: the verl-speco overrides of GRPO on a Qwen3-8B-class target with a drafter
-captured from the updated actor (capture_pass=post_update), trained on its own accelerators while the
-next rollout runs (schedule=overlap) and published live into the rollout servers. DEVICE=cpu runs the
-same family on the CPU platform with the embedded target (verl_speco/cpu_port/launch.py). The engine
-settings speculative decoding depends on are explicit (`engine_overrides`; why each, in
-docs/design/engines.md section 8)."""
+"""Online co-training: the verl-speco overrides of GRPO with a drafter captured from the updated actor,
+trained while the next rollout runs and published live into the rollout servers (DEVICE=cpu: the
+embedded target). The engine settings are explicit (`engine_overrides`; docs/design/engines.md section 8)."""
 
 from __future__ import annotations
 

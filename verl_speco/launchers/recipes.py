@@ -1,11 +1,6 @@
-"""What the Qwen3-8B launchers run per drafter family: settings, drafted tokens k, serving engines.
-
-A family's recipes live in `configs/drafter/<family>.yaml` (`recipes:` gpu, npu over gpu, real_target),
-read by `drafter_recipe`; CPU settings are the quickstart presets' (`configs/preset/quickstart_<family>.yaml`),
-so the CPU launchers and the quickstart train the same drafters. The NPU launchers serve with vllm-ascend
-(k + 1 <= 16), without SGLang. k follows from the settings (`speculative_tokens`: block_size - 1 for
-dflash and domino, block_size for dspark, num_depths for peagle, CHAIN_TOKENS for chains); the engine
-formats refuse any other k (`refusal` asks them)."""
+"""What the Qwen3-8B launchers run per drafter family: settings (`configs/drafter/<family>.yaml` recipes,
+quickstart presets on CPU), drafted tokens k (`speculative_tokens`, which the engine formats check) and
+the engines that serve the pair (`refusal`; NPU: vllm-ascend, k + 1 <= 16)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""Capture during the RL step: hooks on the actor's old-logprob forward, rows sampled under caps.
-
-`verl_speco.capture.hooks.FeatureCapture` hooks the forward; this module picks the rows (from the masks,
-before the forward), cuts them out of the activations (padded [B, T, H] or remove-padding [1, nnz, H]),
-copies them to host without blocking, and tags them with the policy version. Every row not kept is
-counted by reason. A row is the valid tokens of one sequence, its loss mask the response mask there.
-Worked example (T = 6):
+"""Capture during the RL step: hooks on the actor's forward, rows planned from the masks under caps, cut
+out of the activations (padded [B, T, H] or packed [1, nnz, H]), copied to host without blocking, tagged
+with the policy version; rows not kept are counted by reason. A row is the valid tokens of one sequence:
     input_ids      [p, p, a, b, c, p]    attention_mask [0, 0, 1, 1, 1, 0]
-    loss_mask      [0, 0, 0, 1, 1, 0]    -> row input_ids [a, b, c], loss_mask [0, 1, 1]
-In remove-padding layout row r occupies [cu[r], cu[r+1]) of [1, nnz], cu = cumsum of valid counts."""
+    loss_mask      [0, 0, 0, 1, 1, 0]    -> row input_ids [a, b, c], loss_mask [0, 1, 1]"""
 
 from __future__ import annotations
 
@@ -73,9 +68,8 @@ def plan_rows(attention_mask: Tensor, loss_mask: Tensor, caps: CaptureCaps, seed
 
 @dataclass
 class CapturedRows:
-    """Host-side rows of one capture, tagged with their policy version: records[i] input_ids [T_i] int64,
-    loss_mask [T_i] uint8, aux_hidden [T_i, k*H] (if the layout has aux layers), last_hidden [T_i, H].
-    Call `wait()` before reading tensors (copies may be in flight)."""
+    """Host-side rows of one capture with their policy version: records[i] input_ids [T_i] int64, loss_mask
+    [T_i] uint8, aux_hidden [T_i, k*H], last_hidden [T_i, H]; `wait()` before reading (copies in flight)."""
 
     records: list[dict[str, Tensor]]
     policy_version: int

@@ -1,11 +1,7 @@
-"""`OnlineController`: the one schedule of online drafter co-training, shared by the verl trainer
-(`verl_integration.trainer`) and the drift study (`experiments.drift`).
-
-Per RL step it takes the step's rows and decides when a round trains (every `train_interval` steps,
-skipped when nothing was captured), when it is collected (`serial` at once, `overlap` at the next step's
-boundary, so it trains during the next rollout) and when it is published (every `publish_interval`
-rounds). It keeps the servers' publish bookkeeping and turns their cumulative spec-decode counters into
-per-window `drafter/...` metrics. No verl, no ray: the drafter is whatever implements `DrafterLink`."""
+"""`OnlineController`: the one schedule of online drafter co-training (verl trainer and drift study):
+when a round trains (every `train_interval` steps), is collected (`serial` at once, `overlap` at the next
+step's boundary) and published, the servers' publish bookkeeping and per-window `drafter/...` acceptance
+metrics. No verl, no ray: the drafter is whatever implements `DrafterLink`."""
 
 from __future__ import annotations
 
@@ -91,9 +87,8 @@ class OnlineController:
 
     def end_step(self, step: int, last: bool, rows: list[Any], head: Any,
                  counters: SpecCounters | None = None) -> dict[str, float]:
-        """The step boundary: this step's acceptance (`counters`: the servers' cumulative counters now,
-        None without servers), the round started last step collected, the rows added, and a round
-        unless `fresh_samples` runs it later (after the fresh rows: `add` then `maybe_train`)."""
+        """The step boundary: this step's acceptance (`counters`, None without servers), last step's round
+        collected, the rows added, and a round unless `fresh_samples` runs it later."""
         out = self.acceptance(counters)
         out.update(self.collect())
         out.update(self.add(rows, head, "drafter"))

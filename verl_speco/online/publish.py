@@ -1,11 +1,7 @@
-"""Publishing draft weights as versioned, bucketed safetensors files (shared memory by default).
-
-A version is a directory `<publish_dir>/v000042/` written atomically (temp dir + rename):
-`manifest.json` (version, format, per bucket its file, bytes, checksum and names, meta) and
-`bucket_NNN.safetensors` in checkpoint names. Buckets bound the memory a receiver holds at once; tensors
-never travel pickled (the engine reads the files, from /dev/shm by default). The `keep` newest versions
-are kept (`publish_room` checks the room at start-up). Receivers never trust a version: `verify_version`
-checks it completely before an engine is touched and `verified_buckets` re-checks the bytes it yields."""
+"""Publishing draft weights as versioned, bucketed safetensors files (shared memory by default): a version
+is `<publish_dir>/v000042/` (`manifest.json` + `bucket_NNN.safetensors`), written atomically, the `keep`
+newest kept. Buckets bound a receiver's memory; tensors never travel pickled. Receivers never trust a
+version: `verify_version` checks it completely before an engine is touched."""
 
 from __future__ import annotations
 

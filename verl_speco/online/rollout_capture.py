@@ -1,11 +1,7 @@
-"""`drafter.capture_source`: rows from the rollout engine's returned hidden states (SGLang).
-
-`choose_capture_source` decides once per run: the actor's forward (default) or the SGLang rollout;
-`rollout` is refused when the rollout cannot give the family's layout, `auto` falls back with a log line.
-A response of P prompt and n generated tokens has hidden states for P + n - 1 positions, so its row is
-the sequence without its last token. Worked example, prompt [a, b, c], output [d, e, f]:
-    row input_ids [a, b, c, d, e]    loss_mask [0, 0, 0, 1, 1]    hidden [5, D]
-equal to the actor's row for those tokens (causal). Unalignable responses are dropped and counted."""
+"""`drafter.capture_source`: rows from the rollout engine's returned hidden states (SGLang), chosen once
+per run (`choose_capture_source`). A response has hidden states for all but its last token, so its row is
+the sequence without it. Worked example, prompt [a, b, c], output [d, e, f]:
+    row input_ids [a, b, c, d, e]    loss_mask [0, 0, 0, 1, 1]    hidden [5, D]"""
 
 from __future__ import annotations
 
@@ -80,9 +76,8 @@ class RolloutCapture:
         return self.rows_from_aligned([align_response(r, width) for r in responses], policy_version)
 
     def encode(self, response: RolloutResponse) -> bytes:
-        """One response aligned where it was generated (the agent loop), as `rows_from_encoded` reads it:
-        safetensors bytes, input_ids [T] int64 and hidden [T, D] in `hidden_dtype`, metadata
-        prompt_len; a response that cannot be aligned carries only the drop reason (metadata)."""
+        """One response aligned where it was generated (the agent loop), as safetensors bytes (input_ids [T]
+        int64, hidden [T, D], prompt_len), or only the drop reason when it cannot be aligned."""
         got = align_response(response, self.plan.width(self.hidden_size))
         if isinstance(got, str):
             return safetensors_save({}, metadata={"drop": got})

@@ -1,16 +1,10 @@
 """The drafter side of online co-training: replay buffer, training rounds, versioned publishes.
 
-One `DrafterSession` per drafter worker (Ray actor, or in-process in the drift harness) receives the
-captured rows of each RL step with the target head of the policy version that produced them; a round
-runs `next_round_steps()` steps of the standalone trainer's `train_step`; `publish` writes a new version.
-Every optimizer step draws rows of one version and supervises them with that version's head snapshot, so
-a stale row is never scored by a newer head; rows older than `max_staleness` versions are evicted.
-
-With a process group of W > 1 the draft is sharded with FSDP2 as in the standalone trainer. Every rank
-holds the same buffer and sampler seed, so all draw the same global micro-batch and rank r trains rows r,
-r + W, ... with globally normalised losses. Worked example, W = 2, rows [a, b, c]: rank 0 [a, c], rank 1
-[b], equal to one process on [a, b, c]; with fewer rows than ranks, rank r takes row r mod n (every rank
-must run the FSDP collectives). On an accelerator the draft computes in bfloat16 over float32 weights."""
+A `DrafterSession` receives each RL step's rows with the target head of the policy version that produced
+them; every optimizer step draws rows of one version and supervises them with that version's head, so a
+stale row is never scored by a newer head (rows older than `max_staleness` are evicted). With W > 1 ranks
+the draft is sharded with FSDP2; every rank holds the same buffer and seed and trains rows r, r + W, ... of
+the same draw. Worked example, W = 2, rows [a, b, c]: rank 0 [a, c], rank 1 [b], equal to one process."""
 
 from __future__ import annotations
 
@@ -42,9 +36,7 @@ from verl_speco.train.step import train_step
 
 @dataclass
 class TargetHeadSnapshot:
-    """The frozen target pieces a drafter trains against, at one policy version.
-
-    embed_tokens [V, H] and lm_head [V, H] (post-final-norm hidden -> logits)."""
+    """The frozen target pieces a drafter trains against at one policy version: embed_tokens, lm_head [V, H]."""
 
     version: int
     embed_tokens: Tensor
@@ -141,9 +133,8 @@ class FeatureBuffer:
 
 
 def served_depth_settings(config_cls: type, cfg: DrafterRunConfig) -> dict[str, Any]:
-    """`cfg.settings`, where a family with a training-time-test unroll (`ttt_steps`: EAGLE-3) left unset
-    trains exactly the depth the rollout drafts, `num_speculative_tokens`: deeper steps cost time and take
-    loss weight from the served positions (docs/results/smollm2/drift/README.md, 'Sixty held-out problems')."""
+    """`cfg.settings` where a TTT family (`ttt_steps`) left unset trains exactly the served depth,
+    `num_speculative_tokens` (docs/results/smollm2/drift/README.md, 'Sixty held-out problems')."""
     settings = dict(cfg.settings)
     if "ttt_steps" not in settings and "ttt_steps" in {f.name for f in fields(config_cls)}:
         settings["ttt_steps"] = cfg.num_speculative_tokens

@@ -1,6 +1,5 @@
-"""`SessionLink`: an in-process `DrafterSession` as the `OnlineController`'s drafter (the drift study).
-A round runs on its own thread, so under `schedule=overlap` it trains during the host's next rollout;
-`add` may run meanwhile, `publish` refuses to while a round trains."""
+"""`SessionLink`: an in-process `DrafterSession` as the `OnlineController`'s drafter (the drift study), each
+round on a thread of its own so `overlap` trains during the next rollout."""
 
 from __future__ import annotations
 

@@ -54,9 +54,8 @@ def rollout_workload(requests: int, response_length: int) -> list[int]:
 
 def scheduled_fields(calibration_path: str, k: int, response_length: int,
                      min_gain: float = MIN_GAIN) -> tuple[dict[str, Any], SpeculationPlan]:
-    """The `speculative_config` fields of the plan from `calibration_path`, drafting at most `k` (the
-    engine's num_speculative_tokens and the depth the drafter trains stay k), for a rollout batch of
-    `rollout_workload(max_num_seqs, response_length)`; k = 0 everywhere when drafting does not pay for it."""
+    """The `speculative_config` fields of the plan from `calibration_path` for a rollout batch, drafting at
+    most `k`; k = 0 everywhere when drafting does not pay."""
     try:
         calibration = Calibration.read(calibration_path)
     except ValueError as err:

@@ -19,9 +19,8 @@ def calibrate(target_dir: str | Path, draft_dir: str | Path | None, spec: dict[s
               passes: int = 2,
               acceptance_prompts: Sequence[Sequence[int]] | None = None, acceptance_tokens: int = 64,
               tick: Callable[[], None] | None = None, **engine_options: Any) -> Calibration:
-    """Step times of the target alone and with the draft at k = 0..k_max (`spec`: the family's vLLM
-    speculative config; `draft_dir` None for a model-free proposer such as n-gram), and the draft's
-    acceptance per position at k_max; each point the smallest median of `passes` sweeps."""
+    """Step times of the target alone and with the draft at k = 0..k_max (`draft_dir` None for a model-free
+    proposer), and the acceptance per position at k_max; each point the smallest of `passes` medians."""
     from verl_speco.engines import vllm_engine
 
     if k_max < 1:
@@ -77,9 +76,8 @@ def calibrate(target_dir: str | Path, draft_dir: str | Path | None, spec: dict[s
 
 
 def _require_drafts_of(k: int | None, counters: Any, batch: int, exact: bool = True) -> None:
-    """The engine drafted k tokens per round (none for k = 0 or plain; at most k for a proposer without
-    a model, which drafts nothing where it finds no match): a calibration that timed another arm than
-    it names is refused."""
+    """Refuse a calibration whose engine drafted other than k tokens per round (a model-free proposer may
+    draft fewer)."""
     drafted = counters.num_draft_tokens
     rounds = counters.num_drafts
     if not k:

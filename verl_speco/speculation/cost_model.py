@@ -1,11 +1,7 @@
-"""When speculation pays: measured decode-step times and a drafter's acceptance per position ->
-generated tokens/s per (batch size, k), the best k per batch-size range, and a rollout's wall-clock
-under plain decoding, a fixed k or a schedule.
-
-A decode step costs the same whatever the draft accepts, so step times are measured once per hardware,
-target and draft shape (`StepTimes`), and acceptance enters only through the expected tokens per step.
-A drafting engine pays its draft's first forward even at k = 0 (vLLM 0.32 keeps the draft's KV cache in
-sync), so "k = 0 in a drafting engine" and "no drafter" are different arms, both measured."""
+"""When speculation pays: measured decode-step times (`StepTimes`, once per hardware, target and draft
+shape) and a drafter's acceptance per position -> tokens/s per (batch size, k), the best k per batch-size
+range and a rollout's wall-clock. "k = 0 in a drafting engine" still pays the draft's first forward (vLLM
+0.32 keeps its KV in sync), so it and "no drafter" are different measured arms."""
 
 from __future__ import annotations
 
@@ -48,9 +44,8 @@ class StepTimes:
         return len(self.draft_step_s) - 1
 
     def step_s(self, batch: int, k: int | None) -> float:
-        """Seconds per decode step at `batch` running requests: k None (`PLAIN`) without a drafter,
-        else the drafting engine at k; linear between measured batch sizes, and past the ends along the
-        nearest measured segment (never below the smallest measured time)."""
+        """Seconds per decode step at `batch` running requests (k None: no drafter), linear between measured
+        batch sizes and along the nearest segment outside (never below the smallest measured time)."""
         if k is not None and not 0 <= k <= self.k_max:
             raise ValueError(f"k: got {k}, expected 0..{self.k_max} or None (plain)")
         row = self.plain_step_s if k is None else self.draft_step_s[k]
@@ -106,9 +101,8 @@ def best_k(times: StepTimes, per_position: Sequence[float], batch: int, min_gain
 
 
 def schedule_ranges(ks: Sequence[int]) -> Schedule:
-    """Dense k per batch size (ks[0] is batch 1) -> vLLM's inclusive ranges.
-
-    Worked example: [3, 3, 1, 0, 0] -> [(1, 2, 3), (3, 3, 1), (4, 5, 0)]."""
+    """Dense k per batch size (ks[0] is batch 1) -> vLLM's inclusive ranges: [3, 3, 1, 0, 0] ->
+    [(1, 2, 3), (3, 3, 1), (4, 5, 0)]."""
     out: Schedule = []
     for batch, k in enumerate(ks, start=1):
         if out and out[-1][2] == k:
@@ -137,10 +131,8 @@ def fixed_k(k: int | None) -> Callable[[int], int | None]:
 
 def simulate(times: StepTimes, per_position: Sequence[float], lengths: Sequence[int],
              k_of: Callable[[int], int | None], max_num_seqs: int) -> float:
-    """Predicted seconds for the engine to generate `lengths[i]` tokens per request, all submitted at once:
-    up to `max_num_seqs` run together (the rest admitted in waves, each a prefill); a decode step at b
-    running requests costs `times.step_s(b, k_of(b))` and advances each by the expected tokens at that k.
-    `k_of` returning None everywhere is plain decoding."""
+    """Predicted seconds to generate `lengths[i]` tokens per request, all submitted at once (up to
+    `max_num_seqs` running, the rest in waves), each step costing `times.step_s(b, k_of(b))`."""
     if not lengths or min(lengths) < 1 or max_num_seqs < 1:
         raise ValueError(f"lengths: expected >= 1 request of >= 1 token (got {len(lengths)} requests, "
                          f"shortest {min(lengths) if lengths else None}); max_num_seqs {max_num_seqs}")

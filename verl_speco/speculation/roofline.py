@@ -61,10 +61,8 @@ DFLASH_QWEN3_8B = Forward(weight_bytes=2 * (5 * _LAYER + 151936 * 4096), params_
 
 
 def draft_forwards(family: str, k: int) -> list[int]:
-    """Query tokens per request of each draft forward in a round drafting k tokens. A chain (EAGLE) runs
-    its first forward over the k + 1 tokens the verification may accept, then k - 1 forwards of one
-    token (k = 0 keeps only the first: vLLM syncs the draft's KV); a block drafter (DFlash) one forward
-    over the anchor and k slots."""
+    """Query tokens per request of each draft forward in a round of k: a chain's first forward over k + 1
+    tokens then k - 1 of one (k = 0 keeps the first), a block drafter's one forward over k + 1."""
     if family == "dflash":
         return [k + 1]
     if family == "eagle3":

@@ -28,9 +28,8 @@ def trial_ticks(requests: int, k: int) -> int:
 
 def schedule_trial(target: Path, draft: Path, spec: dict[str, Any], prompts: Sequence[Sequence[int]], k: int,
                    max_new_tokens: int, tick: Callable[[], None] | None = None) -> dict[str, Any]:
-    """Calibrate (k = 0..`k`, batch sizes up to len(prompts)), plan, then decode every prompt at once
-    with a GRPO-like spread of lengths (median half the cap, capped at `max_new_tokens`): plain decoding
-    and the plan's engine (the plain one when the plan does not draft)."""
+    """Calibrate, plan, then decode every prompt at once with a GRPO-like spread of lengths, plain and with
+    the plan's engine."""
     from verl_speco.engines.vllm_engine import context_length
 
     sizes = trial_batch_sizes(len(prompts))

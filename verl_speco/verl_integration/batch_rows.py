@@ -1,9 +1,6 @@
-"""verl actor batches -> the `[B, T]` rows `verl_speco.online.capture` works on (torch only).
-
-`full_sequence_masks` turns verl's jagged v1 batches (or legacy padded ones with a [B, R] response mask)
-into right-padded `input_ids`, `attention_mask` and a full-length `loss_mask`. Rows are planned for the
-whole batch before the forward; each micro-batch (reordered, packed [1, nnz] or padded [b, T]) keeps only
-its planned rows' activations (`MicroBatchSelection`), and `assemble` restores batch order, packed [1, n, ...]."""
+"""verl actor batches -> the `[B, T]` rows `verl_speco.online.capture` works on (torch only): full-sequence
+masks from jagged or padded batches, rows planned for the whole batch, each micro-batch (reordered, packed
+or padded) keeping only its planned rows' activations, `assemble` restoring batch order."""
 
 from __future__ import annotations
 

@@ -74,9 +74,8 @@ def rollout_engine(config: DictConfig) -> str:
 
 def speculative_engine_kwargs(fmt: EngineFormat, drafter: DrafterRunConfig, engine: str,
                               draft_dir: str, response_length: int) -> dict[str, Any]:
-    """The rollout engine's speculative-decoding arguments for an export of `fmt` in `draft_dir`
-    (engine_kwargs form; the family's engine format decides them; `drafter.speculation` adds vLLM's
-    batch-size schedule, planned for responses of up to `response_length` tokens)."""
+    """The rollout engine's speculative arguments (engine_kwargs form) for an export of `fmt` in
+    `draft_dir`, with vLLM's batch-size schedule when `drafter.speculation` asks for one."""
     from verl_speco.deploy.engine_check import installed_engine_version
     from verl_speco.speculation.apply import resolve_mode, scheduled_fields
 

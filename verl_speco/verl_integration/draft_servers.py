@@ -1,13 +1,8 @@
-"""What the rollout servers and replicas of both engines answer for the drafter, and the SGLang server.
-
-The trainer reaches every replica through `replica.speco_call(method, args)` (`DRAFT_METHODS`: load a
-version, verified completely first, a refused or failed one leaving the previous draft serving; re-apply;
-report the version or digest; serve a fixed baseline and restore) and `replica.speco_spec_counters()`.
-`SpecoReplicaMixin` fans them out to `self.servers` for both engines. vLLM answers through its worker
-extension (`vllm_server.py`); for SGLang, `SGLangDraftServerMixin` sends the verified version to the
-server's own HTTP address (engines/sglang_publish.py) from a thread, so the event loop keeps serving.
-SGLang reports no per-position counters. `install_sglang_replica_class` imports sglang only when verl
-asks for the "sglang" replica."""
+"""What the rollout servers and replicas of both engines answer for the drafter, and the SGLang server:
+`replica.speco_call(method, args)` (`DRAFT_METHODS`: load a verified version, re-apply, report version or
+digest, baseline and restore; a refused load leaves the previous draft serving) and
+`replica.speco_spec_counters()`. `SGLangDraftServerMixin` sends a verified version to its server's own HTTP
+address from a thread; `install_sglang_replica_class` imports sglang only when verl asks for it."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The drafter worker group of an RL run: `drafter.num_workers` Ray actors (`DrafterWorker`), each one
-rank of the online `DrafterSession` (FSDP2 over their process group when several). `DrafterGroup` is
-the trainer's handle: `group.method.remote(...)` calls every rank and returns rank 0's object ref,
-which resolves once every rank answered. Captured rows and head snapshots travel as safetensors bytes in
-Ray's object store, worker -> drafter directly: the trainer only passes references."""
+"""The drafter worker group of an RL run: Ray actors (`DrafterWorker`), one rank of the online
+`DrafterSession` each (FSDP2 when several); `DrafterGroup.method.remote(...)` calls every rank and returns
+rank 0's ref. Rows and head snapshots travel as safetensors bytes, worker -> drafter, never via the trainer."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Fresh samples: text of the updated policy for the drafter round (`drafter.fresh_samples`).
-
-The step's rows carry the text the policy generated BEFORE its update, so when an update changes the
-answers' format the next draft lags the policy by a step. With `fresh_samples=N`, after the weight sync
-the trainer (`trainer_step.fresh_round`) asks the servers for one response to each of N training prompts,
-captures them with the updated actor and trains the round on them with the step's rows. The prompts come
-in a seeded order of their own (`FreshPrompts`), leaving the RL run's data order untouched."""
+"""Fresh samples (`drafter.fresh_samples=N`): after the weight sync, one response of the updated policy to
+each of N training prompts (a seeded order of their own), captured by the updated actor and trained on with
+the step's rows, so the next draft does not lag a format change of the policy by a step."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""The trainer's side of SGLang rollout capture in a verl run (`sglang_agent_loop` is the rollout's).
-
-`arm_rollout_capture` puts the capture's server arguments and our agent loop into the run's config
-before verl starts (the loop config file next to the publishes: multi-node runs need `publish_dir` on
-shared storage). `rollout_entries` reads the trajectories' `extra_fields[CAPTURE_KEY]`; a batch without
-them is refused naming why, never silently left without rows."""
+"""The trainer's side of SGLang rollout capture in a verl run: `arm_rollout_capture` puts the capture's
+server arguments and our agent loop into the config before verl starts; `rollout_entries` reads the
+trajectories' captures and refuses a batch without them."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""After a wake-up: is the draft the rollout servers serve still the version they loaded?
-
-verl 0.9.1 sleeps the vLLM rollout at level 2 on GPU (and the weight sync's `release_kv_cache` too),
-which discards the draft with the target, and nothing reloads it (engines/draft_digest.py). So after
-every wake-up `check_served_draft` compares each worker's served-draft digest with the one it gave after
-loading (`record`): if different, the held version is re-published (`drafter/republished_after_wake`), and
-if still different `DraftServingError` ends the run. SGLang servers (no digest API) get a blind re-apply."""
+"""After a wake-up: is the draft the rollout servers serve still the version they loaded? verl 0.9.1's
+level-2 sleep discards the draft and nothing reloads it, so `check_served_draft` compares each worker's
+served-draft digest with the one it gave after loading and re-publishes, or ends the run, on a mismatch."""
 
 from __future__ import annotations
 
@@ -53,9 +49,8 @@ async def record(call: Call) -> list[dict[str, Any]] | None:
 
 
 async def check_served_draft(call: Call, want: list[dict[str, Any]] | None, counters: dict[str, int]) -> str:
-    """After a wake-up: "intact", "republished" (counted in `counters[REPUBLISHED_KEY]`), or
-    "reapplied" (no digests to check: re-applied blindly); raises DraftServingError when a
-    re-publish does not bring the loaded draft back."""
+    """After a wake-up: "intact", "republished" (counted) or "reapplied" (no digests: SGLang); raises
+    DraftServingError when a re-publish does not bring the loaded draft back."""
     if want is None:
         await call("speco_reapply_draft")
         return "reapplied"

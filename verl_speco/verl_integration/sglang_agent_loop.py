@@ -1,12 +1,7 @@
-"""SGLang rollout capture inside a verl run, without patching SGLang or verl.
-
-verl 0.9.1's `SGLangHttpServer.generate` returns no hidden states, so the capture uses two extension
-points: the capture flags go into `rollout.engine_kwargs.sglang` (passed to SGLang's `ServerArgs`), and
-`SpecoSGLangCaptureAgentLoop` (verl's single-turn loop, chosen by `agent_loop_config_path`) sends its
-generate to the same server over SGLang's own `/generate` with `return_hidden_states`. The hidden states
-are aligned where they arrive (`RolloutCapture.encode`) and travel as safetensors bytes in
-`extra_fields[CAPTURE_KEY]`. The version gate covers the verl internals used
-(`LLMServerClient._acquire_server` / `_release_server`, servers keyed by address)."""
+"""SGLang rollout capture inside a verl run, without patching SGLang or verl: verl 0.9.1's
+`SGLangHttpServer.generate` returns no hidden states, so the capture flags go into
+`rollout.engine_kwargs.sglang` and `SpecoSGLangCaptureAgentLoop` (verl's single-turn loop) sends its generate
+to the same server's `/generate` with `return_hidden_states`; the version gate covers the verl internals used."""
 
 from __future__ import annotations
 
@@ -56,9 +51,8 @@ def plan_from_dict(d: Any) -> RolloutCapturePlan:
 
 
 def sglang_request(prompt_ids: list[int], sampling_params: dict[str, Any], rollout: Any) -> dict[str, Any]:
-    """The `/generate` body verl 0.9.1's `SGLangHttpServer.generate` builds for these arguments
-    (`max_new_tokens` from `max_new_tokens` / `max_tokens` / the response budget, clamped to the
-    context; `logprobs` -> `return_logprob`), without the capture fields."""
+    """The `/generate` body verl 0.9.1's `SGLangHttpServer.generate` builds for these arguments, without the
+    capture fields."""
     params = dict(sampling_params)
     if "max_new_tokens" in params:
         budget = int(params.pop("max_new_tokens"))
@@ -80,9 +74,8 @@ def sglang_request(prompt_ids: list[int], sampling_params: dict[str, Any], rollo
 
 
 class SGLangCaptureClient:
-    """Stands in for verl's `LLMServerClient` inside one agent loop: the same server choice, the
-    request over SGLang's HTTP `/generate` with the capture fields, the reply as verl's `TokenOutput`
-    with the encoded capture in `extra_fields[CAPTURE_KEY]`."""
+    """Stands in for verl's `LLMServerClient` inside one agent loop: the same server, the request with the
+    capture fields, the reply as verl's `TokenOutput` with the capture in `extra_fields[CAPTURE_KEY]`."""
 
     def __init__(self, inner: Any, rollout: Any, capture: RolloutCapture, timeout_s: float) -> None:
         require_verl_release(verl.__version__)

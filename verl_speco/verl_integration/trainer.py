@@ -1,10 +1,6 @@
-"""`SpecoTrainerMixin`: verl's v1 PPO trainers with online drafter co-training, a thin adapter.
-
-`speco_trainer_cls(base)` returns `Speco<Base>(SpecoTrainerMixin, base)` for any trainer in verl's
-registry. With the drafter disabled (or `offline`) every override falls through to verl; otherwise each
-translates one verl hook into calls of the `OnlineController` and of `trainer_setup`, `trainer_step` and
-`weight_sync`; `drafter/` metrics join verl's step metrics. `VERL_PATCHES` lists the private verl methods
-overridden, read on the releases in `VERL_RELEASES`; any other installed release is refused."""
+"""`SpecoTrainerMixin`: verl's v1 PPO trainers with online drafter co-training, a thin adapter from verl's
+hooks to the `OnlineController` and `trainer_setup` / `trainer_step` / `weight_sync`. `VERL_PATCHES` lists
+the private verl methods overridden, read on `VERL_RELEASES`; other installed releases are refused."""
 
 from __future__ import annotations
 

@@ -48,9 +48,8 @@ def installed(distribution: str) -> str | None:
 
 def speco_capture_source(drafter: DrafterRunConfig, engine: str, target_dir: str,
                          sglang_version: str | None) -> RolloutCapturePlan | None:
-    """The rollout capture plan of this verl run, or None to capture from the actor; decided before
-    anything starts (`online.rollout_capture.choose_capture_source`: a family or setting the rollout
-    cannot serve is refused under `rollout`, falls back with a log line under `auto`)."""
+    """The rollout capture plan of this run, or None to capture from the actor
+    (`online.rollout_capture.choose_capture_source`)."""
     if drafter.capture_source == "actor" or not drafter.enable or drafter.mode == "offline":
         return None
     from verl_speco.online.rollout_capture import choose_capture_source
@@ -95,8 +94,7 @@ def target_dir(config: Any) -> str:
 
 
 def before_verl_setup(t: Any) -> tuple[list[int], dict[str, int]]:
-    """Before verl's `_setup` starts anything: the capture source, and online the drafter group (its
-    controller in `t.speco_ctl`), the initial draft, the publish room and the rollout engine's
+    """Before verl's `_setup`: the capture source and, online, the drafter group, initial draft, publish room,
     speculative config and replica class. Returns the capture layout (layer ids, target shape)."""
     from verl_speco.verl_integration.config_bridge import apply_speculative_config, rollout_engine
 
@@ -151,9 +149,8 @@ def before_verl_setup(t: Any) -> tuple[list[int], dict[str, int]]:
 
 
 def after_verl_setup(t: Any, layer_ids: list[int], shape: dict[str, int]) -> None:
-    """After verl's `_setup`: arm the capture (workers, or the store sink of rollout rows), and online wrap
-    the checkpoint managers (`weight_sync`) and publish v1, the initial draft (loaded by `on_init_end`'s
-    weight sync, so a re-apply always has a source)."""
+    """After verl's `_setup`: arm the capture and, online, wrap the checkpoint managers (`weight_sync`) and
+    publish v1, the initial draft, so a re-apply always has a source."""
     model_path = str(t.config.actor_rollout_ref.model.path)
     if t._speco_rollout is None:  # the workers capture
         t.actor_rollout_wg.speco_init(layer_ids, shape["hidden_size"], shape["vocab_size"], model_path)

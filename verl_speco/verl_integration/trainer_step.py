@@ -1,7 +1,6 @@
-"""What `SpecoTrainerMixin`'s hooks do inside a verl step, around the `OnlineController`: fetch the step's
-rows (from the actor workers' `speco_end_step`, or from the rollout's returned hidden states), write
-them to the Feature Store (collect_only) or hand them to the controller (online), the fresh samples'
-round (`fresh_samples.py`), and the held-out acceptance of verl's validation. `t` is the trainer."""
+"""What `SpecoTrainerMixin`'s hooks do inside a verl step (`t` is the trainer): fetch the step's rows, store
+them (collect_only) or hand them to the `OnlineController` (online), the fresh samples' round, and the
+held-out acceptance of verl's validation."""
 
 from __future__ import annotations
 
@@ -96,8 +95,7 @@ def after_rollout_step(t: Any) -> dict[str, float]:
 
 
 def fresh_round(t: Any) -> dict[str, float]:
-    """`drafter.fresh_samples` (`fresh_samples.py`): one response of the updated policy to each of that many
-    training prompts, captured by the updated actor and added to the step's rows; then the round, the
+    """`drafter.fresh_samples` (`fresh_samples.py`): the fresh rows added to the step's, then the round, the
     publish, and a weight sync that hands the servers the new draft."""
     import transfer_queue as tq
 
@@ -132,9 +130,8 @@ def fresh_round(t: Any) -> dict[str, float]:
 
 
 def validate(t: Any, verl_validate: Callable[[], dict]) -> dict[str, float]:
-    """verl's validation (the held-out `data.val_files`, `rollout.val_kwargs`: greedy by default), plus
-    the draft's acceptance on it from the servers' counters (`drafter/heldout/*`): the draft and policy
-    of the step that just ended (validation runs after its weight sync)."""
+    """verl's validation plus the draft's held-out acceptance from the servers' counters (`drafter/heldout/*`),
+    for the draft and policy of the step that just ended."""
     ctl = t.speco_ctl if t.speco_online else None
     before = read_counters(t) if ctl is not None else None
     out = dict(verl_validate())
@@ -151,9 +148,8 @@ def validate(t: Any, verl_validate: Callable[[], dict]) -> dict[str, float]:
 
 
 def validate_baseline(t: Any, verl_validate: Callable[[], dict], served_length: float | None) -> dict[str, float]:
-    """verl's validation once more with the initial draft serving on the same policy (`speco_apply_baseline`;
-    its own validation metrics are dropped), then the held draft back (`speco_restore_draft`):
-    `drafter/heldout_baseline/*` and `drafter/heldout/gain`."""
+    """verl's validation again with the initial draft serving (`speco_apply_baseline`), then the held draft
+    back: `drafter/heldout_baseline/*` and `drafter/heldout/gain`."""
     replicas = replicas_of(t)
     path, version = t._speco_baseline
     status, reasons = load_outcome(call_replicas(replicas, "speco_apply_baseline", (path, version)))

@@ -68,9 +68,8 @@ def weights_hook(controller: OnlineController) -> Callable[[CheckpointEngineMana
 
 
 async def after_weights(controller: OnlineController, manager: CheckpointEngineManager) -> None:
-    """After verl restored the target weights of `manager`'s replicas: load the newest publish they do not
-    hold yet (recording the digest each worker then serves), else check that they still serve the one they
-    hold and re-publish it when a level-2 sleep discarded it (`served_draft.check_served_draft`)."""
+    """After verl restored the target weights: load the newest publish the replicas do not hold, else check
+    by digest that they still serve theirs and re-publish it if lost (`served_draft.check_served_draft`)."""
     from verl_speco.verl_integration.served_draft import check_served_draft, record
 
     started = time.perf_counter()

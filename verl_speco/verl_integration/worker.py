@@ -1,13 +1,7 @@
-"""`SpecoActorRolloutRefWorker`: verl's hybrid actor/rollout/ref worker with drafter capture.
-
-Capture runs in the old-logprob pass verl runs anyway (`compute_log_prob`) or, with
-`capture_pass=post_update`, in one extra forward of the updated actor at the end of `update_actor`.
-The worker plans the kept rows from the masks (`online.capture.plan_rows`, tagging samples with
-`batch_rows.ROW_ID_KEY` so reordered micro-batches still name their rows), hooks the actor module
-and selects each micro-batch's planned rows, snapshots the target head on the first micro-batch (a
-collective under FSDP2), and converts the kept rows to `CapturedRows`. `speco_end_step` hands them on:
-object refs for the drafter group (online) or this rank's Feature Store writer (collect_only).
-verl's own code paths are unchanged when the drafter is disabled or no capture was asked."""
+"""`SpecoActorRolloutRefWorker`: verl's hybrid actor/rollout/ref worker with drafter capture in the
+old-logprob pass (or, with `capture_pass=post_update`, one extra forward of the updated actor): rows
+planned from the masks, hooks keeping only the planned rows per micro-batch, the head snapshotted, and
+`speco_end_step` handing the rows to the drafter group (online) or the Feature Store (collect_only)."""
 
 from __future__ import annotations
 
@@ -191,9 +185,8 @@ class SpecoActorRolloutRefWorker(ActorRolloutRefWorker):
 
     @register(dispatch_mode=ONE_TO_ALL)
     def speco_snapshot_head(self, version: int) -> Any:
-        """The target head of the actor now (`capture_source=rollout`, online: the rows come from the
-        rollout, the head from here); a collective under FSDP2, so every rank runs it. Rank 0 returns an
-        object reference to its safetensors bytes, the others None."""
+        """The actor's target head now (for rollout-captured rows); a collective under FSDP2. Rank 0 returns
+        an object reference to its safetensors bytes, the others None."""
         import ray
 
         from verl_speco.online.session import TargetHeadSnapshot
