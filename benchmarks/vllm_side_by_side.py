@@ -26,16 +26,8 @@ def _run(target: Path, prompts: list[list[int]], max_new_tokens: int, eos: int, 
 
     # every engine the same context, long enough for the drafter on every step (see context_length)
     longest = vllm_engine.context_length(max(len(p) for p in prompts), max_new_tokens, k)
-    if spec is None:
-        llm = vllm_engine.build_llm(target, None, max_model_len=longest, max_num_seqs=max_num_seqs)
-    else:
-        extra = {key: v for key, v in spec.items() if key not in ("method", "num_speculative_tokens", "model")}
-        if draft is None:  # n-gram: no draft model
-            llm = vllm_engine.build_llm(target, None, max_model_len=longest, max_num_seqs=max_num_seqs,
-                                        speculative_config={"num_speculative_tokens": k, **spec})
-        else:
-            llm = vllm_engine.build_llm(target, draft, method=spec["method"], num_speculative_tokens=k,
-                                        speculative_extra=extra, max_model_len=longest, max_num_seqs=max_num_seqs)
+    whole = None if spec is None else {**spec, "num_speculative_tokens": k, **({"model": str(draft)} if draft else {})}
+    llm = vllm_engine.build_llm_for_spec(target, whole, max_model_len=longest, max_num_seqs=max_num_seqs)
     try:
         before = vllm_engine.snapshot_spec_counters(llm)
         t0 = time.perf_counter()

@@ -230,10 +230,8 @@ class DriftHarness:
         capture = OnlineCapture(tuple(layout.layer_ids), cfg.drafter.caps, seed=cfg.seed,
                                 hidden_dtype=torch.float32)
         spec = session.engine_format.vllm_speculative_config(initial, cfg.num_speculative_tokens)
-        llm = vllm_engine.build_llm(target, initial, method=spec.pop("method"),
-                                    num_speculative_tokens=spec.pop("num_speculative_tokens"),
-                                    speculative_extra={k: v for k, v in spec.items() if k != "model"},
-                                    worker_extension_cls=vllm_reload.DRAFT_EXTENSION, max_num_seqs=16)
+        llm = vllm_engine.build_llm_for_spec(target, spec, worker_extension_cls=vllm_reload.DRAFT_EXTENSION,
+                                             max_num_seqs=16)
         records: list[dict[str, Any]] = []
         policy = target
         self.live_state = frozen_state

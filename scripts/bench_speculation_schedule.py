@@ -87,10 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         cal_prompts, grid_prompts, roll_prompts = prompts[:max_b], prompts[max_b:2 * max_b], prompts[2 * max_b:]
         draft = None if args.draft == "ngram" else Path(args.draft)
 
+        fmt = None if draft is None else engine_format_of(draft, TargetHead.from_pretrained(target))
+
         def spec_of(k: int) -> dict[str, Any]:
-            if draft is None:
+            if draft is None or fmt is None:
                 return {**NGRAM_SPEC, "num_speculative_tokens": k}
-            return dict(engine_format_of(draft, TargetHead.from_pretrained(target)).vllm_speculative_config(draft, k))
+            return dict(fmt.vllm_speculative_config(draft, k))
         if args.calibration:
             calibration = Calibration.read(args.calibration)
         else:
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         measured: dict[str, dict[str, Any]] = {}
         with console.stage("measure", total=len(arms) * len(workloads) * args.repeats) as bar:
             for arm, spec in arms.items():
-                measured[arm] = run_arm(target, draft, spec, workloads, args.repeats, max_b, max_len,
+                measured[arm] = run_arm(target, spec, workloads, args.repeats, max_b, max_len,
                                         tick=bar.update)
     report = _compare(calibration, speculation, measured, workloads, fixed)
     report["plan"] = plan_report(calibration, speculation)

@@ -177,16 +177,9 @@ def vllm_acceptance(target_dir: str | Path, drafts: dict[str, Path], prompts: Ev
     head = TargetHead.from_pretrained(target_dir)
     runs: dict[str, Path | None] = {**drafts, **({NGRAM: None} if ngram else {})}
     for name, draft_dir in runs.items():
-        if draft_dir is None:  # vLLM's n-gram proposer: no draft model
-            llm = vllm_engine.build_llm(target_dir, None, max_model_len=context,
-                                        speculative_config={**vllm_engine.NGRAM_SPEC, "num_speculative_tokens": k},
-                                        **options)
-        else:
-            spec = engine_format_of(draft_dir, head).vllm_speculative_config(draft_dir, k)
-            llm = vllm_engine.build_llm(target_dir, draft_dir, method=spec.pop("method"),
-                                        num_speculative_tokens=spec.pop("num_speculative_tokens"),
-                                        speculative_extra={k_: v for k_, v in spec.items() if k_ != "model"},
-                                        max_model_len=context, **options)
+        spec = ({**vllm_engine.NGRAM_SPEC, "num_speculative_tokens": k} if draft_dir is None  # no draft model
+                else engine_format_of(draft_dir, head).vllm_speculative_config(draft_dir, k))
+        llm = vllm_engine.build_llm_for_spec(target_dir, spec, max_model_len=context, **options)
         try:
             out, metrics = vllm_engine.generate_with_metrics(llm, prompts.token_ids, max_new_tokens, temperature,
                                                              ignore_eos=False, seed=seed if temperature else None,

@@ -6,7 +6,7 @@ snapshots (`snapshot_spec_counters`, then `read_spec_metrics(llm, since=...)`)."
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -113,6 +113,17 @@ def build_llm(target_dir: str | Path, draft_dir: str | Path | None = None, metho
     if draft_dir is not None and method == "dflash":
         _require_in_process_core()
     return LLM(**kwargs)
+
+
+def build_llm_for_spec(target_dir: str | Path, spec: Mapping[str, Any] | None, **kwargs: Any) -> LLM:
+    """`build_llm` from a whole vLLM `speculative_config` (a family format's `vllm_speculative_config`, or
+    `NGRAM_SPEC` with its k): None is plain decoding, a config with a `model` loads that draft, one without
+    (n-gram) is passed as it is. `kwargs` go to `build_llm`."""
+    if spec is None or "model" not in spec:
+        return build_llm(target_dir, None, speculative_config=None if spec is None else dict(spec), **kwargs)
+    extra = {key: v for key, v in spec.items() if key not in ("method", "num_speculative_tokens", "model")}
+    return build_llm(target_dir, spec["model"], method=str(spec["method"]),
+                     num_speculative_tokens=int(spec["num_speculative_tokens"]), speculative_extra=extra, **kwargs)
 
 
 def _cpu_worker_extension(kwargs: dict[str, Any]) -> None:

@@ -29,20 +29,13 @@ def calibrate(target_dir: str | Path, draft_dir: str | Path | None, spec: dict[s
     max_num_seqs = int(engine_options.pop("max_num_seqs", max(batch_sizes)))
     max_tokens = (warmup + steps + 2) * (k_max + 1) + 1
     context = vllm_engine.context_length(max(len(p) for p in prompts), max(max_tokens, acceptance_tokens), k_max)
-    extra = {key: v for key, v in spec.items() if key not in ("method", "num_speculative_tokens", "model")}
 
     def engine(k: int | None) -> Any:
-        if k is None:
-            return vllm_engine.build_llm(target_dir, None, max_model_len=context, max_num_seqs=max_num_seqs,
-                                         **engine_options)
-        schedule = {"num_speculative_tokens_per_batch_size": [(1, max_num_seqs, k)]}
-        if draft_dir is None:  # a proposer without a model (vLLM's n-gram): the config whole
-            return vllm_engine.build_llm(target_dir, None, max_model_len=context, max_num_seqs=max_num_seqs,
-                                         speculative_config={**spec, "num_speculative_tokens": k_max, **schedule},
-                                         **engine_options)
-        return vllm_engine.build_llm(target_dir, draft_dir, method=spec["method"], num_speculative_tokens=k_max,
-                                     speculative_extra={**extra, **schedule}, max_model_len=context,
-                                     max_num_seqs=max_num_seqs, **engine_options)
+        """Plain (None), or the draft pinned at k by a one-range schedule under num_speculative_tokens = k_max."""
+        pinned = None if k is None else {**spec, "num_speculative_tokens": k_max,
+                                         "num_speculative_tokens_per_batch_size": [(1, max_num_seqs, k)]}
+        return vllm_engine.build_llm_for_spec(target_dir, pinned, max_model_len=context, max_num_seqs=max_num_seqs,
+                                              **engine_options)
 
     measured: dict[int | None, tuple[list[float], list[float]]] = {}
     rates: list[float] = []

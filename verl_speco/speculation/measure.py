@@ -12,21 +12,15 @@ from typing import Any
 Workload = list[tuple[list[int], int]]
 
 
-def run_arm(target: Path, draft: Path | None, spec: Mapping[str, Any] | None, workloads: Mapping[str, Workload],
+def run_arm(target: Path, spec: Mapping[str, Any] | None, workloads: Mapping[str, Workload],
             repeats: int, max_num_seqs: int, max_model_len: int,
             tick: Callable[[], None] | None = None) -> dict[str, Any]:
     """{workload: {"wall_s": [per repeat], "tokens": n, "outputs": [...]}} for one engine; `spec` None
-    is plain decoding (no drafter), else the full vLLM speculative config (its `model` is `draft`)."""
+    is plain decoding (no drafter), else the whole vLLM speculative config
+    (`vllm_engine.build_llm_for_spec`)."""
     from verl_speco.engines import vllm_engine
 
-    if spec is None or draft is None:  # plain decoding, or a proposer without a model (n-gram): config whole
-        llm = vllm_engine.build_llm(target, None, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-                                    speculative_config=None if spec is None else dict(spec))
-    else:
-        extra = {k: v for k, v in spec.items() if k not in ("method", "num_speculative_tokens", "model")}
-        llm = vllm_engine.build_llm(target, draft, method=str(spec["method"]),
-                                    num_speculative_tokens=int(spec["num_speculative_tokens"]),
-                                    speculative_extra=extra, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+    llm = vllm_engine.build_llm_for_spec(target, spec, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
     out: dict[str, Any] = {}
     try:
         vllm_engine.generate(llm, [workloads[next(iter(workloads))][0][0]], 8)  # warm the engine

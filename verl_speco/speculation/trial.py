@@ -39,10 +39,10 @@ def schedule_trial(target: Path, draft: Path, spec: dict[str, Any], prompts: Seq
     speculation = plan(calibration, workload=lengths)
     work = {"rollout": [(list(p), n) for p, n in zip(prompts, lengths)]}
     max_len = context_length(max(len(p) for p in prompts), max_new_tokens, k)
-    plain = run_arm(target, None, None, work, 1, len(prompts), max_len, tick=tick)["rollout"]
+    plain = run_arm(target, None, work, 1, len(prompts), max_len, tick=tick)["rollout"]
     if speculation.speculate:
         scheduled = {**spec, "num_speculative_tokens": speculation.k_max, **speculation.vllm_fields()}
-        sched = run_arm(target, draft, scheduled, work, 1, len(prompts), max_len, tick=tick)["rollout"]
+        sched = run_arm(target, scheduled, work, 1, len(prompts), max_len, tick=tick)["rollout"]
     else:
         sched = plain
         if tick is not None:
