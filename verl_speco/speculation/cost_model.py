@@ -137,8 +137,10 @@ def simulate(times: StepTimes, per_position: Sequence[float], lengths: Sequence[
         raise ValueError(f"lengths: expected >= 1 request of >= 1 token (got {len(lengths)} requests, "
                          f"shortest {min(lengths) if lengths else None}); max_num_seqs {max_num_seqs}")
     drafting = any(k_of(b) is not None for b in range(1, max_num_seqs + 1))
-    waiting = sorted(lengths, reverse=True)  # the order does not change the total much; longest first
+    waiting = sorted(lengths, reverse=True)  # pop() admits the shortest first; the order changes the total little
     running: list[float] = []  # tokens still to generate after the first
+    rates = list(per_position)
+    gains = {k: 1.0 if k is None else expected_tokens_per_step(rates, k) for k in map(k_of, range(1, max_num_seqs + 1))}
     seconds = 0.0
     while waiting or running:
         if waiting and len(running) < max_num_seqs:
@@ -149,7 +151,7 @@ def simulate(times: StepTimes, per_position: Sequence[float], lengths: Sequence[
             continue
         batch = len(running)
         k = k_of(batch)
-        gained = 1.0 if k is None else expected_tokens_per_step(list(per_position), k)
+        gained = gains[k]
         seconds += times.step_s(batch, k)
         running = [r - gained for r in running if r - gained > 1e-9]
     return seconds
